@@ -1,0 +1,289 @@
+"""kopf handlers: thin glue between the Kubernetes events and the pure modules.
+
+create / update / resume -> reconcile (apply every child, delete the ones no longer wanted,
+write the status); worker Deployment events -> refresh the owner's status; a daemon per
+resource runs the control loop (policy.decide); delete -> delete what this resource owns.
+Clients and sources come in through kopf's memo, so tests swap them without patching.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import time
+from typing import Any
+
+import kopf
+
+from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from . import manifests, metrics, policy
+from . import spec as specs
+from . import status as statuses
+from .kube import ApiError, Kube
+
+SDD = (GROUP, VERSION, PLURAL)
+WORKER_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY, manifests.LABEL_COMPONENT: "worker"}
+OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusRule": "observability.prometheusRule",
+                  "HorizontalPodAutoscaler": "scaling"}
+WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "InvalidSpec", "ApplyFailed"}
+
+
+def _iso(epoch: float | None) -> str | None:
+    if epoch is None:
+        return None
+    return datetime.datetime.fromtimestamp(epoch, datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _epoch(text: str | None) -> float | None:
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
+
+
+def loop_state(status: dict[str, Any]) -> policy.LoopState:
+    canary = status.get("canary") or {}
+    return policy.LoopState(
+        mode=status.get("mode", "speculative"), fallback_since=_epoch(status.get("fallbackSince")),
+        canary_phase=canary.get("phase", "Idle"), canary_step=canary.get("step", 0),
+        canary_weight=canary.get("weight") if canary.get("phase") == "Progressing" else None,
+        step_since=_epoch(canary.get("stepSince")), failed_checks=canary.get("failedChecks", 0),
+        last_analysis=_epoch(canary.get("lastAnalysis")))
+
+
+def fleet_state(loop: policy.LoopState, spec: dict[str, Any]) -> manifests.FleetState:
+    state = manifests.FleetState(mode=loop.mode, canary_weight=loop.canary_weight, canary_phase=loop.canary_phase)
+    return dataclasses.replace(state, canary_weight=manifests.canary_weight(spec, state))
+
+
+def _canary_hash(spec: dict[str, Any]) -> str | None:
+    if not spec.get("canary"):
+        return None
+    return manifests.config_hash([manifests.engine_config(spec, "canary"), spec["canary"]])
+
+
+def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: dict[str, Any] | None,
+              canary: dict[str, Any] | None, errors: list[str], m: policy.Metrics | None = None) -> statuses.Observed:
+    prev = body.get("status") or {}
+    fleet = fleet_state(loop, spec)
+    stable_n, canary_n = manifests.replica_counts(spec, fleet)
+    sm = m.stable if m else None
+    live_hash = ((stable or {}).get("spec", {}).get("template", {}).get("metadata", {})
+                 .get("annotations", {}).get(manifests.ANNOTATION_CONFIG_HASH))
+    k = manifests.effective_spec(spec, "stable", fleet)["speculation"]
+    return statuses.Observed(
+        generation=body.get("metadata", {}).get("generation"),
+        apply_error="; ".join(errors) or None,
+        stable=statuses.Workers.from_deployment(stable, stable_n),
+        canary=statuses.Workers.from_deployment(canary, canary_n) if canary_n else None,
+        state=fleet, draft_method=manifests.effective_spec(spec, "stable", fleet)["draft"]["method"],
+        k_bounds=(k["kMin"], k["kMax"]),
+        config_hash=live_hash or prev.get("configHash"),
+        alpha=sm.alpha if sm and sm.alpha is not None else prev.get("alpha"),
+        mean_accepted_length=(sm.mean_accepted_length if sm and sm.mean_accepted_length is not None
+                              else prev.get("meanAcceptedLength")),
+        speedup=sm.speedup if sm and sm.speedup is not None else prev.get("speedup"),
+        canary_step=loop.canary_step, failed_checks=loop.failed_checks,
+        fallback_since=_iso(loop.fallback_since), last_analysis=_iso(loop.last_analysis))
+
+
+def _status(observed: statuses.Observed, body: Any, loop: policy.LoopState, spec: dict[str, Any]) -> dict[str, Any]:
+    prev = body.get("status") or {}
+    now = _iso(time.time())
+    out = statuses.compute(observed, prev, now)
+    out["canary"]["configHash"] = _canary_hash(spec)
+    if loop.step_since is not None:
+        out["canary"]["stepSince"] = _iso(loop.step_since)
+    if "fallbackSince" not in out and prev.get("fallbackSince"):
+        out["fallbackSince"] = None  # merge patch: drop the key
+    return out
+
+
+def _changed(prev: dict[str, Any], new: dict[str, Any]) -> bool:
+    return any(prev.get(k) != v for k, v in new.items())
+
+
+def _event(body: Any, reason: str, message: str) -> None:
+    kopf.event(body, type="Warning" if reason in WARNING_REASONS else "Normal", reason=reason, message=message)
+
+
+async def _apply_children(body: Any, spec: dict[str, Any], fleet: manifests.FleetState, memo: Any
+                          ) -> tuple[dict[tuple[str, str], tuple[str, dict[str, Any]]], list[str]]:
+    kube: Kube = memo.kube
+    desired = manifests.children(body, spec, memo.settings, fleet)
+    kopf.adopt(desired, owner=body)
+    results: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
+    errors: list[str] = []
+    for obj in desired:
+        key = (obj["kind"], obj["metadata"]["name"])
+        try:
+            results[key] = await kube.apply(obj)
+        except ApiError as exc:
+            if exc.status == 404 and obj["kind"] in OPTIONAL_KINDS:
+                errors.append(f"{obj['apiVersion']} {obj['kind']} is not served by this cluster: install it "
+                              f"(e.g. prometheus-operator) or turn off spec.{OPTIONAL_KINDS[obj['kind']]}")
+            elif exc.status in (400, 403, 404, 422):
+                errors.append(str(exc))  # needs a spec or RBAC change, not a retry
+            else:
+                raise kopf.TemporaryError(str(exc), delay=10) from exc
+    wanted = {(o["kind"], o["metadata"]["name"]) for o in desired}
+    uid = body.get("metadata", {}).get("uid")
+    for api_version, kind, name in manifests.child_refs(body["metadata"]["name"]):
+        if (kind, name) in wanted:
+            continue
+        live = await kube.get(api_version, kind, body["metadata"]["namespace"], name)
+        if live and _owned(live, uid):
+            await kube.delete(api_version, kind, body["metadata"]["namespace"], name)
+            _event(body, "Removed", f"removed {kind} {name}, no longer in the spec")
+    return results, errors
+
+
+def _owned(obj: dict[str, Any], uid: str | None) -> bool:
+    return any(ref.get("uid") == uid and ref.get("kind") == KIND
+               for ref in obj.get("metadata", {}).get("ownerReferences", []))
+
+
+async def reconcile(body: Any, memo: Any, loop: policy.LoopState | None = None,
+                    m: policy.Metrics | None = None) -> dict[str, Any]:
+    """Make the children match the spec; return the new status."""
+    raw_spec = dict(body.get("spec") or {})
+    spec = specs.with_defaults(raw_spec)
+    problems = specs.problems(spec)
+    prev = body.get("status") or {}
+    loop = loop or loop_state(prev)
+    if not problems:
+        try:
+            fleet = fleet_state(loop, spec)
+            manifests.children(body, spec, memo.settings, fleet)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            problems = [specs.Problem("spec", f"cannot build the workers from this spec: {exc!r}")]
+    if problems:
+        message = "; ".join(str(p) for p in problems)
+        _event(body, "InvalidSpec", message)
+        observed = statuses.Observed(generation=body.get("metadata", {}).get("generation"), problems=tuple(problems))
+        return statuses.compute(observed, prev, _iso(time.time()))
+    if _canary_hash(spec) != (prev.get("canary") or {}).get("configHash") and loop.canary_phase != "Idle":
+        loop = dataclasses.replace(loop, canary_phase="Idle", canary_step=0, canary_weight=None, step_since=None,
+                                   failed_checks=0, last_analysis=None)
+    fleet = fleet_state(loop, spec)
+    results, errors = await _apply_children(body, spec, fleet, memo)
+    name = body["metadata"]["name"]
+    created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
+    if created:
+        _event(body, "Created", "created " + ", ".join(created))
+    if errors:
+        _event(body, "ApplyFailed", "; ".join(errors))
+    stable = results.get(("Deployment", manifests.child_name(name, "stable")), (None, None))[1]
+    canary = results.get(("Deployment", manifests.child_name(name, "canary")), (None, None))[1]
+    observed = _observed(body, spec, loop, stable, canary, errors, m)
+    new = _status(observed, body, loop, spec)
+    if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
+        _event(body, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
+    metrics.export_state(body["metadata"]["namespace"], name, new)
+    return new
+
+
+@kopf.on.login()
+def login(memo: Any, **kwargs: Any) -> Any:
+    if memo.get("connection") is not None:
+        return memo.connection
+    return kopf.login_with_service_account(**kwargs) or kopf.login_with_kubeconfig(**kwargs)
+
+
+@kopf.on.startup()
+async def startup(memo: Any, settings: kopf.OperatorSettings, logger: Any, **_: Any) -> None:
+    connection = memo.get("connection") or kopf.login_with_service_account(settings=settings) \
+        or kopf.login_with_kubeconfig(settings=settings)
+    memo.kube = Kube(connection)  # created here: its session belongs to the operator's event loop
+    memo.setdefault("settings", manifests.Settings())
+    memo.setdefault("metrics", metrics.ScrapeSource(memo.settings))
+    memo.setdefault("loop_interval", 15.0)
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: Any, **_: Any) -> None:
+    if memo.get("kube") is not None:
+        await memo.kube.close()
+
+
+@kopf.on.resume(*SDD)
+@kopf.on.create(*SDD)
+@kopf.on.update(*SDD, field="spec")
+async def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
+    patch["status"] = await reconcile(body, memo)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels=WORKER_LABELS)
+async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """A worker Deployment moved (pods became ready, a rollout finished): refresh its owner's status."""
+    name = body.get("metadata", {}).get("labels", {}).get(manifests.LABEL_SDD)
+    if name:
+        await refresh_status(memo, body["metadata"]["namespace"], name)
+
+
+async def refresh_status(memo: Any, namespace: str, name: str) -> None:
+    kube: Kube = memo.kube
+    sdd = await kube.get(API_VERSION, KIND, namespace, name)
+    if sdd is None or sdd["metadata"].get("deletionTimestamp"):
+        return
+    spec = specs.with_defaults(sdd.get("spec") or {})
+    if specs.problems(spec):
+        return  # the reconcile handler has reported it
+    prev = sdd.get("status") or {}
+    loop = loop_state(prev)
+    stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
+    canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
+        if spec.get("canary") else None
+    new = _status(_observed(sdd, spec, loop, stable, canary, []), sdd, loop, spec)
+    if _changed(prev, new):
+        await kube.patch(API_VERSION, KIND, namespace, name, {"status": new}, subresource="status")
+
+
+@kopf.daemon(*SDD, cancellation_timeout=5.0)
+async def control_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
+    """Every loop_interval: observe the workers' metrics, decide, and act on the decision."""
+    while not stopped:
+        await stopped.wait(memo.loop_interval)
+        if stopped:
+            break
+        try:
+            await tick(body, memo)
+        except (ApiError, OSError) as exc:
+            kopf.warn(body, reason="ControlLoop", message=f"control loop tick failed, will retry: {exc}")
+
+
+async def tick(body: Any, memo: Any) -> None:
+    spec = specs.with_defaults(dict(body.get("spec") or {}))
+    if specs.problems(spec) or body.get("metadata", {}).get("deletionTimestamp"):
+        return
+    prev = body.get("status") or {}
+    if not prev:
+        return  # not reconciled yet
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    before = loop_state(prev)
+    observed_metrics = await memo.metrics.observe(ns, name, bool(spec.get("canary")))
+    decision = policy.decide(observed_metrics, before, policy.Policy.from_spec(spec), time.time())
+    for reason, message in decision.events:
+        _event(body, reason, message)
+    if fleet_state(decision.state, spec) != fleet_state(before, spec):
+        new = await reconcile(body, memo, decision.state, observed_metrics)
+    else:
+        kube: Kube = memo.kube
+        stable = await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "stable"))
+        canary = await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")) \
+            if spec.get("canary") else None
+        new = _status(_observed(body, spec, decision.state, stable, canary, [], observed_metrics),
+                      body, decision.state, spec)
+    if _changed(prev, new):
+        await memo.kube.patch(API_VERSION, KIND, ns, name, {"status": new}, subresource="status")
+    metrics.export_state(ns, name, new)
+
+
+@kopf.on.delete(*SDD)
+async def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    """Delete what this resource owns (garbage collection would too; this does not wait for it)."""
+    ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
+    for api_version, kind, child in manifests.child_refs(name):
+        try:
+            live = await memo.kube.get(api_version, kind, ns, child)
+            if live and _owned(live, uid):
+                await memo.kube.delete(api_version, kind, ns, child)
+        except ApiError as exc:
+            raise kopf.TemporaryError(str(exc), delay=5) from exc
+    metrics.forget(ns, name)

@@ -1,0 +1,232 @@
+"""A small async Kubernetes client for the objects the operator owns: get, create, patch, delete,
+and `apply` (create; on 409 a three-way JSON merge patch against the last applied state, so
+an unchanged object costs one GET and no write). Built from kopf's ConnectionInfo.
+"""
+from __future__ import annotations
+
+import base64
+import json
+import ssl
+import tempfile
+from typing import Any
+
+import aiohttp
+
+from . import GROUP
+
+LAST_APPLIED = f"{GROUP}/last-applied"
+MERGE_PATCH = "application/merge-patch+json"
+
+PLURALS = {
+    "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Event": "events",
+    "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
+    "HorizontalPodAutoscaler": "horizontalpodautoscalers", "Lease": "leases",
+    "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
+    "SpecDecodeDeployment": "specdecodedeployments",
+}
+
+
+class ApiError(Exception):
+    """A non-2xx answer: the HTTP status, the API server's reason and message, and the object."""
+
+    def __init__(self, status: int, reason: str, message: str, what: str):
+        super().__init__(f"{what}: HTTP {status} {reason}: {message}")
+        self.status, self.reason, self.message, self.what = status, reason, message, what
+
+
+def resource_path(api_version: str, kind: str, namespace: str | None, name: str | None = None,
+                  subresource: str | None = None) -> str:
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = prefix + (f"/namespaces/{namespace}" if namespace else "") + f"/{PLURALS[kind]}"
+    return path + (f"/{name}" if name else "") + (f"/{subresource}" if subresource else "")
+
+
+def merge_diff(before: Any, after: Any) -> Any:
+    """The JSON merge patch (RFC 7386) that turns `before` into `after`; {} when equal.
+    >>> merge_diff({"a": 1, "b": {"c": 2, "d": 3}}, {"a": 1, "b": {"c": 5}})
+    {'b': {'d': None, 'c': 5}}
+    """
+    if not (isinstance(before, dict) and isinstance(after, dict)):
+        return after
+    patch: dict[str, Any] = {key: None for key in before if key not in after}
+    for key, value in after.items():
+        if key not in before:
+            patch[key] = value
+        elif isinstance(value, dict) and isinstance(before[key], dict):
+            sub = merge_diff(before[key], value)
+            if sub:
+                patch[key] = sub
+        elif before[key] != value:
+            patch[key] = value
+    return patch
+
+
+def holds(live: Any, desired: Any) -> bool:
+    """Whether `live` holds `desired`: dicts may have more keys (server defaults), lists match
+    item by item, and a quantity may come back as a string (1 == "1")."""
+    if isinstance(desired, dict):
+        return isinstance(live, dict) and all(k in live and holds(live[k], v) for k, v in desired.items())
+    if isinstance(desired, list):
+        return isinstance(live, list) and len(live) == len(desired) and all(map(holds, live, desired))
+    return live == desired or (not isinstance(desired, bool) and str(live) == str(desired))
+
+
+def drift(live: Any, desired: Any) -> Any:
+    """The part of `desired` that `live` does not hold, as a merge patch.
+    >>> drift({"a": 1, "b": {"c": 2, "x": 9}}, {"a": 1, "b": {"c": 3}})
+    {'b': {'c': 3}}
+    """
+    out = {}
+    for key, value in desired.items():
+        if isinstance(value, dict) and isinstance(live.get(key), dict):
+            sub = drift(live[key], value)
+            if sub:
+                out[key] = sub
+        elif key not in live or not holds(live[key], value):
+            out[key] = value
+    return out
+
+
+def _deep_update(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
+    for key, value in patch.items():
+        if isinstance(value, dict) and isinstance(base.get(key), dict):
+            _deep_update(base[key], value)
+        else:
+            base[key] = value
+    return base
+
+
+class Kube:
+    """The API client. `connection` is a kopf.ConnectionInfo (server, CA, token or client cert)."""
+
+    def __init__(self, connection: Any, timeout_s: float = 30.0):
+        self._conn = connection
+        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self._session: aiohttp.ClientSession | None = None
+        self._files: list[Any] = []
+
+    def _ssl(self) -> ssl.SSLContext | bool:
+        conn = self._conn
+        if not str(conn.server).startswith("https"):
+            return False
+        if conn.insecure:
+            return False
+        ctx = ssl.create_default_context(cafile=conn.ca_path or None, cadata=self._text(conn.ca_data))
+        cert, key = conn.certificate_path, conn.private_key_path
+        if conn.certificate_data:
+            cert = self._tempfile(conn.certificate_data)
+        if conn.private_key_data:
+            key = self._tempfile(conn.private_key_data)
+        if cert:
+            ctx.load_cert_chain(cert, key)
+        return ctx
+
+    @staticmethod
+    def _text(data: str | bytes | None) -> str | None:
+        if data is None:
+            return None
+        raw = data if isinstance(data, bytes) else data.encode()
+        if b"-----BEGIN" not in raw:
+            raw = base64.b64decode(raw)
+        return raw.decode()
+
+    def _tempfile(self, data: str | bytes) -> str:
+        f = tempfile.NamedTemporaryFile("w", suffix=".pem")  # kept open: ssl needs a path
+        f.write(self._text(data) or "")
+        f.flush()
+        self._files.append(f)
+        return f.name
+
+    async def session(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            headers = {"Accept": "application/json", "User-Agent": "specfleet-operator"}
+            if self._conn.token:
+                headers["Authorization"] = f"{self._conn.scheme or 'Bearer'} {self._conn.token}"
+            self._session = aiohttp.ClientSession(
+                base_url=str(self._conn.server).rstrip("/") + "/", headers=headers, timeout=self._timeout,
+                connector=aiohttp.TCPConnector(ssl=self._ssl(), limit=64))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+        for f in self._files:
+            f.close()
+
+    async def request(self, method: str, path: str, body: Any = None, what: str = "",
+                      content_type: str = "application/json", params: dict[str, str] | None = None) -> Any:
+        session = await self.session()
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        async with session.request(method, path.lstrip("/"), data=data, headers=headers, params=params) as resp:
+            text = await resp.text()
+            payload = json.loads(text) if text and text.lstrip().startswith(("{", "[")) else {}
+            if resp.status >= 400:
+                raise ApiError(resp.status, payload.get("reason", resp.reason or ""),
+                               payload.get("message", text[:200]), what or f"{method} {path}")
+            return payload
+
+    async def get(self, api_version: str, kind: str, namespace: str | None, name: str) -> dict[str, Any] | None:
+        try:
+            return await self.request("GET", resource_path(api_version, kind, namespace, name),
+                                      what=f"{kind} {namespace}/{name}")
+        except ApiError as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    async def list(self, api_version: str, kind: str, namespace: str | None,
+                   label_selector: str | None = None) -> list[dict[str, Any]]:
+        params = {"labelSelector": label_selector} if label_selector else None
+        out = await self.request("GET", resource_path(api_version, kind, namespace), params=params,
+                                 what=f"{kind} list in {namespace}")
+        return out.get("items", [])
+
+    async def create(self, body: dict[str, Any]) -> dict[str, Any]:
+        meta = body["metadata"]
+        return await self.request("POST", resource_path(body["apiVersion"], body["kind"], meta.get("namespace")),
+                                  body, what=f"{body['kind']} {meta.get('namespace')}/{meta['name']}")
+
+    async def patch(self, api_version: str, kind: str, namespace: str | None, name: str, patch: dict[str, Any],
+                    subresource: str | None = None) -> dict[str, Any]:
+        return await self.request("PATCH", resource_path(api_version, kind, namespace, name, subresource), patch,
+                                  what=f"{kind} {namespace}/{name}", content_type=MERGE_PATCH)
+
+    async def delete(self, api_version: str, kind: str, namespace: str | None, name: str) -> bool:
+        """True if it was there; a missing object or a kind the cluster lacks is already gone."""
+        try:
+            await self.request("DELETE", resource_path(api_version, kind, namespace, name),
+                               {"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
+                               what=f"{kind} {namespace}/{name}")
+            return True
+        except ApiError as exc:
+            if exc.status == 404:
+                return False
+            raise
+
+    async def apply(self, desired: dict[str, Any]) -> tuple[str, dict[str, Any]]:
+        """Make the object match `desired`: ("created" | "updated" | "unchanged", live object).
+
+        The annotation LAST_APPLIED keeps what was applied last, so that a field dropped from
+        `desired` is removed (as `kubectl apply` does) while fields the server defaults stay.
+        """
+        meta = desired["metadata"]
+        record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
+        body = json.loads(record)
+        body["metadata"].setdefault("annotations", {})[LAST_APPLIED] = record
+        try:
+            return "created", await self.create(body)
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+        live = await self.get(desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"])
+        if live is None:  # deleted between the 409 and the GET: the next reconcile creates it
+            raise ApiError(409, "Conflict", "the object vanished while being applied",
+                           f"{desired['kind']} {meta.get('namespace')}/{meta['name']}")
+        last = json.loads(live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED, "{}"))
+        patch = _deep_update(merge_diff(last, desired), drift(live, desired))
+        if not patch:
+            return "unchanged", live
+        patch.setdefault("metadata", {}).setdefault("annotations", {})[LAST_APPLIED] = record
+        return "updated", await self.patch(desired["apiVersion"], desired["kind"], meta.get("namespace"),
+                                           meta["name"], patch)

@@ -1,0 +1,175 @@
+"""Running the operator: `run(argv)` for the `specfleet operator` command, `operate()` to embed it.
+
+With leader election on (the default), a replica first acquires the Lease, then starts kopf;
+if it loses the Lease it stops kopf and exits non-zero so that Kubernetes restarts it as a
+standby. On a clean stop it releases the Lease so the standby takes over at once.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import threading
+from typing import Any, Sequence
+
+import kopf
+
+from . import GROUP
+from . import handlers  # noqa: F401  (registers the handlers with kopf)
+from .kube import Kube
+from .leader import LeaseElector
+from .manifests import Settings
+
+logger = logging.getLogger("specfleet.operator")
+
+
+@dataclasses.dataclass
+class Options:
+    namespaces: tuple[str, ...] = ()  # empty: every namespace
+    worker: Settings = dataclasses.field(default_factory=Settings)
+    leader_election: bool = True
+    lease_name: str = "specfleet-operator"
+    lease_namespace: str = "specfleet-system"
+    identity: str = dataclasses.field(default_factory=lambda: f"{socket.gethostname()}-{os.getpid()}")
+    lease_duration_s: float = 15.0
+    renew_s: float = 5.0
+    retry_s: float = 2.0
+    loop_interval_s: float = 15.0
+    liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
+    metrics_port: int | None = None
+    workers: int = 32  # concurrent reconciles
+
+
+def operator_settings(options: Options) -> kopf.OperatorSettings:
+    settings = kopf.OperatorSettings()
+    # Progress and the diff base live in annotations: the status schema is ours alone.
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=GROUP, key="last-handled-configuration")
+    settings.persistence.finalizer = f"{GROUP}/cleanup"
+    settings.peering.standalone = True  # the Lease, not kopf peering, decides who runs
+    settings.batching.worker_limit = options.workers
+    settings.watching.server_timeout = 300
+    settings.watching.client_timeout = 330
+    settings.networking.request_timeout = 60
+    settings.execution.max_workers = 4
+    return settings
+
+
+async def operate(options: Options, *, connection: Any = None, stop: asyncio.Event | threading.Event | None = None,
+                  ready: threading.Event | asyncio.Event | None = None, memo: dict[str, Any] | None = None,
+                  leading: threading.Event | None = None) -> int:
+    """Run until `stop` is set (0) or the Lease is lost (1). `connection`: a kopf.ConnectionInfo;
+    None logs in as kopf does (in-cluster service account, else kubeconfig)."""
+    settings = operator_settings(options)
+    if connection is None:
+        connection = kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(settings=settings)
+    stop_event = stop if isinstance(stop, asyncio.Event) else asyncio.Event()
+    if isinstance(stop, threading.Event):  # embedded in a thread: poll, so no thread is left blocked
+        async def watch() -> None:
+            while not stop.is_set():
+                await asyncio.sleep(0.05)
+            stop_event.set()
+        watcher = asyncio.create_task(watch())
+
+    kube = Kube(connection)
+    elector = LeaseElector(kube, options.lease_namespace, options.lease_name, options.identity,
+                           duration_s=options.lease_duration_s, renew_s=options.renew_s, retry_s=options.retry_s)
+    try:
+        if options.leader_election:
+            acquiring = asyncio.create_task(elector.acquire())
+            stopping = asyncio.create_task(stop_event.wait())
+            await asyncio.wait({acquiring, stopping}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquiring.done():
+                acquiring.cancel()
+                return 0
+            stopping.cancel()
+            logger.info("%s leads; starting the reconcilers", options.identity)
+        if leading is not None:
+            leading.set()
+        the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
+                             **(memo or {}))
+        kopf_stop = asyncio.Event()
+        running = asyncio.create_task(kopf.operator(
+            settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,
+            clusterwide=not options.namespaces, namespaces=list(options.namespaces),
+            liveness_endpoint=options.liveness))
+        waiters = {running, asyncio.create_task(stop_event.wait())}
+        if options.leader_election:
+            waiters.add(asyncio.create_task(elector.hold()))
+        done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        lost = options.leader_election and not stop_event.is_set() and running not in done
+        kopf_stop.set()
+        await running
+        for task in pending:
+            task.cancel()
+        if isinstance(stop, threading.Event):
+            watcher.cancel()
+        if lost:
+            logger.error("lost the lease: exiting so that a fresh standby starts")
+            return 1
+        return 0
+    finally:
+        if leading is not None:
+            leading.clear()
+        if options.leader_election:
+            try:
+                await elector.release()
+            except Exception as exc:  # the Lease expires on its own anyway
+                logger.warning("could not release the lease: %s", exc)
+        await kube.close()
+
+
+def parse_args(argv: Sequence[str] | None) -> Options:
+    env = os.environ.get
+    p = argparse.ArgumentParser(prog="specfleet operator", description="Run the SpecDecodeDeployment operator.")
+    p.add_argument("--namespace", action="append", default=[], help="watch only this namespace (repeatable)")
+    p.add_argument("--worker-image", default=env("SPECFLEET_WORKER_IMAGE", Settings.worker_image))
+    p.add_argument("--worker-pull-policy", default=Settings.image_pull_policy,
+                   choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument("--drain-seconds", type=int, default=Settings.drain_seconds)
+    p.add_argument("--no-leader-election", action="store_true", help="run alone (one replica, or local use)")
+    p.add_argument("--lease-name", default="specfleet-operator")
+    p.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "specfleet-system"))
+    p.add_argument("--identity", default=env("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
+    p.add_argument("--lease-duration", type=float, default=15.0, help="seconds")
+    p.add_argument("--loop-interval", type=float, default=15.0, help="control-loop period, seconds")
+    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
+    p.add_argument("--metrics-port", type=int, default=8081, help="Prometheus metrics; 0 turns them off")
+    p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
+    p.add_argument("--log-level", default="INFO")
+    a = p.parse_args(argv)
+    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return Options(
+        namespaces=tuple(a.namespace),
+        worker=Settings(worker_image=a.worker_image, image_pull_policy=a.worker_pull_policy,
+                        drain_seconds=a.drain_seconds),
+        leader_election=not a.no_leader_election, lease_name=a.lease_name, lease_namespace=a.lease_namespace,
+        identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
+        retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,
+        metrics_port=a.metrics_port or None, workers=a.workers)
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    """Entry point for `specfleet operator [flags]`; returns the exit status."""
+    options = parse_args(argv)
+    if options.metrics_port:
+        from prometheus_client import start_http_server
+        start_http_server(options.metrics_port)
+
+    async def main() -> int:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        return await operate(options, stop=stop)
+
+    return asyncio.run(main())
+
+
+if __name__ == "__main__":
+    raise SystemExit(run())

@@ -1,0 +1,163 @@
+"""The SpecDecodeDeployment spec: the CRD's defaults applied as the API server would, and the
+semantic checks that the CRD's CEL rules make (for resources that slip past an API server without
+CEL, or were stored before a rule existed). Pure: dicts in, dicts and Problems out.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import importlib.resources
+import re
+from typing import Any
+
+import yaml
+
+METHODS = ("ngram", "draft-model", "eagle", "medusa", "none")
+TREE_METHODS = ("eagle", "medusa")
+_DURATION = re.compile(r"(\d+)(ms|s|m|h)")
+_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a spec: the field path (as kubectl names it) and what was expected."""
+
+    field: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+@functools.cache
+def crd() -> dict[str, Any]:
+    """The packaged copy of crds/ (byte-identical, checked by a test)."""
+    text = importlib.resources.files(__package__).joinpath("crd.yaml").read_text()
+    return yaml.safe_load(text)
+
+
+def spec_schema() -> dict[str, Any]:
+    return crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]
+
+
+def with_defaults(value: Any, schema: dict[str, Any] | None = None) -> Any:
+    """Return a copy of `value` with the schema's defaults filled in, recursively.
+
+    Mirrors the API server: a missing property with a default gets it, then defaulting
+    descends into it, so `draft: {}` defaults to `draft: {method: ngram}`.
+    >>> with_defaults({"model": {"name": "m", "uri": "u"}, "replicas": 1})["draft"]
+    {'method': 'ngram'}
+    """
+    schema = spec_schema() if schema is None else schema
+    value = copy.deepcopy(value)
+    return _default(value, schema)
+
+
+def _default(value: Any, schema: dict[str, Any]) -> Any:
+    if isinstance(value, dict):
+        for key, sub in schema.get("properties", {}).items():
+            if key not in value and "default" in sub:
+                value[key] = copy.deepcopy(sub["default"])
+            if key in value:
+                value[key] = _default(value[key], sub)
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in value.keys() - schema.get("properties", {}).keys():
+                value[key] = _default(value[key], extra)
+    elif isinstance(value, list) and "items" in schema:
+        value = [_default(item, schema["items"]) for item in value]
+    return value
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in a Go-style duration ("1m30s", "500ms"); ValueError names what was wrong.
+    >>> parse_duration("1m30s")
+    90.0
+    """
+    parts = _DURATION.findall(text or "")
+    if not parts or "".join(n + u for n, u in parts) != text:
+        raise ValueError(f"{text!r} is not a duration like 30s, 5m or 1h30m")
+    return sum(int(n) * _UNITS[u] for n, u in parts)
+
+
+def problems(spec: dict[str, Any]) -> list[Problem]:
+    """Every semantic problem in a (defaulted) spec, in the CRD's words; [] when valid.
+
+    The same rules as the CRD's x-kubernetes-validations, plus the enums the engine needs;
+    tests hold these and the CEL rules to the same verdicts.
+    """
+    out: list[Problem] = []
+    model = spec.get("model") or {}
+    for key in ("name", "uri"):
+        if not model.get(key):
+            out.append(Problem(f"spec.model.{key}", "is required"))
+    draft, spec_k = spec.get("draft", {}), spec.get("speculation", {})
+    method = draft.get("method")
+    if method not in METHODS:
+        out.append(Problem("spec.draft.method", f"{method!r} is not one of {', '.join(METHODS)}"))
+    if ("replicas" in spec) == ("scaling" in spec):
+        out.append(Problem("spec", "set exactly one of spec.replicas and spec.scaling"))
+    scaling = spec.get("scaling")
+    if scaling and scaling.get("minReplicas", 1) > scaling.get("maxReplicas", 0):
+        out.append(Problem("spec.scaling", "scaling.minReplicas must not exceed scaling.maxReplicas"))
+    k_min, k_init, k_max = spec_k.get("kMin"), spec_k.get("kInitial"), spec_k.get("kMax")
+    if not (isinstance(k_min, int) and isinstance(k_init, int) and isinstance(k_max, int)):
+        out.append(Problem("spec.speculation", "kMin, kInitial and kMax must be integers"))
+    elif not k_min <= k_init <= k_max:
+        out.append(Problem("spec.speculation",
+                           f"speculation must satisfy kMin <= kInitial <= kMax (got {k_min}, {k_init}, {k_max})"))
+    if method not in TREE_METHODS and spec_k.get("tree", {}).get("branching", 1) != 1:
+        out.append(Problem("spec.speculation.tree.branching",
+                           "tree speculation (branching > 1) needs draft.method eagle or medusa"))
+    if method not in ("ngram", "none", None) and "uri" not in draft:
+        out.append(Problem("spec.draft.uri", "draft.uri is required for draft.method draft-model, eagle and medusa"))
+    for prompt_type, routed in (spec.get("routing") or {}).get("byPromptType", {}).items():
+        if routed not in METHODS:
+            out.append(Problem(f"spec.routing.byPromptType.{prompt_type}", f"{routed!r} is not a draft method"))
+    out += _canary_problems(spec.get("canary"))
+    redis = spec.get("redis")
+    if redis is not None and ("url" in redis) == ("secretRef" in redis):
+        out.append(Problem("spec.redis", "set exactly one of redis.url and redis.secretRef"))
+    for field, text in _durations(spec):
+        try:
+            parse_duration(text)
+        except ValueError as exc:
+            out.append(Problem(field, str(exc)))
+    return out
+
+
+def _canary_problems(canary: dict[str, Any] | None) -> list[Problem]:
+    if canary is None:
+        return []
+    out = []
+    weights = [step.get("weight") for step in canary.get("steps", [])]
+    if not 0 <= canary.get("weight", 1) <= 100 or not all(isinstance(w, int) and 0 <= w <= 100 for w in weights):
+        out.append(Problem("spec.canary", "canary weights must be between 0 and 100"))
+    elif weights:
+        if not all(w > canary.get("weight", 1) for w in weights):
+            out.append(Problem("spec.canary.steps", "canary.steps weights must rise above canary.weight"))
+        if weights != sorted(weights):
+            out.append(Problem("spec.canary.steps", "canary.steps weights must be rising"))
+        if len(set(weights)) != len(weights):
+            out.append(Problem("spec.canary.steps", "canary.steps weights must be distinct (strictly rising)"))
+    over = canary.get("overrides", {}).get("speculation", {})
+    if "kMin" in over and "kMax" in over and over["kMin"] > over["kMax"]:
+        out.append(Problem("spec.canary.overrides.speculation",
+                           "canary.overrides.speculation.kMin must not exceed kMax"))
+    for i, metric in enumerate(canary.get("analysis", {}).get("metrics", [])):
+        if "min" not in metric and "max" not in metric:
+            out.append(Problem(f"spec.canary.analysis.metrics[{i}]", "a canary metric needs min or max"))
+        elif "min" in metric and "max" in metric and metric["min"] > metric["max"]:
+            out.append(Problem(f"spec.canary.analysis.metrics[{i}]", "a canary metric's min must not exceed its max"))
+    return out
+
+
+def _durations(spec: dict[str, Any]) -> list[tuple[str, str]]:
+    slo, canary = spec.get("slo", {}), spec.get("canary") or {}
+    found = [("spec.slo.window", slo.get("window")),
+             ("spec.slo.fallback.recoverAfter", slo.get("fallback", {}).get("recoverAfter"))]
+    if canary:
+        found.append(("spec.canary.analysis.interval", canary.get("analysis", {}).get("interval")))
+        found += [(f"spec.canary.steps[{i}].pause", s.get("pause")) for i, s in enumerate(canary.get("steps", []))]
+    return [(field, text) for field, text in found if text is not None]

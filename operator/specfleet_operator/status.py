@@ -1,0 +1,139 @@
+"""One pure function from what the operator observed to the SpecDecodeDeployment status.
+
+Conditions follow the Kubernetes convention (type, status, reason, message, observedGeneration,
+lastTransitionTime); a condition keeps its lastTransitionTime while its status does not change.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from .manifests import FleetState
+from .spec import Problem
+
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Speculating", "CanaryProgressing")
+
+
+@dataclasses.dataclass(frozen=True)
+class Workers:
+    """A worker Deployment as observed: desired replicas and how many are ready / updated."""
+
+    desired: int
+    ready: int = 0
+    updated: int = 0
+    current: bool = True  # the Deployment controller has seen its latest generation
+
+    @classmethod
+    def from_deployment(cls, body: dict[str, Any] | None, desired: int | None = None) -> Workers | None:
+        if body is None:
+            return None
+        spec, status = body.get("spec", {}), body.get("status", {})
+        want = spec.get("replicas", 1) if desired is None else desired
+        generation = body.get("metadata", {}).get("generation")
+        return cls(desired=want, ready=status.get("readyReplicas", 0), updated=status.get("updatedReplicas", 0),
+                   current=generation is None or status.get("observedGeneration") == generation)
+
+    @property
+    def rolled_out(self) -> bool:
+        return self.current and self.updated >= self.desired and self.ready >= self.desired
+
+
+@dataclasses.dataclass(frozen=True)
+class Observed:
+    generation: int | None
+    problems: tuple[Problem, ...] = ()
+    apply_error: str | None = None
+    stable: Workers | None = None
+    canary: Workers | None = None
+    state: FleetState = FleetState()
+    draft_method: str = "ngram"
+    k_bounds: tuple[int, int] | None = None
+    config_hash: str | None = None
+    alpha: float | None = None
+    mean_accepted_length: float | None = None
+    speedup: float | None = None
+    canary_step: int = 0
+    failed_checks: int = 0
+    fallback_since: str | None = None
+    last_analysis: str | None = None
+
+
+def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
+               previous: dict[str, dict[str, Any]], now: str) -> dict[str, Any]:
+    status = "True" if ok else "False"
+    before = previous.get(ctype)
+    since = before["lastTransitionTime"] if before and before.get("status") == status else now
+    cond = {"type": ctype, "status": status, "reason": reason, "message": message, "lastTransitionTime": since}
+    if generation is not None:
+        cond["observedGeneration"] = generation
+    return cond
+
+
+def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """The whole status for `observed`; `previous` is the current status (for transition times)."""
+    prev = {c["type"]: c for c in (previous or {}).get("conditions", []) if "type" in c}
+    gen, o = observed.generation, observed
+    stable, canary = o.stable, o.canary
+    invalid = "; ".join(str(p) for p in o.problems)
+
+    if invalid:
+        ready = (False, "InvalidSpec", invalid)
+    elif o.apply_error:
+        ready = (False, "ApplyFailed", o.apply_error)
+    elif stable is None:
+        ready = (False, "Creating", "the stable workers are being created")
+    elif stable.desired == 0:
+        ready = (False, "ScaledToZero", "spec asks for 0 workers")
+    elif stable.rolled_out and (canary is None or canary.rolled_out):
+        ready = (True, "WorkersReady", f"{stable.ready}/{stable.desired} stable workers ready")
+    else:
+        ready = (False, "WorkersNotReady", f"{stable.ready}/{stable.desired} stable workers ready")
+
+    rolling = not invalid and stable is not None and not (stable.rolled_out and (canary is None or canary.rolled_out))
+    progressing = (True, "RollingOut", "workers are being rolled out") if rolling else \
+        (False, "RolloutComplete" if not invalid else "InvalidSpec", "no rollout in progress")
+
+    if invalid or o.apply_error:
+        degraded = (True, "InvalidSpec" if invalid else "ApplyFailed", invalid or o.apply_error or "")
+    elif o.state.mode == "fallback":
+        degraded = (True, "Fallback", "the alpha SLO was missed: workers decode without speculation")
+    else:
+        degraded = (False, "AsExpected", "")
+
+    if o.draft_method == "none":
+        speculating = (False, "DraftMethodNone", "draft.method is none")
+    elif o.state.mode == "fallback":
+        speculating = (False, "Fallback", "speculation is off until the SLO recovers")
+    else:
+        speculating = (True, "SpeculationOn", f"draft method {o.draft_method}")
+
+    phase = o.state.canary_phase
+    canary_msg = {"Idle": "no canary", "Progressing": "the canary is being analysed",
+                  "Promoted": "the canary was promoted", "Aborted": "the canary failed its analysis"}[phase]
+    canary_cond = (phase == "Progressing", f"Canary{phase}", canary_msg)
+
+    conds = [_condition(t, *c, gen, prev, now) for t, c in zip(
+        CONDITION_TYPES, (ready, progressing, degraded, speculating, canary_cond))]
+    status: dict[str, Any] = {"conditions": conds, "mode": o.state.mode}
+    if gen is not None:
+        status["observedGeneration"] = gen
+    for key, value in (("alpha", o.alpha), ("meanAcceptedLength", o.mean_accepted_length),
+                       ("speedup", o.speedup), ("configHash", o.config_hash), ("fallbackSince", o.fallback_since)):
+        if value is not None:
+            status[key] = value
+    if o.k_bounds is not None:
+        k_max = o.k_bounds[1] if o.state.mode == "speculative" else 0
+        status["kBounds"] = {"min": min(o.k_bounds[0], k_max), "max": k_max}
+        status["kRange"] = f"{status['kBounds']['min']}-{k_max}"
+    if stable is not None:
+        status["replicas"] = {"desired": stable.desired + (canary.desired if canary else 0),
+                              "ready": stable.ready + (canary.ready if canary else 0)}
+    status["canary"] = {"weight": o.state.canary_weight or 0, "step": o.canary_step, "phase": phase,
+                        "failedChecks": o.failed_checks}
+    if o.last_analysis:
+        status["canary"]["lastAnalysis"] = o.last_analysis
+    return status
+
+
+def condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:
+    return next((c for c in status.get("conditions", []) if c.get("type") == ctype), None)

@@ -1,0 +1,190 @@
+"""An in-process test cluster for the operator (like kopf.testing): kmock's KubernetesEmulator on
+loopback, made a little more like an API server (uids, generations, resourceVersions with
+optimistic concurrency), a stand-in for the Deployment controller that reports workers ready,
+and the real operator run in its own thread. Needs the dev extra (kmock); tests and
+operator/scripts/scale_test.py use it, the operator itself never imports it.
+"""
+from __future__ import annotations
+
+import asyncio
+import datetime
+import itertools
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import attrs
+import kmock
+import kopf
+import yaml
+from kmock._internal import enums
+
+from . import API_VERSION, KIND
+from .main import Options, operate
+from .policy import Metrics
+from .spec import crd
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _merged(before: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict) or not isinstance(before, dict):
+        return patch
+    out = dict(before)
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = _merged(before.get(key), value)
+    return out
+
+
+@attrs.define(kw_only=True)
+class Cluster(kmock.KubernetesEmulator):
+    """What the plain emulator leaves to a real API server, done the way one does it."""
+
+    ready_delay: float = 0.05  # how long the "Deployment controller" takes to report pods ready
+    _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
+    _controllers: set = attrs.field(factory=set, init=False)
+
+    async def _handle(self, request: Any) -> Any:
+        deployment_written = False
+        if request.resource is not None and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {}) if request.action in (
+                enums.action.CREATE, enums.action.UPDATE) else None
+            if request.action == enums.action.CREATE:
+                meta.setdefault("uid", str(uuid.uuid4()))
+                meta.update(resourceVersion=str(next(self._rv)), generation=1, creationTimestamp=_now())
+                deployment_written = request.resource.plural == "deployments"
+            elif request.action == enums.action.UPDATE and request.name is not None:
+                key = (request.resource, request.namespace, request.name)
+                if key in self._objects and not self._objects[key].deleted:
+                    live = self._objects[key].raw
+                    wanted_rv = meta.get("resourceVersion")
+                    if wanted_rv is not None and wanted_rv != live["metadata"].get("resourceVersion"):
+                        raise kmock.KubernetesError(status=409, reason="Conflict",
+                                                    message="the object has been modified")
+                    if request.subresource != "status" and "spec" in request.data:
+                        if _merged(live.get("spec"), request.data["spec"]) != live.get("spec"):
+                            meta["generation"] = live["metadata"].get("generation", 1) + 1
+                            deployment_written = request.resource.plural == "deployments"
+                    meta["resourceVersion"] = str(next(self._rv))
+        response = await super()._handle(request)
+        if deployment_written and response.status < 300:
+            name = request.name or request.data["metadata"]["name"]
+            key = (request.resource, request.namespace or request.data["metadata"].get("namespace"), name)
+            task = asyncio.create_task(self._report_ready(key))
+            self._controllers.add(task)
+            task.add_done_callback(self._controllers.discard)
+        return response
+
+    async def _report_ready(self, key: tuple) -> None:
+        await asyncio.sleep(self.ready_delay)
+        async with self._lock:
+            if key not in self._objects or self._objects[key].deleted:
+                return
+            obj = self._objects[key]
+            raw = obj.raw
+            n = raw.get("spec", {}).get("replicas", 1)
+            obj.patch({"metadata": {"resourceVersion": str(next(self._rv))},
+                       "status": {"observedGeneration": raw["metadata"].get("generation", 1), "replicas": n,
+                                  "readyReplicas": n, "updatedReplicas": n, "availableReplicas": n}})
+            await self._buses[key[0]].put({"type": "MODIFIED", "object": obj.raw})
+
+    @property
+    def endpoint(self) -> str:
+        return str(self.url).rstrip("/")
+
+    def live(self, api_version: str, plural: str, namespace: str, name: str) -> dict[str, Any] | None:
+        key = (kmock.resource(f"{api_version}/{plural}" if "/" in api_version else f"v1/{plural}"), namespace, name)
+        if key not in self._objects or self._objects[key].deleted:
+            return None
+        return self._objects[key].raw
+
+    def all_live(self, api_version: str, plural: str) -> list[dict[str, Any]]:
+        res = kmock.resource(f"{api_version}/{plural}" if "/" in api_version else f"v1/{plural}")
+        return [obj.raw for (r, _, _), obj in self._objects.items() if r == res and not obj.deleted]
+
+    def writes(self, method: str, path_part: str) -> int:
+        return sum(1 for r in self.requests if str(r.method).upper().endswith(method) and path_part in r.url.path)
+
+
+def declare_resources(cluster: Cluster) -> None:
+    cluster.resources.load_bundled()  # the built-in kinds of a recent k3s
+    names = crd()["spec"]["names"]
+    cluster.resources[f"{crd()['spec']['group']}/v1alpha1/{names['plural']}"] = kmock.ResourceInfo(
+        kind=names["kind"], singular=names["singular"], shortnames=set(names["shortNames"]), namespaced=True,
+        verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources={"status"})
+    for plural, kind in (("servicemonitors", "ServiceMonitor"), ("prometheusrules", "PrometheusRule")):
+        cluster.resources[f"monitoring.coreos.com/v1/{plural}"] = kmock.ResourceInfo(
+            kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"})
+
+
+class FixedMetrics:
+    """A metrics source that reports what the test sets."""
+
+    def __init__(self, value: Metrics | None = None):
+        self.value = value or Metrics()
+
+    async def observe(self, namespace: str, name: str, has_canary: bool) -> Metrics:
+        return self.value
+
+
+class OperatorThread:
+    """One operator replica: the real `operate()` in its own thread and event loop."""
+
+    def __init__(self, url: str, identity: str, *, leader_election: bool = False, metrics: Any = None,
+                 loop_interval: float = 3600.0, lease_duration: float = 2.0):
+        self.options = Options(identity=identity, leader_election=leader_election, lease_namespace="default",
+                               lease_duration_s=lease_duration, renew_s=lease_duration / 4,
+                               retry_s=lease_duration / 8, loop_interval_s=loop_interval)
+        self.url, self.metrics = url, metrics or FixedMetrics()
+        self.stop, self.ready, self.leading = threading.Event(), threading.Event(), threading.Event()
+        self.result: int | BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=identity, daemon=True)
+        self.abandon = False
+
+    def _run(self) -> None:
+        try:
+            self.result = asyncio.run(operate(self.options, connection=kopf.ConnectionInfo(server=self.url),
+                                              stop=self.stop, ready=self.ready, leading=self.leading,
+                                              memo={"metrics": self.metrics}))
+        except BaseException as exc:  # surfaced by the test through .result
+            self.result = exc
+
+    def start(self) -> "OperatorThread":
+        self.thread.start()
+        return self
+
+    async def stop_and_join(self, timeout: float = 20.0) -> None:
+        self.stop.set()
+        deadline = time.monotonic() + timeout
+        while self.thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert not self.thread.is_alive(), f"{self.options.identity} did not stop in {timeout}s"
+
+
+async def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def sdd_body(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
+    base = {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}, "replicas": 1}
+    base.update(spec)
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+            "spec": base}
+
+
+def ready(cluster: Cluster, name: str, namespace: str = "default") -> bool:
+    sdd = cluster.live(API_VERSION, "specdecodedeployments", namespace, name)
+    conds = (sdd or {}).get("status", {}).get("conditions", [])
+    return any(c["type"] == "Ready" and c["status"] == "True" for c in conds)
