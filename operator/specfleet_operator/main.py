@@ -138,7 +138,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--identity", default=env("POD_NAME") or f"{socket.gethostname()}-{os.getpid()}")
     p.add_argument("--lease-duration", type=float, default=15.0, help="seconds")
     p.add_argument("--loop-interval", type=float, default=15.0, help="control-loop period, seconds")
-    p.add_argument("--liveness", default="http://0.0.0.0:8080/healthz", help="kopf liveness endpoint URL")
+    p.add_argument("--liveness", default="", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz "
+                   "(only the leader runs kopf, so probes use the metrics port instead)")
     p.add_argument("--metrics-port", type=int, default=8081, help="Prometheus metrics; 0 turns them off")
     p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
     p.add_argument("--log-level", default="INFO")

@@ -1,0 +1,84 @@
+{{/* Chart name, truncated to 63 characters (a DNS label). */}}
+{{- define "specfleet.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Full name: release-chart unless the release name already contains the chart name. */}}
+{{- define "specfleet.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "specfleet.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "specfleet.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: operator
+{{- end }}
+
+{{- define "specfleet.labels" -}}
+helm.sh/chart: {{ include "specfleet.chart" . }}
+{{ include "specfleet.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specfleet
+{{- end }}
+
+{{/* The ServiceAccount's name, truncated to 63 characters. */}}
+{{- define "specfleet.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "specfleet.fullname" .) .Values.serviceAccount.name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "specfleet.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/* What kopf needs cluster-wide whatever it watches: discovery of the CRD. */}}
+{{- define "specfleet.clusterRules" -}}
+- apiGroups: [apiextensions.k8s.io]
+  resources: [customresourcedefinitions]
+  verbs: [list, watch]
+{{- end }}
+
+{{/* What the operator does in the namespaces it watches (same as deploy/base/rbac.yaml). */}}
+{{- define "specfleet.namespacedRules" -}}
+- apiGroups: [serving.specfleet.dev]
+  resources: [specdecodedeployments]
+  verbs: [get, list, watch, patch]
+- apiGroups: [serving.specfleet.dev]
+  resources: [specdecodedeployments/status]
+  verbs: [get, patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services, configmaps]
+  verbs: [get, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, create, patch, delete]
+- apiGroups: [monitoring.coreos.com]
+  resources: [servicemonitors, prometheusrules]
+  verbs: [get, create, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end }}
