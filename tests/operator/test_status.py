@@ -1,0 +1,66 @@
+"""The status is one pure function of what was observed."""
+from specfleet_operator.manifests import FleetState
+from specfleet_operator.spec import Problem
+from specfleet_operator.status import Observed, Workers, compute, condition
+
+T0, T1 = "2025-01-01T00:00:00Z", "2025-01-01T00:05:00Z"
+
+
+def test_ready_when_every_worker_is_ready():
+    s = compute(Observed(generation=3, stable=Workers(desired=2, ready=2, updated=2), k_bounds=(1, 6)), None, T0)
+    ready = condition(s, "Ready")
+    assert ready["status"] == "True" and ready["observedGeneration"] == 3 and ready["lastTransitionTime"] == T0
+    assert condition(s, "Progressing")["status"] == "False"
+    assert s["observedGeneration"] == 3 and s["replicas"] == {"desired": 2, "ready": 2}
+    assert s["kRange"] == "1-6" and s["mode"] == "speculative"
+    assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded", "Speculating",
+                                                    "CanaryProgressing"}
+    for c in s["conditions"]:
+        assert set(c) == {"type", "status", "reason", "message", "observedGeneration", "lastTransitionTime"}
+
+
+def test_rolling_out_is_progressing_not_ready():
+    s = compute(Observed(generation=2, stable=Workers(desired=2, ready=2, updated=1)), None, T0)
+    assert condition(s, "Ready")["status"] == "False"
+    assert condition(s, "Progressing")["reason"] == "RollingOut"
+
+
+def test_transition_time_kept_while_status_unchanged():
+    first = compute(Observed(generation=1, stable=Workers(desired=1, ready=1, updated=1)), None, T0)
+    again = compute(Observed(generation=2, stable=Workers(desired=1, ready=1, updated=1)), first, T1)
+    assert condition(again, "Ready")["lastTransitionTime"] == T0
+    down = compute(Observed(generation=2, stable=Workers(desired=1, ready=0, updated=1)), again, T1)
+    assert condition(down, "Ready")["lastTransitionTime"] == T1
+
+
+def test_invalid_spec_names_the_field():
+    s = compute(Observed(generation=1, problems=(Problem("spec.speculation", "kMin <= kInitial <= kMax"),)), None, T0)
+    ready = condition(s, "Ready")
+    assert ready["status"] == "False" and ready["reason"] == "InvalidSpec"
+    assert "spec.speculation" in ready["message"]
+    assert condition(s, "Degraded")["status"] == "True"
+
+
+def test_fallback_shows_in_mode_conditions_and_k():
+    s = compute(Observed(generation=1, stable=Workers(1, 1, 1), state=FleetState(mode="fallback"),
+                         k_bounds=(0, 8)), None, T0)
+    assert s["mode"] == "fallback" and s["kBounds"] == {"min": 0, "max": 0}
+    assert condition(s, "Speculating")["status"] == "False"
+    assert condition(s, "Degraded")["reason"] == "Fallback"
+
+
+def test_canary_progress_reported():
+    s = compute(Observed(generation=1, stable=Workers(100, 100, 100), canary=Workers(1, 1, 1),
+                         state=FleetState(canary_weight=1, canary_phase="Progressing"), canary_step=0,
+                         failed_checks=1), None, T0)
+    assert s["canary"] == {"weight": 1, "step": 0, "phase": "Progressing", "failedChecks": 1}
+    assert condition(s, "CanaryProgressing")["status"] == "True"
+    assert s["replicas"] == {"desired": 101, "ready": 101}
+
+
+def test_workers_from_deployment_wait_for_the_controller():
+    body = {"metadata": {"generation": 2}, "spec": {"replicas": 2},
+            "status": {"observedGeneration": 1, "readyReplicas": 2, "updatedReplicas": 2}}
+    assert not Workers.from_deployment(body).rolled_out
+    body["status"]["observedGeneration"] = 2
+    assert Workers.from_deployment(body).rolled_out
