@@ -7,10 +7,11 @@ Clients and sources come in through kopf's memo, so tests swap them without patc
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import time
-from typing import Any
+from typing import Any, Sequence
 
 import kopf
 
@@ -140,43 +141,70 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
 
 
 async def reconcile(body: Any, memo: Any, loop: policy.LoopState | None = None,
-                    m: policy.Metrics | None = None) -> dict[str, Any]:
-    """Make the children match the spec; return the new status."""
-    raw_spec = dict(body.get("spec") or {})
-    spec = specs.with_defaults(raw_spec)
+                    m: policy.Metrics | None = None) -> None:
+    """Make the children match the spec, then write the status from what is live."""
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    spec = specs.with_defaults(dict(body.get("spec") or {}))
     problems = specs.problems(spec)
     prev = body.get("status") or {}
     loop = loop or loop_state(prev)
     if not problems:
         try:
-            fleet = fleet_state(loop, spec)
-            manifests.children(body, spec, memo.settings, fleet)
+            manifests.children(body, spec, memo.settings, fleet_state(loop, spec))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             problems = [specs.Problem("spec", f"cannot build the workers from this spec: {exc!r}")]
     if problems:
-        message = "; ".join(str(p) for p in problems)
-        _event(body, "InvalidSpec", message)
-        observed = statuses.Observed(generation=body.get("metadata", {}).get("generation"), problems=tuple(problems))
-        return statuses.compute(observed, prev, _iso(time.time()))
+        _event(body, "InvalidSpec", "; ".join(str(p) for p in problems))
+        await write_status(memo, ns, name, problems=problems)
+        return
     if _canary_hash(spec) != (prev.get("canary") or {}).get("configHash") and loop.canary_phase != "Idle":
         loop = dataclasses.replace(loop, canary_phase="Idle", canary_step=0, canary_weight=None, step_since=None,
                                    failed_checks=0, last_analysis=None)
-    fleet = fleet_state(loop, spec)
-    results, errors = await _apply_children(body, spec, fleet, memo)
-    name = body["metadata"]["name"]
+    results, errors = await _apply_children(body, spec, fleet_state(loop, spec), memo)
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:
         _event(body, "Created", "created " + ", ".join(created))
     if errors:
         _event(body, "ApplyFailed", "; ".join(errors))
-    stable = results.get(("Deployment", manifests.child_name(name, "stable")), (None, None))[1]
-    canary = results.get(("Deployment", manifests.child_name(name, "canary")), (None, None))[1]
-    observed = _observed(body, spec, loop, stable, canary, errors, m)
-    new = _status(observed, body, loop, spec)
-    if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
-        _event(body, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
-    metrics.export_state(body["metadata"]["namespace"], name, new)
-    return new
+    await write_status(memo, ns, name, loop=loop, m=m, errors=errors)
+
+
+def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
+    locks = memo.setdefault("status_locks", {})
+    return locks.setdefault((namespace, name), asyncio.Lock())
+
+
+async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.LoopState | None = None,
+                       m: policy.Metrics | None = None, errors: Sequence[str] = (),
+                       problems: Sequence[specs.Problem] = ()) -> dict[str, Any] | None:
+    """Read the resource and its workers, compute the status, write it if it changed.
+
+    Every status write of this operator goes through here, one at a time per resource, and reads
+    what is live inside the lock: so the last write always reflects the latest observation.
+    """
+    kube: Kube = memo.kube
+    async with _lock(memo, namespace, name):
+        sdd = await kube.get(API_VERSION, KIND, namespace, name)
+        if sdd is None or sdd["metadata"].get("deletionTimestamp"):
+            return None
+        prev = sdd.get("status") or {}
+        spec = specs.with_defaults(sdd.get("spec") or {})
+        problems = list(problems) or specs.problems(spec)
+        if problems:
+            observed = statuses.Observed(generation=sdd["metadata"].get("generation"), problems=tuple(problems))
+            new = statuses.compute(observed, prev, _iso(time.time()))
+        else:
+            loop = loop or loop_state(prev)
+            stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
+            canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
+                if spec.get("canary") else None
+            new = _status(_observed(sdd, spec, loop, stable, canary, list(errors), m), sdd, loop, spec)
+            if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
+                _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
+        if _changed(prev, new):
+            await kube.patch(API_VERSION, KIND, namespace, name, {"status": new}, subresource="status")
+        metrics.export_state(namespace, name, new)
+        return new
 
 
 @kopf.on.login()
@@ -205,8 +233,8 @@ async def cleanup(memo: Any, **_: Any) -> None:
 @kopf.on.resume(*SDD)
 @kopf.on.create(*SDD)
 @kopf.on.update(*SDD, field="spec")
-async def reconcile_handler(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, **_: Any) -> None:
-    patch["status"] = await reconcile(body, memo)
+async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    await reconcile(body, memo)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=WORKER_LABELS)
@@ -214,25 +242,7 @@ async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A worker Deployment moved (pods became ready, a rollout finished): refresh its owner's status."""
     name = body.get("metadata", {}).get("labels", {}).get(manifests.LABEL_SDD)
     if name:
-        await refresh_status(memo, body["metadata"]["namespace"], name)
-
-
-async def refresh_status(memo: Any, namespace: str, name: str) -> None:
-    kube: Kube = memo.kube
-    sdd = await kube.get(API_VERSION, KIND, namespace, name)
-    if sdd is None or sdd["metadata"].get("deletionTimestamp"):
-        return
-    spec = specs.with_defaults(sdd.get("spec") or {})
-    if specs.problems(spec):
-        return  # the reconcile handler has reported it
-    prev = sdd.get("status") or {}
-    loop = loop_state(prev)
-    stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
-    canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
-        if spec.get("canary") else None
-    new = _status(_observed(sdd, spec, loop, stable, canary, []), sdd, loop, spec)
-    if _changed(prev, new):
-        await kube.patch(API_VERSION, KIND, namespace, name, {"status": new}, subresource="status")
+        await write_status(memo, body["metadata"]["namespace"], name)
 
 
 @kopf.daemon(*SDD, cancellation_timeout=5.0)
@@ -262,17 +272,9 @@ async def tick(body: Any, memo: Any) -> None:
     for reason, message in decision.events:
         _event(body, reason, message)
     if fleet_state(decision.state, spec) != fleet_state(before, spec):
-        new = await reconcile(body, memo, decision.state, observed_metrics)
+        await reconcile(body, memo, decision.state, observed_metrics)
     else:
-        kube: Kube = memo.kube
-        stable = await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "stable"))
-        canary = await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")) \
-            if spec.get("canary") else None
-        new = _status(_observed(body, spec, decision.state, stable, canary, [], observed_metrics),
-                      body, decision.state, spec)
-    if _changed(prev, new):
-        await memo.kube.patch(API_VERSION, KIND, ns, name, {"status": new}, subresource="status")
-    metrics.export_state(ns, name, new)
+        await write_status(memo, ns, name, loop=decision.state, m=observed_metrics)
 
 
 @kopf.on.delete(*SDD)

@@ -1,6 +1,6 @@
 """A small async Kubernetes client for the objects the operator owns: get, create, patch, delete,
-and `apply` (create; on 409 a three-way JSON merge patch against the last applied state, so
-an unchanged object costs one GET and no write). Built from kopf's ConnectionInfo.
+and `apply` (GET; create when absent, a 409 meaning "already there"; otherwise a three-way
+JSON merge patch against the last applied state, so an unchanged object costs one GET, no write). Built from kopf's ConnectionInfo.
 """
 from __future__ import annotations
 
@@ -212,17 +212,19 @@ class Kube:
         """
         meta = desired["metadata"]
         record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
-        body = json.loads(record)
-        body["metadata"].setdefault("annotations", {})[LAST_APPLIED] = record
-        try:
-            return "created", await self.create(body)
-        except ApiError as exc:
-            if exc.status != 409:
-                raise
         live = await self.get(desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"])
-        if live is None:  # deleted between the 409 and the GET: the next reconcile creates it
-            raise ApiError(409, "Conflict", "the object vanished while being applied",
-                           f"{desired['kind']} {meta.get('namespace')}/{meta['name']}")
+        if live is None:
+            body = json.loads(record)
+            body["metadata"].setdefault("annotations", {})[LAST_APPLIED] = record
+            try:
+                return "created", await self.create(body)
+            except ApiError as exc:
+                if exc.status != 409:  # 409: created meanwhile (another reconcile): patch it below
+                    raise
+            live = await self.get(desired["apiVersion"], desired["kind"], meta.get("namespace"), meta["name"])
+            if live is None:
+                raise ApiError(409, "Conflict", "the object vanished while being applied",
+                               f"{desired['kind']} {meta.get('namespace')}/{meta['name']}")
         last = json.loads(live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED, "{}"))
         patch = _deep_update(merge_diff(last, desired), drift(live, desired))
         if not patch:

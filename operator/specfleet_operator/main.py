@@ -42,6 +42,7 @@ class Options:
     liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     metrics_port: int | None = None
     workers: int = 32  # concurrent reconciles
+    release_on_exit: bool = True  # False mimics a crash: the standby waits the Lease out
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -103,10 +104,10 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
             waiters.add(asyncio.create_task(elector.hold()))
         done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
         lost = options.leader_election and not stop_event.is_set() and running not in done
-        kopf_stop.set()
-        await running
-        for task in pending:
+        for task in pending - {running}:
             task.cancel()
+        kopf_stop.set()
+        await running  # stop reconciling before the Lease is released (never two leaders)
         if isinstance(stop, threading.Event):
             watcher.cancel()
         if lost:
@@ -116,7 +117,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
     finally:
         if leading is not None:
             leading.clear()
-        if options.leader_election:
+        if options.leader_election and options.release_on_exit:
             try:
                 await elector.release()
             except Exception as exc:  # the Lease expires on its own anyway

@@ -56,6 +56,8 @@ class Cluster(kmock.KubernetesEmulator):
             meta = request.data.setdefault("metadata", {}) if request.action in (
                 enums.action.CREATE, enums.action.UPDATE) else None
             if request.action == enums.action.CREATE:
+                if not meta.get("name") and meta.get("generateName"):
+                    meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
                 meta.setdefault("uid", str(uuid.uuid4()))
                 meta.update(resourceVersion=str(next(self._rv)), generation=1, creationTimestamp=_now())
                 deployment_written = request.resource.plural == "deployments"
@@ -109,7 +111,7 @@ class Cluster(kmock.KubernetesEmulator):
         return [obj.raw for (r, _, _), obj in self._objects.items() if r == res and not obj.deleted]
 
     def writes(self, method: str, path_part: str) -> int:
-        return sum(1 for r in self.requests if str(r.method).upper().endswith(method) and path_part in r.url.path)
+        return sum(1 for r in self if str(r.method).upper().endswith(method) and path_part in r.url.path)
 
 
 def declare_resources(cluster: Cluster) -> None:

@@ -1,0 +1,47 @@
+"""Two operator replicas and a Lease: exactly one reconciles; the other takes over."""
+import time
+
+from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
+
+LEASE = 2.0  # seconds; production uses 15
+
+
+def holder(cluster):
+    lease = cluster.live("coordination.k8s.io/v1", "leases", "default", "specfleet-operator")
+    return (lease or {}).get("spec", {}).get("holderIdentity")
+
+
+async def _failover(cluster, kube, crash):
+    a = OperatorThread(cluster.endpoint, "op-a", leader_election=True, lease_duration=LEASE)
+    b = OperatorThread(cluster.endpoint, "op-b", leader_election=True, lease_duration=LEASE)
+    a.options.release_on_exit = b.options.release_on_exit = not crash
+    a.start()
+    await wait_for(lambda: a.leading.is_set(), 10, "op-a leads")
+    b.start()
+    try:
+        await kube.create(sdd_body("one"))
+        await wait_for(lambda: ready(cluster, "one"), 20, "Ready under op-a")
+        assert holder(cluster) == "op-a" and not b.leading.is_set() and not b.ready.is_set()
+        stopped = time.monotonic()
+        await a.stop_and_join()
+        await wait_for(lambda: b.leading.is_set(), 10 + LEASE * 2, "op-b takes over")
+        took_over = time.monotonic() - stopped
+        assert holder(cluster) == "op-b"
+        await kube.create(sdd_body("two"))
+        await wait_for(lambda: ready(cluster, "two"), 20, "Ready under op-b")
+        print(f"\nfailover ({'crash, lease expiry' if crash else 'clean stop, lease released'}): {took_over:.2f}s")
+        return took_over
+    finally:
+        for op in (a, b):
+            if op.thread.is_alive():
+                await op.stop_and_join()
+
+
+async def test_clean_stop_hands_over_at_once(cluster, kube):
+    took = await _failover(cluster, kube, crash=False)
+    assert took < LEASE  # released, so no need to wait for expiry
+
+
+async def test_crashed_holder_is_replaced_after_the_lease_expires(cluster, kube):
+    took = await _failover(cluster, kube, crash=True)
+    assert LEASE * 0.5 <= took < LEASE * 3

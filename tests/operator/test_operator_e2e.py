@@ -1,0 +1,193 @@
+"""The real kopf operator, in-process, against kmock's KubernetesEmulator on loopback."""
+import json
+import pathlib
+import time
+
+import yaml
+
+from specfleet_operator import API_VERSION, KIND, manifests as m
+from specfleet_operator.kube import ApiError
+from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SDDS = "specdecodedeployments"
+CHILD_PLURALS = {"ConfigMap": ("v1", "configmaps"), "Service": ("v1", "services"),
+                 "Deployment": ("apps/v1", "deployments"), "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+                 "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
+                 "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
+                 "PrometheusRule": ("monitoring.coreos.com/v1", "prometheusrules")}
+
+
+def example(name):
+    return yaml.safe_load((ROOT / "deploy" / "examples" / f"{name}.yaml").read_text())
+
+
+def children_of(cluster, sdd_name, ns="default"):
+    out = {}
+    for api_version, kind, name in m.child_refs(sdd_name):
+        obj = cluster.live(api_version, CHILD_PLURALS[kind][1], ns, name)
+        if obj is not None:
+            out[(kind, name)] = obj
+    return out
+
+
+def pod_hash(deployment):
+    return deployment["spec"]["template"]["metadata"]["annotations"][m.ANNOTATION_CONFIG_HASH]
+
+
+def events(cluster, reason):
+    return [e for e in cluster.all_live("v1", "events") if e.get("reason") == reason]
+
+
+async def test_example_creates_every_child_owned_labelled_and_secured(cluster, kube):
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        created = await kube.create(example("draft-model"))
+        try:
+            await wait_for(lambda: ready(cluster, "llama-draft"), 8, "llama-draft Ready")
+        except AssertionError:
+            print(cluster.live(API_VERSION, SDDS, "default", "llama-draft"))
+            print([e.get("message") for e in cluster.all_live("v1", "events")])
+            raise
+        kids = children_of(cluster, "llama-draft")
+        assert set(kids) == {("ConfigMap", "llama-draft-engine"), ("Service", "llama-draft"),
+                             ("Service", "llama-draft-metrics"), ("Deployment", "llama-draft-stable"),
+                             ("PodDisruptionBudget", "llama-draft-stable"),
+                             ("HorizontalPodAutoscaler", "llama-draft-stable"),
+                             ("ServiceMonitor", "llama-draft-workers"), ("PrometheusRule", "llama-draft-alerts")}
+        for obj in kids.values():
+            (owner,) = obj["metadata"]["ownerReferences"]
+            assert owner == {"apiVersion": API_VERSION, "kind": KIND, "name": "llama-draft",
+                             "uid": created["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+            assert obj["metadata"]["labels"][m.LABEL_SDD] == "llama-draft"
+        pod = kids[("Deployment", "llama-draft-stable")]["spec"]["template"]["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True
+        assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        engine = json.loads(kids[("ConfigMap", "llama-draft-engine")]["data"]["engine.json"])
+        assert engine["draft"] == {"method": "draft-model", "uri": "hf://meta-llama/Llama-3.2-1B-Instruct"}
+        assert engine["routing"]["byPromptType"] == {"code": "ngram", "chat": "draft-model"}
+        assert engine["quantization"] == "fp8" and engine["role"] == "stable"
+        status = cluster.live(API_VERSION, SDDS, "default", "llama-draft")["status"]
+        assert status["observedGeneration"] == 1 and status["kRange"] == "1-6"
+        assert events(cluster, "Created")
+    finally:
+        await op.stop_and_join()
+    assert op.result == 0
+
+
+async def test_update_rolls_exactly_the_stable_deployment(cluster, kube):
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        await kube.create(example("canary-1pct"))
+        await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
+        before = children_of(cluster, "smollm2-canary")
+        canary_writes = cluster.writes("PATCH", "/deployments/smollm2-canary-canary")
+        # kMax is overridden by the canary, so only the stable workers' config changes.
+        await kube.patch(API_VERSION, KIND, "default", "smollm2-canary", {"spec": {"speculation": {"kMax": 6}}})
+        stable_key = ("Deployment", "smollm2-canary-stable")
+        await wait_for(lambda: pod_hash(children_of(cluster, "smollm2-canary")[stable_key]) != pod_hash(
+            before[stable_key]), 20, "stable rolled")
+        await wait_for(lambda: cluster.live(API_VERSION, SDDS, "default", "smollm2-canary")["status"]
+                       .get("observedGeneration") == 2, 20, "generation 2 observed")
+        after = children_of(cluster, "smollm2-canary")
+        canary_key = ("Deployment", "smollm2-canary-canary")
+        assert pod_hash(after[canary_key]) == pod_hash(before[canary_key])
+        assert cluster.writes("PATCH", "/deployments/smollm2-canary-canary") == canary_writes
+        engine = json.loads(after[("ConfigMap", "smollm2-canary-engine")]["data"]["engine.json"])
+        assert engine["speculation"]["kMax"] == 6
+        assert len(events(cluster, "Rolled")) == 1
+    finally:
+        await op.stop_and_join()
+
+
+async def test_delete_removes_every_child_and_the_finalizer(cluster, kube):
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        await kube.create(example("canary-1pct"))
+        await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
+        assert len(children_of(cluster, "smollm2-canary")) == 7
+        await kube.delete(API_VERSION, KIND, "default", "smollm2-canary")
+        await wait_for(lambda: cluster.live(API_VERSION, SDDS, "default", "smollm2-canary") is None, 20, "SDD gone")
+        assert children_of(cluster, "smollm2-canary") == {}
+    finally:
+        await op.stop_and_join()
+
+
+async def test_dropping_the_canary_removes_its_children(cluster, kube):
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        await kube.create(example("canary-1pct"))
+        await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
+        await kube.patch(API_VERSION, KIND, "default", "smollm2-canary", {"spec": {"canary": None}})
+        await wait_for(lambda: ("Deployment", "smollm2-canary-canary") not in children_of(cluster, "smollm2-canary"),
+                       20, "canary removed")
+        assert ("Service", "smollm2-canary-canary-metrics") not in children_of(cluster, "smollm2-canary")
+    finally:
+        await op.stop_and_join()
+
+
+async def test_invalid_spec_gets_a_condition_and_event_not_a_crash(cluster, kube):
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        bad = sdd_body("bad", speculation={"kMin": 6, "kInitial": 2, "kMax": 8})  # CEL would reject it
+        await kube.create(bad)
+
+        def invalid():
+            st = (cluster.live(API_VERSION, SDDS, "default", "bad") or {}).get("status", {})
+            return [c for c in st.get("conditions", []) if c["type"] == "Ready" and c["reason"] == "InvalidSpec"]
+        (cond,) = await wait_for(invalid, 20, "InvalidSpec condition")
+        assert cond["status"] == "False" and "spec.speculation" in cond["message"]
+        assert events(cluster, "InvalidSpec")
+        assert children_of(cluster, "bad") == {}
+        await kube.create(sdd_body("good"))  # the operator keeps working
+        await wait_for(lambda: ready(cluster, "good"), 20, "good Ready")
+    finally:
+        await op.stop_and_join()
+    assert op.result == 0
+
+
+async def test_restart_mid_reconcile_creates_no_duplicates_and_no_writes(cluster, kube):
+    names = [f"fleet-{i}" for i in range(6)]
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    for name in names:
+        await kube.create(sdd_body(name, canary={"weight": 10}))
+    await wait_for(lambda: cluster.all_live("apps/v1", "deployments"), 20, "a first Deployment")
+    await op.stop_and_join()  # stopped in the middle of the work
+    op2 = OperatorThread(cluster.endpoint, "op-b").start()
+    try:
+        await wait_for(lambda: all(ready(cluster, n) for n in names), 30, "all Ready after restart")
+        deployments = [d["metadata"]["name"] for d in cluster.all_live("apps/v1", "deployments")]
+        assert sorted(deployments) == sorted(f"{n}-{r}" for n in names for r in ("stable", "canary"))
+        creates = [r for r in cluster if str(r.method).upper().endswith("POST") and "/deployments" in r.url.path]
+        assert len(creates) >= len(deployments)  # 409s on retry are fine; duplicates are impossible by name
+    finally:
+        await op2.stop_and_join()
+    writes = lambda: sum(cluster.writes(v, p) for v in ("POST", "PATCH") for p in ("/deployments", "/services", "/configmaps"))
+    before = writes()
+    op3 = OperatorThread(cluster.endpoint, "op-c").start()  # a restart with nothing to do
+    try:
+        await wait_for(lambda: op3.ready.is_set(), 10, "op-c ready")
+        await wait_for(lambda: cluster.writes("GET", "/deployments/fleet-5-canary") > 0, 10, "resumed")
+        time_limit = time.monotonic() + 1.0
+        while time.monotonic() < time_limit:
+            await __import__("asyncio").sleep(0.1)
+        assert writes() == before
+    finally:
+        await op3.stop_and_join()
+
+
+async def test_kubectl_objects_conflict_is_handled_as_already_there(cluster, kube):
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "c", "namespace": "default"},
+            "data": {"a": "1", "b": "2"}}
+    assert (await kube.apply(body))[0] == "created"
+    assert (await kube.apply(body))[0] == "unchanged"
+    body["data"].pop("b")
+    action, live = await kube.apply(body)
+    assert action == "updated" and live["data"] == {"a": "1"}
+    try:
+        await kube.create(body)
+    except ApiError as exc:
+        assert exc.status == 409
+    else:
+        raise AssertionError("a second create must conflict")
