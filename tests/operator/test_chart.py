@@ -1,0 +1,151 @@
+"""The Helm chart, rendered by the real Helm engine (helm-python-sdk)."""
+import json
+import pathlib
+import re
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from specfleet_operator import manifests
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+CHART = ROOT / "charts" / "specfleet"
+VALUES_FILES = sorted((CHART / "ci").glob("*-values.yaml"))
+# prometheus-operator's kinds have no schema in kubernetes-validate: checked by hand below.
+OWN_SCHEMA_KINDS = {"PrometheusRule"}
+
+
+def render(values):
+    out = helm.Chart.load(str(CHART)).render(values, name="specfleet", namespace="specfleet-system",
+                                             is_install=True)
+    docs = [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
+    return docs, out
+
+
+@pytest.mark.parametrize("path", VALUES_FILES, ids=lambda p: p.name)
+def test_renders_and_every_object_validates(path):
+    values = yaml.safe_load(path.read_text()) or {}
+    docs, out = render(values)
+    assert any(d["kind"] == "Deployment" for d in docs)
+    for doc in docs:
+        if doc["kind"] in OWN_SCHEMA_KINDS:
+            continue
+        kubernetes_validate.validate(doc, "1.30", strict=True)
+    assert "NOTES.txt" in "".join(out)
+
+
+def test_lint_strict_passes_for_every_values_file():
+    for path in [None, *VALUES_FILES]:
+        values = yaml.safe_load(path.read_text()) if path else None
+        report = helm.lint(str(CHART), values or None, strict=True)
+        assert report["errors"] == [], (path, report)
+        assert not [m for m in report["messages"] if m["severity"] >= 2], (path, report)
+
+
+def test_schema_rejects_a_misspelt_value():
+    chart = helm.Chart.load(str(CHART))
+    chart.validate_schema({"replicaCount": 3})
+    for bad in ({"replicaCont": 3}, {"image": {"tga": "x"}}, {"leaderElection": {"enable": True}},
+                {"prometheusRule": {"enabled": "yes"}}):
+        with pytest.raises(helm.HelmError):
+            chart.validate_schema(bad)
+
+
+def test_values_are_all_documented():
+    """Each key has a comment right above it, or sits inside a documented parent (e.g. resources)."""
+    lines = (CHART / "values.yaml").read_text().splitlines()
+
+    def documented(i):
+        line = lines[i]
+        indent = len(line) - len(line.lstrip())
+        if i > 0 and lines[i - 1].strip().startswith("#"):
+            return True
+        for j in range(i - 1, -1, -1):  # the parent key: the nearest line indented less
+            above = lines[j]
+            if above.strip() and not above.strip().startswith("#") and len(above) - len(above.lstrip()) < indent:
+                return above.strip().endswith(":") and documented(j) and not lines[j + 1].strip().startswith("#")
+        return False
+
+    keys = [i for i, line in enumerate(lines) if re.match(r"^\s*[A-Za-z_][\w.-]*:", line)]
+    assert len(keys) > 30
+    for i in keys:
+        if not lines[i].strip().endswith(":"):
+            assert documented(i), f"values.yaml line {i + 1} is not documented: {lines[i]}"
+
+
+def test_crd_copy_is_byte_identical():
+    assert (CHART / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_bytes() == \
+        (ROOT / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_bytes()
+
+
+def test_dashboard_json_is_the_same_in_deploy_and_covers_the_panels():
+    chart_copy = (CHART / "files" / "specfleet-dashboard.json").read_bytes()
+    assert chart_copy == (ROOT / "deploy" / "dashboards" / "specfleet.json").read_bytes()
+    dash = json.loads(chart_copy)
+    text = json.dumps(dash)
+    for metric in ("spec_decode_acceptance_rate", "spec_decode_avg_accepted_tokens",
+                   "spec_decode_draft_k_distribution_bucket", "spec_decode_tree_branch_factor",
+                   "spec_decode_total_speedup_ratio", "histogram_quantile", "specfleet_fallback_active"):
+        assert metric in text
+    docs, _ = render({"dashboard": {"enabled": True}})
+    (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
+    assert json.loads(cm["data"]["specfleet.json"]) == dash
+
+
+def test_prometheus_rule_has_the_standard_alerts_matching_the_operator():
+    docs, _ = render({"prometheusRule": {"enabled": True, "window": "5m", "alphaDrop": 0.1, "speedupFloor": 1}})
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    rendered = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
+    expected = {r["alert"]: r for r in manifests.alert_rules("", "5m", 0.1, 1)}
+    assert set(rendered) == {"SpecDecodeAlphaDrop", "SpecDecodeSpeedupBelowOne", "SpecDecodeDraftErrors",
+                             "SpecDecodeFallbackEntered"}
+    for name, r in expected.items():
+        assert rendered[name]["expr"] == r["expr"], name
+        assert rendered[name]["labels"] == r["labels"]
+    for r in rendered.values():  # the shape prometheus-operator requires
+        assert set(r) <= {"alert", "expr", "for", "labels", "annotations"} and isinstance(r["expr"], str)
+
+
+def _rules(docs, kind):
+    return [rule for d in docs if d["kind"] == kind for rule in d["rules"]]
+
+
+def test_rbac_is_least_privilege_and_matches_the_kustomize_base():
+    docs, _ = render({})
+    chart_rules = _rules(docs, "ClusterRole")
+    base = [d for d in yaml.safe_load_all((ROOT / "deploy" / "base" / "rbac.yaml").read_text())]
+    assert chart_rules == _rules(base, "ClusterRole")
+    assert _rules(docs, "Role") == _rules(base, "Role")
+    for rule in chart_rules + _rules(docs, "Role"):
+        assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+        assert "escalate" not in rule["verbs"] and "bind" not in rule["verbs"]
+    assert not any(r["resources"] == ["secrets"] for r in chart_rules)
+    (binding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+    assert binding["roleRef"]["name"] != "cluster-admin"
+
+
+def test_namespaced_mode_grants_nothing_cluster_wide_but_discovery():
+    docs, _ = render({"watchNamespaces": ["team-a"]})
+    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
+    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
+                                      "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]}]
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    assert "--namespace=team-a" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_operator_pods_are_restricted_and_ha():
+    docs, _ = render({})
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert deployment["spec"]["replicas"] == 2 and pod["securityContext"]["runAsNonRoot"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert any(d["kind"] == "PodDisruptionBudget" for d in docs)
+
+
+def test_long_release_names_are_truncated_to_63():
+    out = helm.Chart.load(str(CHART)).render({}, name="r" * 60, namespace="ns", is_install=True)
+    docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    assert all(len(d["metadata"]["name"]) <= 63 for d in docs)
