@@ -245,7 +245,8 @@ async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         await write_status(memo, body["metadata"]["namespace"], name)
 
 
-@kopf.daemon(*SDD, cancellation_timeout=5.0)
+# A tick is idempotent, so a stopping daemon may be cancelled mid-tick after a second.
+@kopf.daemon(*SDD, cancellation_timeout=1.0)
 async def control_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     """Every loop_interval: observe the workers' metrics, decide, and act on the decision."""
     while not stopped:
