@@ -1,0 +1,114 @@
+"""The `specfleet` command line: one entry point with a subcommand per job.
+
+Heavy imports (torch, transformers, kopf) happen inside each subcommand, so `--help` is instant
+and the operator's subcommand never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+DESCRIPTION = """\
+specfleet: lossless speculative decoding, managed as a self-correcting fleet.
+
+Run `specfleet demo` for the local default: the benchmark on SmolLM2-135M-Instruct.
+"""
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a .gguf file, a Hugging Face checkpoint folder (safetensors), or smollm2-135m (default)")
+    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="activation and weight dtype")
+    p.add_argument("--quantization", choices=["none", "int8"], default="none",
+                   help="int8: weight-only int8 with per-channel scales")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = sub.add_parser("demo", help="the main job on the embedded default: a short benchmark on SmolLM2-135M")
+    p.add_argument("--per-category", type=int, default=1, help="questions per Spec-Bench category (default 1)")
+    p.add_argument("--max-tokens", type=int, default=128)
+
+    p = sub.add_parser("generate", help="generate text for one prompt, with or without speculation")
+    _add_engine_args(p)
+    p.add_argument("prompt", help="the user message (the chat template is applied)")
+    p.add_argument("--method", choices=["ngram", "draft-model", "none"], default="ngram")
+    p.add_argument("--draft-model", default=None, help="draft model for --method draft-model")
+    p.add_argument("-k", type=int, default=4, help="draft tokens per step")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None)
+
+    p = sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category")
+    from .bench import add_bench_args
+
+    add_bench_args(p)
+
+    p = sub.add_parser("serve", help="run the gRPC worker (see docs/worker-contract.md)")
+    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for the worker; --help lists them")
+
+    p = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
+    p.add_argument("operator_args", nargs=argparse.REMAINDER, help="arguments for the operator; --help lists them")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command is None:
+            parser.print_help()
+            return 0
+        if args.command == "demo":
+            from .bench import run_demo
+
+            return run_demo(args.per_category, args.max_tokens)
+        if args.command == "generate":
+            return _generate(args)
+        if args.command == "bench":
+            from .bench import run_bench
+
+            return run_bench(args)
+        if args.command == "serve":
+            from .server.main import main as serve_main
+
+            return serve_main(args.serve_args)
+        if args.command == "operator":
+            from specfleet_operator.main import run as operator_main
+
+            return operator_main(args.operator_args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specfleet {args.command}: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _generate(args) -> int:
+    import time
+
+    from .engine import Engine
+    from .factory import build_engine_parts
+    from .sampling import SamplingParams
+
+    model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
+                                                     args.draft_model, args.threads)
+    engine = Engine(model, tokenizer, proposers=proposers)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed)
+    params.validate()
+    t = time.perf_counter()
+    seq = engine.generate(tokenizer.chat(args.prompt), params, args.method, args.k)
+    dt = time.perf_counter() - t
+    print(engine.text_of(seq))
+    s = seq.stats
+    print(f"\n[{len(seq.output)} tokens in {dt:.2f}s, {len(seq.output) / dt:.1f} tok/s; method {args.method}, "
+          f"tau {s.mean_accepted_length:.2f}, alpha {s.acceptance_rate:.2f}, finish {seq.finish_reason}]",
+          file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

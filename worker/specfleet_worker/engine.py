@@ -1,0 +1,303 @@
+"""The decoding engine: prefill, plain decoding and speculative decoding over a batch.
+
+`Engine.step()` is one iteration of continuous batching: sequences that arrived are prefilled,
+then every running sequence advances by one target forward that covers all of them, each with
+its own draft (possibly none: a plain decoding step). Verification, EOS, stop strings, max_tokens
+and logprobs are all handled inside the step, and each step returns its statistics.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from .kv_cache import BlockTable, PagedKVCache
+from .model import AttentionMetadata, Transformer
+from .proposers import NgramProposer, Proposal, Proposer
+from .sampling import SamplingParams, logits_to_probs, sample, verify_greedy, verify_sampling
+
+NO_SPECULATION = "none"
+
+
+@dataclass
+class StepStats:
+    """What one decoding step of one sequence did (gpt-fast's accept_counts, per step)."""
+
+    method: str
+    num_draft_tokens: int
+    num_accepted: int
+    bonus: bool
+    num_emitted: int  # tokens appended to the output (after EOS / stop / max_tokens cuts)
+
+
+@dataclass
+class SequenceStats:
+    """Accumulated over a request: what vLLM reports as per-request speculative metrics."""
+
+    num_steps: int = 0  # decoding steps (target forwards) after the prefill
+    num_drafts: int = 0  # steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    draft_errors: int = 0
+
+    def add(self, s: StepStats) -> None:
+        self.num_steps += 1
+        if s.num_draft_tokens:
+            self.num_drafts += 1
+            self.num_draft_tokens += s.num_draft_tokens
+            self.num_accepted_tokens += s.num_accepted
+            if len(self.accepted_per_position) < s.num_draft_tokens:
+                self.accepted_per_position += [0] * (s.num_draft_tokens - len(self.accepted_per_position))
+            for i in range(s.num_accepted):
+                self.accepted_per_position[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        """alpha: accepted draft tokens / draft tokens."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau: tokens produced per decoding step (1.0 for plain decoding)."""
+        return (self.num_accepted_tokens + self.num_steps) / self.num_steps if self.num_steps else 0.0
+
+
+_ids = itertools.count()
+
+
+class Sequence:
+    def __init__(self, prompt: list[int], params: SamplingParams, method: str, k: int,
+                 block_table: BlockTable, request_id: str | None = None):
+        self.seq_id = next(_ids)
+        self.request_id = request_id or f"seq-{self.seq_id}"
+        self.tokens = list(prompt)
+        self.prompt_len = len(prompt)
+        self.params = params
+        self.method = method
+        self.k = k
+        self.block_table = block_table
+        self.generator = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.text: str | None = None
+        self.stats = SequenceStats()
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.prefilled = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len:]
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    def token_array(self) -> np.ndarray:
+        return np.asarray(self.tokens, dtype=np.int64)
+
+
+@dataclass
+class StepOutput:
+    seq: Sequence
+    new_tokens: list[int]
+    stats: StepStats | None  # None for the prefill's first token
+
+
+class Engine:
+    def __init__(
+        self,
+        model: Transformer,
+        tokenizer=None,
+        *,
+        proposers: dict[str, Proposer] | None = None,
+        max_kv_tokens: int = 32768,
+        block_size: int = 16,
+        eos_token_ids: list[int] | None = None,
+    ):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.proposers: dict[str, Proposer] = {"ngram": NgramProposer()} if proposers is None else dict(proposers)
+        self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype)
+        self.max_len = model.args.max_position_embeddings
+        if eos_token_ids is None:
+            eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.args.eos_token_ids
+        self.eos = set(eos_token_ids)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+
+    # -- requests -----------------------------------------------------------------------------
+
+    def add(self, prompt: list[int], params: SamplingParams, method: str = "ngram", k: int = 4,
+            request_id: str | None = None) -> Sequence:
+        if not prompt:
+            raise ValueError("prompt must hold at least one token")
+        if len(prompt) >= self.max_len:
+            raise ValueError(f"prompt is {len(prompt)} tokens; the context holds {self.max_len}")
+        if method != NO_SPECULATION and method not in self.proposers:
+            raise ValueError(f"unknown speculation method {method!r}; have {sorted(self.proposers) + [NO_SPECULATION]}")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer")
+        seq = Sequence(prompt, params, method, k, BlockTable(self.cache), request_id)
+        self.waiting.append(seq)
+        return seq
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        if seq in self.waiting:
+            self.waiting.remove(seq)
+        if not seq.finished:
+            seq.finish_reason = reason
+        self._release(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        seq.block_table.free()
+        proposer = self.proposers.get(seq.method)
+        if proposer is not None:
+            proposer.release(seq)
+
+    # -- one iteration ------------------------------------------------------------------------
+
+    def step(self) -> list[StepOutput]:
+        outputs: list[StepOutput] = []
+        decoding = [s for s in self.running if not s.finished]
+        if self.waiting:
+            new, self.waiting = self.waiting, []
+            outputs += self._prefill(new)
+            self.running += [s for s in new if not s.finished]
+        if decoding:
+            outputs += self._decode(decoding)
+        return outputs
+
+    def _forward(self, seqs: list[Sequence], inputs: list[list[int]], logits_rows: str) -> Tensor:
+        """One target forward over the new tokens of several sequences.
+
+        logits_rows: "last" (one row per sequence) or "all" (every input token)."""
+        tokens, positions, slots, cu, ctx, starts, last = [], [], [], [0], [], [], []
+        for seq, new in zip(seqs, inputs):
+            start = seq.block_table.num_tokens
+            slots.append(seq.block_table.append_slots(len(new)))
+            positions.append(torch.arange(start, start + len(new)))
+            tokens += new
+            cu.append(cu[-1] + len(new))
+            ctx.append(seq.block_table.slots())
+            starts.append(seq.block_table.contiguous_start())
+            last.append(cu[-1] - 1)
+        meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), cu, ctx, [None] * len(seqs), starts)
+        idx = torch.tensor(last) if logits_rows == "last" else None
+        with torch.inference_mode():
+            return self.model(torch.tensor(tokens), meta, self.cache.layers, idx)
+
+    def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
+        logits = self._forward(seqs, [s.tokens for s in seqs], "last")  # [B, V]
+        outs = []
+        for seq, row in zip(seqs, logits):
+            seq.prefilled = True
+            token = int(sample(row[None], seq.params, seq.generator))
+            emitted = self._emit(seq, [token], row[None])
+            seq.first_token_time = time.perf_counter()
+            outs.append(StepOutput(seq, emitted, None))
+        return outs
+
+    def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
+        proposals: dict[int, Proposal] = {}
+        by_method: dict[str, list[Sequence]] = {}
+        for seq in seqs:
+            by_method.setdefault(seq.method, []).append(seq)
+        for method, group in by_method.items():
+            # never draft past the context or past max_tokens
+            ks = [max(0, min(s.k, self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
+                  if method != NO_SPECULATION else 0 for s in group]
+            if method == NO_SPECULATION or not any(ks):
+                results = [Proposal([], None) for _ in group]
+            else:
+                try:
+                    results = self.proposers[method].propose(group, ks)
+                except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
+                    for s in group:
+                        s.stats.draft_errors += 1
+                    results = [Proposal([], None) for _ in group]
+            for s, p in zip(group, results):
+                proposals[s.seq_id] = p
+        return [proposals[s.seq_id] for s in seqs]
+
+    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+        proposals = self._propose(seqs)
+        inputs = [[s.tokens[-1]] + p.draft_tokens for s, p in zip(seqs, proposals)]
+        logits = self._forward(seqs, inputs, "all")  # [sum(1 + k_i), V]
+        outs, offset = [], 0
+        for seq, prop in zip(seqs, proposals):
+            k = len(prop.draft_tokens)
+            rows = logits[offset:offset + k + 1]
+            offset += k + 1
+            context = len(seq.tokens)  # the cache now holds context + k positions
+            draft = torch.tensor(prop.draft_tokens, dtype=torch.long)
+            if seq.params.greedy:
+                result = verify_greedy(rows, draft)
+            else:
+                result = verify_sampling(logits_to_probs(rows, seq.params), draft, prop.draft_probs, seq.generator)
+            seq.block_table.truncate(context + result.num_accepted)
+            emitted = self._emit(seq, result.tokens, rows)
+            stats = StepStats(seq.method if k else NO_SPECULATION, k, result.num_accepted, result.bonus, len(emitted))
+            seq.stats.add(stats)
+            if not seq.finished and seq.method in self.proposers:
+                self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
+            outs.append(StepOutput(seq, emitted, stats))
+        return outs
+
+    def _emit(self, seq: Sequence, tokens: list[int], rows: Tensor) -> list[int]:
+        """Appends verified tokens one by one, stopping at EOS, a stop string or max_tokens."""
+        emitted = []
+        logprobs = torch.log_softmax(rows, dim=-1) if seq.params.logprobs else None
+        for j, tok in enumerate(tokens):
+            if tok in self.eos and not seq.params.ignore_eos:
+                seq.finish_reason = "stop"
+                break
+            seq.tokens.append(tok)
+            emitted.append(tok)
+            if logprobs is not None:
+                seq.logprobs.append(float(logprobs[j, tok]))
+            if seq.params.stop and self._hit_stop_string(seq):
+                seq.finish_reason = "stop"
+                break
+            if len(seq.output) >= seq.params.max_tokens or len(seq.tokens) >= self.max_len:
+                seq.finish_reason = "length"
+                break
+        if seq.finished:
+            self._release(seq)
+        return emitted
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output)
+        # a stop string can only complete in the tail that the newest token added
+        tail_from = max(0, len(text) - len(self.tokenizer.decode(seq.output[-1:])) - max(map(len, seq.params.stop)))
+        cut = min((i for i in (text.find(s, tail_from) for s in seq.params.stop) if i >= 0), default=-1)
+        if cut < 0:
+            return False
+        seq.text = text[:cut]
+        return True
+
+    # -- convenience --------------------------------------------------------------------------
+
+    def generate(self, prompt: list[int], params: SamplingParams, method: str = "ngram", k: int = 4,
+                 request_id: str | None = None) -> Sequence:
+        """Runs one request alone to completion."""
+        seq = self.add(prompt, params, method, k, request_id)
+        while not seq.finished:
+            self.step()
+        return seq
+
+    def text_of(self, seq: Sequence) -> str:
+        if seq.text is not None:
+            return seq.text
+        return self.tokenizer.decode(seq.output) if self.tokenizer is not None else ""

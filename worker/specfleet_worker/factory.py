@@ -1,0 +1,39 @@
+"""Builds what an engine needs from names: the target model, its tokenizer and the proposers."""
+
+from __future__ import annotations
+
+import torch
+
+from .loader import load_model, load_tokenizer
+from .proposers import NgramProposer
+from .quant import quantize_int8
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none"):
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+    model = load_model(name, DTYPES[dtype])
+    if quantization == "int8":
+        quantize_int8(model)
+    elif quantization != "none":
+        raise ValueError(f"quantization {quantization!r} is not supported on this path (none, int8)")
+    return model
+
+
+def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
+                       draft_model: str | None = None, threads: int | None = None):
+    """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`."""
+    if threads:
+        torch.set_num_threads(threads)
+    model = prepare_model(model_name, dtype, quantization)
+    tokenizer = load_tokenizer(model_name)
+    proposers = {"ngram": NgramProposer()}
+    if draft_model:
+        from .proposers.draft_model import DraftModelProposer
+
+        draft_tok = load_tokenizer(draft_model)
+        DraftModelProposer.check_tokenizers(tokenizer, draft_tok)
+        proposers["draft-model"] = DraftModelProposer(prepare_model(draft_model, dtype, quantization))
+    return model, tokenizer, proposers

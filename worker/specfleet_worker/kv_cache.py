@@ -1,0 +1,137 @@
+"""A paged KV cache: fixed-size blocks, per-sequence block tables, reference-counted blocks.
+
+Blocks are shared by reference count (a forked sequence, a tree branch or a common prefix) and
+copied on write when a shared, partly filled block is appended to. Rolling back rejected draft
+positions only moves the sequence's length and frees blocks that became empty: no data moves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class OutOfBlocks(RuntimeError):
+    """No free KV block is left; the caller should wait, preempt or refuse the request."""
+
+
+class BlockAllocator:
+    def __init__(self, num_blocks: int):
+        self.num_blocks = num_blocks
+        self.ref_counts = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def allocate(self) -> int:
+        if not self._free:
+            raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
+        block = self._free.pop()
+        self.ref_counts[block] = 1
+        return block
+
+    def share(self, block: int) -> int:
+        assert self.ref_counts[block] > 0, f"block {block} is free"
+        self.ref_counts[block] += 1
+        return block
+
+    def release(self, block: int) -> None:
+        assert self.ref_counts[block] > 0, f"block {block} released twice"
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self._free.append(block)
+
+
+class PagedKVCache:
+    """K and V tensors of every layer, [n_kv_heads, num_blocks * block_size, head_dim] each."""
+
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, num_blocks: int,
+                 block_size: int = 16, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.block_size = block_size
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (n_kv_heads, num_blocks * block_size, head_dim)
+        self.layers = [
+            (torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+            for _ in range(n_layers)
+        ]
+        self.device = torch.device(device)
+
+    @classmethod
+    def for_model(cls, args, max_tokens: int, block_size: int = 16, dtype=torch.float32, device="cpu"):
+        num_blocks = -(-max_tokens // block_size)
+        return cls(args.n_layers, args.n_kv_heads, args.head_dim, num_blocks, block_size, dtype, device)
+
+    def copy_block(self, src: int, dst: int) -> None:
+        bs = self.block_size
+        for k, v in self.layers:
+            k[:, dst * bs:(dst + 1) * bs] = k[:, src * bs:(src + 1) * bs]
+            v[:, dst * bs:(dst + 1) * bs] = v[:, src * bs:(src + 1) * bs]
+
+
+class BlockTable:
+    """One sequence's view of the cache: its blocks and how many positions hold valid K/V."""
+
+    def __init__(self, cache: PagedKVCache):
+        self.cache = cache
+        self.blocks: list[int] = []
+        self.num_tokens = 0
+
+    def fork(self) -> BlockTable:
+        """A new table sharing every block (copy on write later)."""
+        child = BlockTable(self.cache)
+        child.blocks = [self.cache.allocator.share(b) for b in self.blocks]
+        child.num_tokens = self.num_tokens
+        return child
+
+    def append_slots(self, n: int) -> Tensor:
+        """Reserves n new positions after num_tokens; returns their cache slots [n]."""
+        bs = self.cache.block_size
+        alloc = self.cache.allocator
+        start, end = self.num_tokens, self.num_tokens + n
+        # copy on write: the partly filled last block may be shared
+        if start % bs and self.blocks and alloc.ref_counts[self.blocks[-1]] > 1:
+            old = self.blocks[-1]
+            new = alloc.allocate()
+            self.cache.copy_block(old, new)
+            alloc.release(old)
+            self.blocks[-1] = new
+        needed = -(-end // bs) - len(self.blocks)
+        if needed > alloc.num_free:
+            raise OutOfBlocks(f"need {needed} KV blocks, {alloc.num_free} free")
+        for _ in range(needed):
+            self.blocks.append(alloc.allocate())
+        self.num_tokens = end
+        return self.slots(start, end)
+
+    def slots(self, start: int = 0, end: int | None = None) -> Tensor:
+        end = self.num_tokens if end is None else end
+        pos = torch.arange(start, end)
+        table = torch.tensor(self.blocks, dtype=torch.long)
+        return table[pos // self.cache.block_size] * self.cache.block_size + pos % self.cache.block_size
+
+    def contiguous_start(self) -> int | None:
+        """The first slot if the blocks are consecutive (the context is one run of slots)."""
+        if not self.blocks:
+            return None
+        b0 = self.blocks[0]
+        if self.blocks[-1] - b0 != len(self.blocks) - 1 or any(b != b0 + i for i, b in enumerate(self.blocks)):
+            return None
+        return b0 * self.cache.block_size
+
+    def truncate(self, n: int) -> None:
+        """Rolls back to the first n positions (rejected drafts); frees blocks left empty."""
+        assert 0 <= n <= self.num_tokens, (n, self.num_tokens)
+        keep = -(-n // self.cache.block_size)
+        for b in self.blocks[keep:]:
+            self.cache.allocator.release(b)
+        del self.blocks[keep:]
+        self.num_tokens = n
+
+    def free(self) -> None:
+        self.truncate(0)

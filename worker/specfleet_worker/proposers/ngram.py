@@ -1,0 +1,50 @@
+"""N-gram (prompt lookup) proposer: drafts the continuation of the latest earlier occurrence of
+the context's last n tokens. No parameters, no model; q is one-hot on each draft token."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .base import Proposal, SequenceView
+
+
+def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
+    """Draft up to k tokens by matching the last n tokens (n from max_n down to min_n).
+
+    The latest earlier occurrence wins; the draft is what followed it, cut at the context's end.
+
+    >>> ngram_propose(np.array([5, 6, 7, 9, 5, 6]), min_n=1, max_n=3, k=3)
+    array([7, 9, 5])
+    >>> ngram_propose(np.array([1, 2, 3]), min_n=1, max_n=2, k=4)   # nothing repeats
+    array([], dtype=int64)
+    """
+    L = tokens.shape[0]
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        pattern = tokens[L - n:]
+        # candidate starts i with i + n < L, so that a continuation exists
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].astype(np.int64)
+    return np.empty(0, dtype=np.int64)
+
+
+class NgramProposer:
+    name = "ngram"
+
+    def __init__(self, min_n: int = 1, max_n: int = 4):
+        self.min_n, self.max_n = min_n, max_n
+
+    def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Proposal]:
+        out = []
+        for seq, k in zip(seqs, ks):
+            draft = ngram_propose(seq.token_array(), self.min_n, self.max_n, k) if k > 0 else np.empty(0, np.int64)
+            out.append(Proposal(draft.tolist(), None))
+        return out
+
+    def rollback(self, seq: SequenceView, num_valid: int) -> None:
+        pass
+
+    def release(self, seq: SequenceView) -> None:
+        pass

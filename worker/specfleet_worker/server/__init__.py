@@ -1,0 +1,1 @@
+"""The gRPC worker: the engine as a service (docs/worker.md)."""

@@ -1,0 +1,178 @@
+"""`specfleet serve`: the worker process (docs/worker-contract.md, docs/worker.md).
+
+Ports first (NOT_SERVING), then the model, then SERVING. SIGTERM or SIGINT: readiness fails,
+health goes NOT_SERVING, new requests are refused, those in flight get --drain-seconds to finish,
+then the process exits (0 when every request finished, 1 when the grace period cut some off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import threading
+from pathlib import Path
+
+from .config import EngineConfig, LiveConfig
+
+log = logging.getLogger("specfleet.worker")
+
+TINY_MODEL = "tiny-random"  # a random 2-layer model for tests: token ids only, no tokenizer
+CONTROL_FILE = "control.json"
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="specfleet serve", description="Run the gRPC speculative-decoding worker.")
+    p.add_argument("--config", default=None, help="engine.json (docs/worker-contract.md); default: SmolLM2 + n-gram")
+    p.add_argument("--host", default="127.0.0.1", help="listen address (pods pass 0.0.0.0)")
+    p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (logged)")
+    p.add_argument("--http-port", type=int, default=8080, help="/metrics, /healthz, /readyz; 0 picks a free port")
+    p.add_argument("--drain-seconds", type=float, default=30.0, help="grace period after SIGTERM")
+    p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more: RESOURCE_EXHAUSTED")
+    p.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
+    p.add_argument("--max-kv-tokens", type=int, default=32768, help="KV cache size in tokens")
+    p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests: INVALID_ARGUMENT")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--log-level", default=os.environ.get("SPECFLEET_LOG_LEVEL", "INFO"))
+    args = p.parse_args(argv)
+    for name in ("max_batch_size", "max_tokens_limit", "max_kv_tokens", "max_request_bytes"):
+        if getattr(args, name) <= 0:
+            p.error(f"--{name.replace('_', '-')} must be > 0")
+    if args.max_queue < 0 or args.drain_seconds < 0:
+        p.error("--max-queue and --drain-seconds must be >= 0")
+    return args
+
+
+def _model_source(cfg: EngineConfig) -> str:
+    """The model's uri when it names a file that exists (as is or in the model cache), else its name."""
+    if cfg.model_uri:
+        path = cfg.model_uri.removeprefix("gguf://").removeprefix("file://")
+        cache = Path(os.environ.get("SPECFLEET_MODEL_CACHE", "/var/cache/specfleet"))
+        for candidate in (Path(path), cache / path):
+            if candidate.exists():
+                return str(candidate)
+    return cfg.model_name
+
+
+def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int | None = None):
+    """The engine for engine.json, built from the engine's own factory."""
+    import torch
+
+    from ..engine import Engine
+    from ..proposers import NgramProposer
+
+    if threads:
+        torch.set_num_threads(threads)
+    if TINY_MODEL in (cfg.model_name, cfg.model_uri):
+        from ..testing import tiny_model
+
+        model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), None, {"ngram": NgramProposer()}
+    else:
+        from ..factory import build_engine_parts
+
+        dtype = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}.get(cfg.dtype, cfg.dtype)
+        draft = cfg.draft_uri if cfg.draft_method == "draft-model" else None
+        model, tokenizer, proposers = build_engine_parts(_model_source(cfg), dtype, cfg.quantization, draft, threads)
+    return Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens)
+
+
+def make_worker(engine, cfg: EngineConfig, *, max_batch_size: int = 16, max_queue: int = 64,
+                max_tokens_limit: int = 2048, max_request_bytes: int = 1 << 20, tracer=None, registry=None):
+    """Scheduler (started) + Worker around an engine; tests and the benchmark build theirs here."""
+    from .metrics import Metrics
+    from .scheduler import Scheduler
+    from .service import Worker
+
+    live = LiveConfig(cfg, list(engine.proposers))
+    metrics = Metrics(cfg.model_name, cfg.quantization, registry)
+    scheduler = Scheduler(engine, live, metrics, max_batch_size=max_batch_size, max_queue=max_queue).start()
+    return Worker(scheduler, live, model_name=cfg.model_name, quantization=cfg.quantization, role=cfg.role,
+                  tree_branching=cfg.tree_branching, max_tokens_limit=max_tokens_limit,
+                  max_request_bytes=max_request_bytes, tracer=tracer)
+
+
+def watch_control_file(path: Path, live: LiveConfig, stop: threading.Event, period_s: float = 2.0) -> None:
+    """Applies control.json (the operator's run-time knobs) whenever its content changes."""
+    last = None
+    while not stop.wait(period_s if last is not None else 0):
+        try:
+            text = path.read_text()
+        except OSError:
+            last = ""
+            continue
+        if text == last:
+            continue
+        last = text
+        try:
+            live.apply_control_file(json.loads(text))
+            log.info("applied control file", extra={"path": str(path)})
+        except (ValueError, TypeError) as e:
+            log.error("ignoring control file", extra={"path": str(path), "error": str(e)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from . import logs
+
+    logs.configure(args.log_level)
+    cfg = EngineConfig.load(args.config) if args.config else EngineConfig()
+
+    from .app import WorkerServer
+    from .tracing import make_tracer
+
+    server = WorkerServer(args.host, args.grpc_port, args.http_port,
+                          max_workers=args.max_batch_size + args.max_queue + 16,
+                          max_receive_bytes=max(args.max_request_bytes * 2, 4 << 20)).start()
+    stop = threading.Event()
+    loaded: dict = {}
+
+    def load() -> None:
+        try:
+            loaded["engine"] = build_engine(cfg, max_kv_tokens=args.max_kv_tokens, threads=args.threads)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            loaded["error"] = e
+        finally:
+            stop_or_loaded.set()
+
+    stop_or_loaded = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (stop.set(), stop_or_loaded.set()))
+    log.info("loading model", extra={"model": cfg.model_name, "uri": cfg.model_uri})
+    threading.Thread(target=load, name="load", daemon=True).start()
+    while not stop_or_loaded.wait(0.5):
+        pass
+    if "error" in loaded:
+        log.error("could not load the model", extra={"error": str(loaded["error"])})
+        server.stop(0)
+        return 2
+    if stop.is_set():
+        server.drain(0)
+        server.stop(0)
+        return 0
+
+    worker = make_worker(loaded["engine"], cfg, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
+                         max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
+                         tracer=make_tracer(os.environ.get("OTEL_SERVICE_NAME", "specfleet-worker")))
+    server.attach(worker)
+    if args.config:
+        control = Path(args.config).parent / CONTROL_FILE
+        threading.Thread(target=watch_control_file, args=(control, worker.live, stop), name="control",
+                         daemon=True).start()
+    while not stop.wait(0.5):
+        if not worker.scheduler.alive:
+            log.error("the scheduler thread stopped; exiting")
+            server.stop(0)
+            return 1
+    done = server.drain(args.drain_seconds)
+    server.stop(grace_s=1.0)
+    log.info("exiting", extra={"all_requests_finished": done})
+    return 0 if done else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Prometheus metrics under the names that speculative-decoding runbooks and dashboards use.
+
+The spec_decode_num_* counters are vLLM's (`vllm:spec_decode_num_drafts`, ...) under the
+spec_decode_ prefix this fleet's dashboards, alerts and operator read. The gauges are computed
+over a sliding window of recent verify steps, so one scrape is one window's view (the operator
+relies on that). Each server owns its registry: two servers in one process do not collide.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
+K_BUCKETS = tuple(range(0, 17))
+
+
+class WindowRate:
+    """accepted / drafted and tokens per step over the last `size` verify steps."""
+
+    def __init__(self, size: int = 512):
+        self.steps: deque[tuple[int, int, int]] = deque(maxlen=size)  # (drafted, accepted, emitted)
+
+    def add(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.steps.append((drafted, accepted, emitted))
+
+    @property
+    def acceptance_rate(self) -> float:
+        drafted = sum(d for d, _, _ in self.steps)
+        return sum(a for _, a, _ in self.steps) / drafted if drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau over the window: (accepted + 1) per target forward, as SequenceStats counts it."""
+        return sum(a for _, a, _ in self.steps) / len(self.steps) + 1.0 if self.steps else 0.0
+
+
+class Metrics:
+    def __init__(self, model: str, quantization: str, registry: CollectorRegistry | None = None):
+        self.registry = registry if registry is not None else CollectorRegistry()
+        self.model, self.quantization = model, quantization
+        r, m = self.registry, ["model"]
+
+        self.acceptance_rate = Gauge("spec_decode_acceptance_rate",
+                                     "Accepted / drafted tokens over the recent window", ["model", "prompt_type"],
+                                     registry=r)
+        self.avg_accepted_tokens = Gauge("spec_decode_avg_accepted_tokens",
+                                         "Mean tokens per verify step (tau) over the recent window", m, registry=r)
+        self.draft_k = Histogram("spec_decode_draft_k_distribution", "K chosen per request per decoding step",
+                                 m, buckets=K_BUCKETS, registry=r)
+        self.tree_branch_factor = Gauge("spec_decode_tree_branch_factor",
+                                        "Draft tree branching (1: a chain)", m, registry=r)
+        self.speedup = Gauge("spec_decode_total_speedup_ratio",
+                             "Estimated decode speed-up over plain decoding, from measured step costs",
+                             ["model", "quantization"], registry=r)
+
+        # vLLM-compatible counters
+        self.num_drafts = Counter("spec_decode_num_drafts", "Verify steps with at least one draft token",
+                                  m, registry=r)
+        self.num_draft_tokens = Counter("spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
+        self.num_accepted_tokens = Counter("spec_decode_num_accepted_tokens", "Draft tokens accepted",
+                                           m, registry=r)
+        self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Draft tokens accepted, by position in the draft", ["model", "position"],
+                                        registry=r)
+        self.draft_failures = Counter("spec_decode_draft_failures", "Proposer failures degraded to plain decoding",
+                                      m, registry=r)
+
+        self.ttft = Histogram("spec_decode_time_to_first_token_seconds", "Arrival to first token", m,
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.tpot = Histogram("spec_decode_time_per_output_token_seconds", "Decode time per output token after the first",
+                              m, buckets=TPOT_BUCKETS, registry=r)
+        self.e2e = Histogram("spec_decode_e2e_request_latency_seconds", "Arrival to the last token", m,
+                             buckets=LATENCY_BUCKETS, registry=r)
+
+        self.requests = Counter("spec_decode_requests", "Requests finished, by finish reason",
+                                ["model", "finish_reason"], registry=r)
+        self.rejected = Counter("spec_decode_rejected_requests", "Requests refused before running, by reason",
+                                ["model", "reason"], registry=r)
+        self.failed = Counter("spec_decode_failed_requests", "Requests that failed inside the worker", m, registry=r)
+        self.prompt_tokens = Counter("spec_decode_prompt_tokens", "Prompt tokens prefilled", m, registry=r)
+        self.generation_tokens = Counter("spec_decode_generation_tokens", "Tokens generated", m, registry=r)
+
+        self.queue_depth = Gauge("spec_decode_queue_depth", "Requests admitted and waiting for a batch slot",
+                                 m, registry=r)
+        self.running = Gauge("spec_decode_running_requests", "Requests in the running batch", m, registry=r)
+        self.kv_blocks_used = Gauge("spec_decode_kv_blocks_used", "KV cache blocks in use", m, registry=r)
+        self.kv_blocks_total = Gauge("spec_decode_kv_blocks_total", "KV cache blocks in all", m, registry=r)
+
+        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_errors": 0}
+        self.window = WindowRate()
+        self.window_by_type: dict[str, WindowRate] = {}
+        self.speedup.labels(model, quantization).set(1.0)
+        self.avg_accepted_tokens.labels(model).set(0.0)
+        for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.draft_failures, self.failed,
+                  self.prompt_tokens, self.generation_tokens):
+            c.labels(model)  # exported at 0 from the start, so rate() works from the first scrape
+
+    def step(self, prompt_type: str, k: int, drafted: int, accepted: int, emitted: int) -> None:
+        """One decoding step of one request."""
+        m = self.model
+        self.draft_k.labels(m).observe(k)
+        self.generation_tokens.labels(m).inc(emitted)
+        self.window.add(drafted, accepted, emitted)
+        if drafted:
+            self.totals["num_drafts"] += 1
+            self.totals["num_draft_tokens"] += drafted
+            self.totals["num_accepted_tokens"] += accepted
+            self.num_drafts.labels(m).inc()
+            self.num_draft_tokens.labels(m).inc(drafted)
+            self.num_accepted_tokens.labels(m).inc(accepted)
+            for pos in range(accepted):
+                self.accepted_per_pos.labels(m, str(pos)).inc()
+            w = self.window_by_type.setdefault(prompt_type, WindowRate())
+            w.add(drafted, accepted, emitted)
+            self.acceptance_rate.labels(m, prompt_type).set(w.acceptance_rate)
+        self.avg_accepted_tokens.labels(m).set(self.window.mean_accepted_length)
+
+    def draft_error(self, n: int) -> None:
+        self.totals["draft_errors"] += n
+        self.draft_failures.labels(self.model).inc(n)

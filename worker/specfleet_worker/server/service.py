@@ -1,0 +1,279 @@
+"""The gRPC servicers: `specfleet.v1.Generation` and `specfleet.v1.Admin`.
+
+Handlers validate (INVALID_ARGUMENT with the field's name), build a scheduler `Request`, submit it
+and relay its events; they never touch the engine. A callback on the RPC cancels the request when
+the caller cancels, disconnects or runs past its deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+
+import grpc
+from opentelemetry import trace
+
+from ..sampling import SamplingParams
+from .config import AUTO, LiveConfig
+from .pb import worker_pb2 as pb
+from .pb import worker_pb2_grpc as pb_grpc
+from .scheduler import Event, Rejected, Request, Scheduler
+from .tracing import incoming_context, request_attributes
+
+log = logging.getLogger("specfleet.worker")
+
+DEFAULT_MAX_TOKENS = 128
+MAX_REQUEST_ID = 128
+MAX_STOP_STRINGS = 8
+MAX_STOP_LEN = 256
+MAX_PROMPT_TYPE = 64
+
+
+class Invalid(ValueError):
+    """A request field out of range; the message starts with the field's name."""
+
+
+class Worker:
+    """What the servicers share: the engine's scheduler, its limits, the live config, the tracer."""
+
+    def __init__(self, scheduler: Scheduler, live: LiveConfig, *, model_name: str, quantization: str = "none",
+                 role: str = "stable", tree_branching: int = 1, max_tokens_limit: int = 2048,
+                 max_request_bytes: int = 1 << 20, tracer: trace.Tracer | None = None):
+        self.scheduler, self.live = scheduler, live
+        self.engine = scheduler.engine
+        self.tokenizer = self.engine.tokenizer
+        self.model_name, self.quantization, self.role = model_name, quantization, role
+        self.tree_branching = tree_branching
+        self.max_tokens_limit, self.max_request_bytes = max_tokens_limit, max_request_bytes
+        self.tracer = tracer or trace.NoOpTracer()
+        self.vocab_size = self.engine.model.args.vocab_size
+        # only prompt types the operator routes become metric labels; the rest are "other"
+        self.known_prompt_types = set(live.settings.by_prompt_type) | {"default"}
+        scheduler.metrics.tree_branch_factor.labels(model_name).set(tree_branching)
+
+    # -- validation ---------------------------------------------------------------------------
+
+    def build_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext | None = None) -> Request:
+        size = msg.ByteSize()
+        if size > self.max_request_bytes:
+            raise Invalid(f"request: {size} bytes; the limit is {self.max_request_bytes}")
+        if len(msg.request_id) > MAX_REQUEST_ID:
+            raise Invalid(f"request_id: {len(msg.request_id)} characters; the limit is {MAX_REQUEST_ID}")
+        if len(msg.prompt_type) > MAX_PROMPT_TYPE:
+            raise Invalid(f"prompt_type: {len(msg.prompt_type)} characters; the limit is {MAX_PROMPT_TYPE}")
+        prompt = self._prompt_ids(msg)
+        if len(prompt) >= self.engine.max_len:
+            raise Invalid(f"prompt: {len(prompt)} tokens; the context holds {self.engine.max_len} "
+                          "(prompt and output together)")
+        params = SamplingParams(
+            max_tokens=msg.max_tokens if msg.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, self.max_tokens_limit),
+            temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+            top_k=msg.top_k if msg.HasField("top_k") else 0,
+            top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+            seed=msg.seed if msg.HasField("seed") else None,
+            stop=list(msg.stop), logprobs=msg.logprobs, ignore_eos=msg.ignore_eos)
+        try:
+            params.validate(self.max_tokens_limit)
+        except ValueError as e:
+            raise Invalid(str(e)) from None
+        if not math.isfinite(params.temperature):
+            raise Invalid(f"temperature must be finite, got {params.temperature}")
+        if params.stop:
+            if self.tokenizer is None:
+                raise Invalid("stop: this worker's model has no tokenizer, so it cannot match stop strings")
+            if len(params.stop) > MAX_STOP_STRINGS or max(map(len, params.stop)) > MAX_STOP_LEN:
+                raise Invalid(f"stop: at most {MAX_STOP_STRINGS} strings of at most {MAX_STOP_LEN} characters")
+        settings = self.live.settings
+        requested = msg.speculation_method
+        if requested and requested != AUTO and requested not in self.live.methods:
+            raise Invalid(f"speculation_method: unknown method {requested!r}; "
+                          f"this worker has {', '.join(self.live.methods + [AUTO])}")
+        prompt_type = msg.prompt_type if msg.prompt_type in self.known_prompt_types else (
+            "default" if not msg.prompt_type else "other")
+        method = settings.method_for(requested, msg.prompt_type)
+        needed = self.scheduler.blocks_needed(len(prompt), params.max_tokens)
+        if needed > self.engine.cache.allocator.num_blocks:
+            raise Invalid(f"max_tokens: prompt and output need {needed} KV blocks; "
+                          f"this worker's cache holds {self.engine.cache.allocator.num_blocks}")
+        deadline = None
+        if context is not None and context.time_remaining() is not None:
+            deadline = time.monotonic() + context.time_remaining()
+        rid = msg.request_id or uuid.uuid4().hex
+        req = Request(rid, prompt, params, method, prompt_type, settings.k_initial if method != "none" else 0, deadline)
+        return req
+
+    def _prompt_ids(self, msg: pb.GenerateRequest) -> list[int]:
+        if msg.prompt and msg.prompt_token_ids:
+            raise Invalid("prompt, prompt_token_ids: set one of them, not both")
+        if msg.prompt_token_ids:
+            ids = list(msg.prompt_token_ids)
+            bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise Invalid(f"prompt_token_ids[{bad}]: {ids[bad]} is outside the vocabulary [0, {self.vocab_size})")
+            return ids
+        if not msg.prompt:
+            raise Invalid("prompt: empty; send prompt (text) or prompt_token_ids")
+        if self.tokenizer is None:
+            raise Invalid("prompt: this worker's model has no tokenizer; send prompt_token_ids")
+        ids = self.tokenizer.chat(msg.prompt) if msg.apply_chat_template else self.tokenizer.encode(msg.prompt)
+        if not ids:
+            raise Invalid("prompt: encodes to no tokens")
+        return ids
+
+    # -- running a request --------------------------------------------------------------------
+
+    def run(self, msg: pb.GenerateRequest, context: grpc.ServicerContext):
+        """Yields scheduler events for one request; aborts the RPC with the right status on errors."""
+        try:
+            req = self.build_request(msg, context)
+        except Invalid as e:
+            self.scheduler._reject("invalid")
+            log.info("request refused", extra={"request_id": msg.request_id, "error": str(e)})
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        span = self.tracer.start_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER,
+                                      context=incoming_context(context.invocation_metadata()),
+                                      attributes=request_attributes(self.model_name, req))
+        req.span = span
+        try:
+            self.scheduler.submit(req)
+        except Rejected as e:
+            span.set_attribute("error.type", e.code.name)
+            span.end()
+            context.abort(e.code, e.message)
+        if not context.add_callback(lambda: self.scheduler.cancel(req)):
+            self.scheduler.cancel(req)  # the RPC ended before the callback could be registered
+        while True:
+            ev: Event = req.events.get()
+            if ev.kind == "error":
+                context.abort(ev.error.code, ev.error.message)
+            yield req, ev
+            if ev.kind == "done":
+                return
+
+    def stats_message(self, seq, req: Request) -> pb.SpeculationStats:
+        s = seq.stats
+        return pb.SpeculationStats(
+            method=req.method, num_steps=s.num_steps, num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
+            num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
+            acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
+            draft_errors=s.draft_errors, final_k=req.kstate.k if req.method != "none" else 0)
+
+
+class TextStream:
+    """Incremental detokenisation: emits only text that later tokens cannot change.
+
+    Holds back an incomplete UTF-8 character (decoded as U+FFFD) and, with stop strings, the
+    last len(longest stop) - 1 characters, which a stop string may still swallow."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer, self.sent = tokenizer, 0
+        self.hold = max(map(len, stop), default=1) - 1
+
+    def delta(self, ids: list[int], final_text: str | None = None) -> str:
+        if self.tokenizer is None:
+            return ""
+        if final_text is not None:
+            out, self.sent = final_text[self.sent:], len(final_text)
+            return out
+        text = self.tokenizer.decode(ids)
+        end = len(text) - self.hold
+        while end > self.sent and text[end - 1] == "\ufffd":
+            end -= 1
+        if end <= self.sent:
+            return ""
+        out, self.sent = text[self.sent:end], end
+        return out
+
+
+class GenerationServicer(pb_grpc.GenerationServicer):
+    def __init__(self, holder):
+        self.holder = holder  # .worker is None while the model loads
+
+    def _worker(self, context) -> Worker:
+        worker = self.holder.worker
+        if worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is loading its model; retry shortly")
+        return worker
+
+    def Generate(self, request, context):
+        w = self._worker(context)
+        req = None
+        for req, _ in w.run(request, context):
+            pass
+        seq = req.seq
+        return pb.GenerateResponse(
+            request_id=req.request_id, text=w.engine.text_of(seq), token_ids=seq.output,
+            logprobs=seq.logprobs if req.params.logprobs else [], finish_reason=seq.finish_reason,
+            usage=pb.Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output)),
+            speculation=w.stats_message(seq, req),
+            time_to_first_token_s=(req.first_token_at - req.arrival) if req.first_token_at else 0.0,
+            latency_s=req.finished_at - req.arrival)
+
+    def GenerateStream(self, request, context):
+        w = self._worker(context)
+        text = TextStream(w.tokenizer, list(request.stop))
+        for req, ev in w.run(request, context):
+            seq = req.seq
+            if ev.kind == "tokens":
+                delta = text.delta(seq.output)
+                yield pb.GenerateStreamResponse(request_id=req.request_id, token_ids=ev.tokens,
+                                                logprobs=ev.logprobs or [], text=delta)
+            else:
+                yield pb.GenerateStreamResponse(
+                    request_id=req.request_id, text=text.delta(seq.output, w.engine.text_of(seq)),
+                    finish_reason=seq.finish_reason,
+                    usage=pb.Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output)),
+                    speculation=w.stats_message(seq, req))
+
+
+class AdminServicer(pb_grpc.AdminServicer):
+    def __init__(self, holder):
+        self.holder = holder
+
+    def _worker(self, context) -> Worker:
+        worker = self.holder.worker
+        if worker is None:
+            context.abort(grpc.StatusCode.UNAVAILABLE, "the worker is loading its model; retry shortly")
+        return worker
+
+    def _config(self, w: Worker) -> pb.WorkerConfig:
+        s = w.live.settings
+        return pb.WorkerConfig(
+            model=w.model_name, quantization=w.quantization, role=w.role, speculation_enabled=s.speculation_enabled,
+            k_min=s.k_min, k_max=s.k_max, k_initial=s.k_initial, k_policy=s.k_policy, default_method=s.default_method,
+            method_by_prompt_type=s.by_prompt_type, methods=w.live.methods,
+            max_batch_size=w.scheduler.max_batch_size, max_queue=w.scheduler.max_queue,
+            max_tokens_limit=w.max_tokens_limit, context_length=w.engine.max_len, tree_branching=w.tree_branching)
+
+    def GetConfig(self, request, context):
+        return self._config(self._worker(context))
+
+    def UpdateConfig(self, request, context):
+        w = self._worker(context)
+        try:
+            w.live.update(
+                speculation_enabled=request.speculation_enabled if request.HasField("speculation_enabled") else None,
+                k_min=request.k_min if request.HasField("k_min") else None,
+                k_max=request.k_max if request.HasField("k_max") else None,
+                default_method=request.default_method if request.HasField("default_method") else None,
+                by_prompt_type=dict(request.method_by_prompt_type))
+        except ValueError as e:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        w.known_prompt_types |= set(w.live.settings.by_prompt_type)
+        return self._config(w)
+
+    def GetStats(self, request, context):
+        w = self._worker(context)
+        sch, m = w.scheduler, w.scheduler.metrics
+
+        return pb.WorkerStats(
+            queue_depth=sch.queue_depth(), running=sch.running(), kv_blocks_used=w.engine.cache.allocator.num_used,
+            kv_blocks_total=w.engine.cache.allocator.num_blocks, requests_total=sch.requests_total,
+            rejected_total=sch.rejected_total, failed_total=sch.failed_total, num_drafts=m.totals["num_drafts"],
+            num_draft_tokens=m.totals["num_draft_tokens"], num_accepted_tokens=m.totals["num_accepted_tokens"],
+            acceptance_rate=m.window.acceptance_rate, mean_accepted_length=m.window.mean_accepted_length,
+            speedup_ratio=sch.speedup_ratio(),
+            acceptance_rate_by_prompt_type={t: wr.acceptance_rate for t, wr in m.window_by_type.items()},
+            ready=self.holder.ready, draining=sch.draining, draft_errors=m.totals["draft_errors"])
