@@ -270,18 +270,19 @@ class Scheduler:
             if errors:
                 req._draft_errors = seq.stats.draft_errors
                 self.metrics.draft_error(errors)
-            if out.new_tokens:
-                lps = seq.logprobs[req._sent_logprobs:] if req.params.logprobs else None
-                req._sent_logprobs = len(seq.logprobs)
+            lps = seq.logprobs[req._sent_logprobs:] if req.params.logprobs else None
+            req._sent_logprobs = len(seq.logprobs)
+            if seq.finished:  # the last tokens travel with "done", so a stream never outruns a stop string
+                self._finish(req, tokens=list(out.new_tokens), logprobs=lps)
+            elif out.new_tokens:
                 req.events.put(Event("tokens", list(out.new_tokens), lps))
-            if seq.finished:
-                self._finish(req)
         if measure and decoded:
             self.cost.observe(tokens_in_forward, elapsed)
             # what plain decoding would have taken for these tokens, at the fitted cost of a B-token step
             self._speedup_window.append((emitted * self.cost.cost(decoded) / decoded, elapsed))
 
-    def _finish(self, req: Request, error: Rejected | None = None) -> None:
+    def _finish(self, req: Request, error: Rejected | None = None, tokens: list[int] | None = None,
+                logprobs: list[float] | None = None) -> None:
         if req in self._active:
             self._active.remove(req)
         seq = req.seq
@@ -305,7 +306,7 @@ class Scheduler:
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
             "draft_errors": s.draft_errors, "latency_s": round(req.finished_at - req.arrival, 6),
             **({"error": error.message} if error else {})})
-        req.events.put(Event("error", error=error) if error else Event("done"))
+        req.events.put(Event("error", error=error) if error else Event("done", tokens or [], logprobs))
         with self._cond:
             req.done = True
             self._count -= 1

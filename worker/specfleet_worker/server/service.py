@@ -214,16 +214,17 @@ class GenerationServicer(pb_grpc.GenerationServicer):
     def GenerateStream(self, request, context):
         w = self._worker(context)
         text = TextStream(w.tokenizer, list(request.stop))
+        ids: list[int] = []  # what this stream has received; the sequence itself may be further on
         for req, ev in w.run(request, context):
-            seq = req.seq
+            ids += ev.tokens or []
             if ev.kind == "tokens":
-                delta = text.delta(seq.output)
                 yield pb.GenerateStreamResponse(request_id=req.request_id, token_ids=ev.tokens,
-                                                logprobs=ev.logprobs or [], text=delta)
-            else:
+                                                logprobs=ev.logprobs or [], text=text.delta(ids))
+            else:  # done: the sequence has finished, so reading it is safe
+                seq = req.seq
                 yield pb.GenerateStreamResponse(
-                    request_id=req.request_id, text=text.delta(seq.output, w.engine.text_of(seq)),
-                    finish_reason=seq.finish_reason,
+                    request_id=req.request_id, token_ids=ev.tokens, logprobs=ev.logprobs or [],
+                    text=text.delta(ids, w.engine.text_of(seq)), finish_reason=seq.finish_reason,
                     usage=pb.Usage(prompt_tokens=seq.prompt_len, completion_tokens=len(seq.output)),
                     speculation=w.stats_message(seq, req))
 
