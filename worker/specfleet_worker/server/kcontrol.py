@@ -90,8 +90,8 @@ class KState:
     def alpha(self, prior: float) -> float:
         acc = sum(a for a, _ in self.window)
         rejections = sum(1 for a, d in self.window if a < d)
-        # Beta(2*prior, 2*(1-prior)) prior keeps one lucky or unlucky step from deciding alone
-        return (acc + 2 * prior) / (acc + rejections + 2)
+        # a Beta(prior, 1 - prior) prior: one step alone does not decide, a full window does
+        return (acc + prior) / (acc + rejections + 1)
 
 
 class KController:
