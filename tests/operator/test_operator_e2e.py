@@ -190,3 +190,25 @@ async def test_kubectl_objects_conflict_is_handled_as_already_there(cluster, kub
         assert exc.status == 409
     else:
         raise AssertionError("a second create must conflict")
+
+
+async def test_control_loop_enters_fallback_without_restarting_workers(cluster, kube):
+    from specfleet_operator.policy import Metrics, RoleMetrics
+    from specfleet_operator.testing import FixedMetrics
+    source = FixedMetrics(Metrics(stable=RoleMetrics(alpha=0.6, speedup=1.4)))
+    op = OperatorThread(cluster.endpoint, "op-a", metrics=source, loop_interval=0.2).start()
+    try:
+        await kube.create(sdd_body("slo"))
+        await wait_for(lambda: ready(cluster, "slo"), 20, "Ready")
+        sdd = lambda: cluster.live(API_VERSION, SDDS, "default", "slo")["status"]
+        await wait_for(lambda: sdd().get("alpha") == 0.6, 10, "alpha reported")
+        hash_before = pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")])
+        source.value = Metrics(stable=RoleMetrics(alpha=0.1, speedup=0.9))  # the SLO is missed
+        await wait_for(lambda: sdd().get("mode") == "fallback", 10, "fallback")
+        control = json.loads(children_of(cluster, "slo")[("ConfigMap", "slo-engine")]["data"]["control.json"])
+        assert control == {"speculate": False, "kMin": 0, "kMax": 0}
+        assert sdd()["kRange"] == "0-0"
+        assert pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")]) == hash_before
+        assert events(cluster, "FallbackEntered")
+    finally:
+        await op.stop_and_join()
