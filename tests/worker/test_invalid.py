@@ -59,6 +59,12 @@ def test_bad_input_is_invalid_argument_naming_the_field(small_worker, fields, na
     assert len(ok.token_ids) == 2
 
 
+def test_a_request_far_above_the_limit_is_still_invalid_argument(small_worker):
+    with pytest.raises(grpc.RpcError) as e:
+        small_worker.gen.Generate(pb.GenerateRequest(prompt="x" * (5 << 20)))
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and e.value.details().startswith("request:")
+
+
 def test_text_prompts_and_stop_strings_need_a_tokenizer():
     with running_worker() as r:  # the tiny model alone: token ids only
         for fields, name in [(dict(prompt="hello"), "prompt"), (dict(prompt_token_ids=[1], stop=["x"]), "stop")]:

@@ -31,9 +31,12 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 class WorkerServer:
     def __init__(self, host: str = "127.0.0.1", grpc_port: int = 50051, http_port: int = 8080, *,
-                 max_workers: int = 64, max_receive_bytes: int = 4 << 20):
+                 max_workers: int = 64, max_receive_bytes: int = 64 << 20):
         self.worker: Worker | None = None
         self.draining = False
+        # The transport limit sits far above the service's own (--max-request-bytes), so that an
+        # oversized request reaches the handler and gets INVALID_ARGUMENT naming it, not gRPC's
+        # RESOURCE_EXHAUSTED, which clients read as "retry later".
         self.grpc = grpc.server(ThreadPoolExecutor(max_workers, thread_name_prefix="grpc"),
                                 options=[("grpc.max_receive_message_length", max_receive_bytes),
                                          ("grpc.so_reuseport", 0)])

@@ -118,14 +118,18 @@ def main(argv: list[str] | None = None) -> int:
     from . import logs
 
     logs.configure(args.log_level)
-    cfg = EngineConfig.load(args.config) if args.config else EngineConfig()
+    try:
+        cfg = EngineConfig.load(args.config) if args.config else EngineConfig()
+    except (OSError, ValueError) as e:
+        log.error("bad configuration", extra={"config": args.config, "error": str(e)})
+        return 2
 
     from .app import WorkerServer
     from .tracing import make_tracer
 
     server = WorkerServer(args.host, args.grpc_port, args.http_port,
                           max_workers=args.max_batch_size + args.max_queue + 16,
-                          max_receive_bytes=max(args.max_request_bytes * 2, 4 << 20)).start()
+                          max_receive_bytes=max(args.max_request_bytes * 2, 64 << 20)).start()
     stop = threading.Event()
     loaded: dict = {}
 

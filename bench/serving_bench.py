@@ -1,0 +1,193 @@
+"""Serving benchmark: throughput and latency of the gRPC worker at several concurrencies, with
+speculation on and off in the same run, on Spec-Bench prompts.
+
+Not a test: it measures. By default it starts a worker in this process on SmolLM2-135M-Instruct
+(a free loopback port) and drives it over real gRPC; --target HOST:PORT drives a running worker
+instead. For each concurrency, speculation is switched off and on through the Admin service (the
+same worker, no restart), and every prompt is sent by that many client threads. Greedy outputs
+with speculation on must equal those with it off; the table says whether they did.
+
+    python bench/serving_bench.py --limit 8 --max-tokens 64 --concurrency 1,4   # a quick look
+    python bench/serving_bench.py                                              # the full run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import queue
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "worker"))  # run from a checkout without installing
+
+from specfleet_worker.bench import default_questions, load_questions  # noqa: E402
+from specfleet_worker.server.pb import worker_pb2 as pb  # noqa: E402
+from specfleet_worker.server.pb import worker_pb2_grpc as pb_grpc  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--target", default=None, help="HOST:PORT of a running worker (default: start one here)")
+    p.add_argument("--model", default="smollm2-135m", help="model for the in-process worker")
+    p.add_argument("--questions", type=Path, default=None, help="Spec-Bench JSON lines (default: the dev set)")
+    p.add_argument("--limit", type=int, default=0, help="prompts per run (0: all); taken round-robin over categories")
+    p.add_argument("--concurrency", default="1,4,16", help="comma-separated client counts")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--k-max", type=int, default=8, help="K_max for the speculative runs")
+    p.add_argument("--threads", type=int, default=None, help="torch threads for the in-process worker")
+    p.add_argument("--out", type=Path, default=Path("results/serving_bench.json"))
+    return p.parse_args(argv)
+
+
+def pick_prompts(path: Path, limit: int) -> list[dict]:
+    """Round-robin over categories, so that a small --limit still sees every kind of prompt."""
+    by_cat: dict[str, list[dict]] = {}
+    for q in load_questions(path):
+        by_cat.setdefault(q["category"], []).append(q)
+    out, i = [], 0
+    while any(i < len(v) for v in by_cat.values()) and (not limit or len(out) < limit):
+        for qs in by_cat.values():
+            if i < len(qs) and (not limit or len(out) < limit):
+                out.append(qs[i])
+        i += 1
+    return out
+
+
+PROMPT_TYPES = {"coding": "code", "math_reasoning": "math", "summarization": "summarization", "rag": "rag",
+                "translation": "translation", "qa": "chat", "writing": "chat", "roleplay": "chat",
+                "reasoning": "chat", "stem": "chat", "humanities": "chat", "extraction": "chat"}
+
+
+def run_once(stub, prompts: list[dict], concurrency: int, max_tokens: int) -> dict:
+    """Sends every prompt from `concurrency` client threads; returns throughput and latencies."""
+    work: queue.Queue = queue.Queue()
+    for i, q in enumerate(prompts):
+        work.put((i, q))
+    latencies, outputs, stats, errors = [0.0] * len(prompts), [None] * len(prompts), [None] * len(prompts), []
+
+    def client():
+        while True:
+            try:
+                i, q = work.get_nowait()
+            except queue.Empty:
+                return
+            msg = pb.GenerateRequest(prompt=q["turns"][0], apply_chat_template=True, max_tokens=max_tokens,
+                                     prompt_type=PROMPT_TYPES.get(q["category"], "chat"),
+                                     request_id=f"bench-{q.get('question_id', i)}")
+            t = time.perf_counter()
+            try:
+                resp = stub.Generate(msg, timeout=600)
+            except grpc.RpcError as e:
+                errors.append(f"{e.code().name}: {e.details()}")
+                continue
+            latencies[i] = time.perf_counter() - t
+            outputs[i] = list(resp.token_ids)
+            stats[i] = resp.speculation
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done = [i for i, o in enumerate(outputs) if o is not None]
+    tokens = sum(len(outputs[i]) for i in done)
+    lat = sorted(latencies[i] for i in done)
+    steps = sum(stats[i].num_steps for i in done)
+    accepted = sum(stats[i].num_accepted_tokens for i in done)
+    return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
+            "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99), "errors": errors,
+            "tau": (accepted + steps) / steps if steps else 0.0, "outputs": outputs}
+
+
+def percentile(sorted_values: list[float], p: float) -> float:
+    if not sorted_values:
+        return float("nan")
+    if len(sorted_values) == 1:
+        return sorted_values[0]
+    return statistics.quantiles(sorted_values, n=100, method="inclusive")[int(p) - 1] if p < 100 else sorted_values[-1]
+
+
+def start_local_worker(args, max_batch: int):
+    from specfleet_worker.server.app import WorkerServer
+    from specfleet_worker.server.config import EngineConfig
+    from specfleet_worker.server.main import build_engine, make_worker
+
+    cfg = EngineConfig(model_name=args.model, k_max=args.k_max)
+    print(f"loading {args.model} ...", file=sys.stderr, flush=True)
+    engine = build_engine(cfg, threads=args.threads)
+    server = WorkerServer("127.0.0.1", 0, 0, max_workers=max_batch + 16).start()
+    server.attach(make_worker(engine, cfg, max_batch_size=max_batch, max_queue=max_batch * 4,
+                              max_tokens_limit=max(args.max_tokens, 2048)))
+    return server, f"127.0.0.1:{server.grpc_port}"
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    levels = [int(c) for c in args.concurrency.split(",")]
+    prompts = pick_prompts(args.questions or default_questions(), args.limit)
+    server = None
+    target = args.target
+    if target is None:
+        server, target = start_local_worker(args, max(levels))
+    channel = grpc.insecure_channel(target)
+    gen, admin = pb_grpc.GenerationStub(channel), pb_grpc.AdminStub(channel)
+    model = admin.GetConfig(pb.GetConfigRequest()).model
+    # warm-up: the first forwards pay for allocations that a steady worker has already made
+    gen.Generate(pb.GenerateRequest(prompt="Hello", apply_chat_template=True, max_tokens=8))
+    print(f"{len(prompts)} prompts x concurrency {levels}, max_tokens {args.max_tokens}, model {model}, "
+          f"target {target}", file=sys.stderr, flush=True)
+
+    rows = []
+    try:
+        for c in levels:
+            result = {}
+            for spec in (False, True):  # back to back at each level: both see the same machine load
+                admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=spec, k_min=0, k_max=args.k_max))
+                result[spec] = run_once(gen, prompts, c, args.max_tokens)
+                r = result[spec]
+                print(f"  concurrency {c:>2} speculation {'on ' if spec else 'off'}: {r['tokens_per_s']:7.1f} tok/s, "
+                      f"p50 {r['p50_s']:.2f}s, p99 {r['p99_s']:.2f}s, tau {r['tau']:.2f}"
+                      + (f", {len(r['errors'])} errors" if r["errors"] else ""), file=sys.stderr, flush=True)
+            off, on = result[False], result[True]
+            rows.append({"concurrency": c, "off": {k: v for k, v in off.items() if k != "outputs"},
+                         "on": {k: v for k, v in on.items() if k != "outputs"},
+                         "speedup": on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else 0.0,
+                         "identical": on["outputs"] == off["outputs"]})
+    finally:
+        channel.close()
+        if server is not None:
+            server.stop(0)
+
+    print_table(rows, model, len(prompts), args.max_tokens)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
+                                    "k_max": args.k_max, "rows": rows}, indent=2) + "\n")
+    print(f"\nwrote {args.out}", file=sys.stderr)
+    return 0
+
+
+def print_table(rows: list[dict], model: str, n: int, max_tokens: int) -> None:
+    print(f"\nserving benchmark: {model}, {n} Spec-Bench prompts, max_tokens {max_tokens}")
+    head = f"{'conc':>4} | {'off tok/s':>9} {'p50':>6} {'p99':>6} | {'on tok/s':>9} {'p50':>6} {'p99':>6} {'tau':>5} | " \
+           f"{'on/off':>6} {'same out':>8} {'bar':>5}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        off, on = r["off"], r["on"]
+        bar = 1.2 if r["concurrency"] == 1 else 1.0
+        print(f"{r['concurrency']:>4} | {off['tokens_per_s']:>9.1f} {off['p50_s']:>6.2f} {off['p99_s']:>6.2f} | "
+              f"{on['tokens_per_s']:>9.1f} {on['p50_s']:>6.2f} {on['p99_s']:>6.2f} {on['tau']:>5.2f} | "
+              f"{r['speedup']:>5.2f}x {'yes' if r['identical'] else 'NO':>8} {'ok' if r['speedup'] >= bar else 'MISS':>5}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
