@@ -71,3 +71,44 @@ def test_specfleet_serve_passes_its_arguments_to_the_worker():
     out = subprocess.run([sys.executable, "-m", "specfleet_worker.cli", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--drain-seconds" in out.stdout
+
+
+class FakeRedis:
+    """The three calls the publisher makes, recorded; `down` makes them fail as a lost server would."""
+
+    def __init__(self):
+        self.hashes, self.ttl, self.down = {}, {}, False
+
+    def pipeline(self):
+        return self
+
+    def hset(self, key, mapping):
+        self.hashes[key] = dict(mapping)
+
+    def expire(self, key, seconds):
+        self.ttl[key] = seconds
+
+    def execute(self):
+        if self.down:
+            raise ConnectionError("redis went away")
+
+    def delete(self, key):
+        self.hashes.pop(key, None)
+
+
+def test_fleet_statistics_are_published_with_an_expiry_and_redis_outages_are_survived():
+    from specfleet_worker.server.fleet import FleetPublisher
+
+    with running_worker() as r:
+        r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 1, 2, 3], max_tokens=30, ignore_eos=True))
+        fake = FakeRedis()
+        pub = FleetPublisher(fake, r.worker, name="pod-a", period_s=5)
+        assert pub.publish_once()
+        h = fake.hashes["specfleet:worker:pod-a"]
+        assert fake.ttl["specfleet:worker:pod-a"] == 15
+        assert h["model"] == "tiny-random" and h["requests_total"] == "1"
+        assert float(h["mean_accepted_length"]) >= 1.0 and "default" in json.loads(h["acceptance_rate_by_prompt_type"])
+        fake.down = True
+        assert not pub.publish_once()  # logged, not raised
+        pub.stop()
+        assert "specfleet:worker:pod-a" not in fake.hashes

@@ -161,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
                          tracer=make_tracer(os.environ.get("OTEL_SERVICE_NAME", "specfleet-worker")))
     server.attach(worker)
+    from .fleet import FleetPublisher
+
+    fleet = FleetPublisher.from_env(worker)
+    if fleet is not None:
+        fleet.start()
     if args.config:
         control = Path(args.config).parent / CONTROL_FILE
         threading.Thread(target=watch_control_file, args=(control, worker.live, stop), name="control",
@@ -171,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             server.stop(0)
             return 1
     done = server.drain(args.drain_seconds)
+    if fleet is not None:
+        fleet.stop()
     server.stop(grace_s=1.0)
     log.info("exiting", extra={"all_requests_finished": done})
     return 0 if done else 1
