@@ -82,3 +82,19 @@ def test_at_k_zero_the_controller_probes_to_re_measure_alpha():
     c = KController(fitted(0.02, 0.005), probe_every=10)  # a draft token costs a quarter step
     ks = run(c, 0.0, 300)
     assert 0 in ks and ks.count(1) >= 5  # it dropped to 0 and came back up to look, several times
+
+
+def test_a_prior_from_the_prompt_types_history_sets_the_first_k():
+    c = KController(fitted(0.02, 0.002))
+    assert c.start(4).k == 4  # no history: kInitial
+    assert c.start(4, prior=0.02).k == 0  # this prompt type's drafts are rejected: do not draft
+    assert c.start(4, prior=0.95).k >= 6
+    assert c.start(4, prior=0.95, k_max=3).k == 3 and c.start(4, k_min=5).k == 5
+
+
+def test_the_docstring_examples_hold():
+    import doctest
+
+    from specfleet_worker.server import kcontrol
+
+    assert doctest.testmod(kcontrol).failed == 0

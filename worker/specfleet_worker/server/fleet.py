@@ -29,7 +29,7 @@ def snapshot(worker) -> dict[str, str]:
         "mean_accepted_length": f"{m.window.mean_accepted_length:.6f}",
         "speedup_ratio": f"{sch.speedup_ratio():.6f}",
         "acceptance_rate_by_prompt_type": json.dumps({t: round(w.acceptance_rate, 6)
-                                                      for t, w in m.window_by_type.items()}),
+                                                      for t, w in list(m.window_by_type.items())}),
         "requests_total": str(sch.requests_total), "queue_depth": str(sch.queue_depth()),
         "running": str(sch.running()), "updated": f"{time.time():.3f}",
     }

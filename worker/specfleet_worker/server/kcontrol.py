@@ -83,15 +83,25 @@ class KState:
     """One request's controller state."""
 
     k: int
+    prior: float = 0.5  # alpha before this request has verified anything
     window: deque = field(default_factory=lambda: deque(maxlen=16))  # (accepted, drafted) per verify step
     since_change: int = 0
     idle_steps: int = 0  # steps at K = 0 without a draft: a probe comes after `probe_every`
 
-    def alpha(self, prior: float) -> float:
-        acc = sum(a for a, _ in self.window)
-        rejections = sum(1 for a, d in self.window if a < d)
-        # a Beta(prior, 1 - prior) prior: one step alone does not decide, a full window does
-        return (acc + prior) / (acc + rejections + 1)
+    def alpha(self) -> float:
+        return geometric_alpha(self.window, self.prior)
+
+
+def geometric_alpha(steps, prior: float) -> float:
+    """alpha from verify steps [(accepted, drafted)]: each accepted token a success, each step that
+    stopped short one failure; a Beta(prior, 1 - prior) prior, so one step alone does not decide.
+
+    >>> round(geometric_alpha([(3, 4), (4, 4), (0, 4)], prior=0.5), 3)   # 7 accepted, 2 rejections
+    0.75
+    """
+    acc = sum(a for a, _ in steps)
+    rejections = sum(1 for a, d in steps if a < d)
+    return (acc + prior) / (acc + rejections + 1)
 
 
 class KController:
@@ -99,8 +109,14 @@ class KController:
                  prior_alpha: float = 0.5):
         self.cost, self.hold, self.margin, self.probe_every, self.prior = cost, hold, margin, probe_every, prior_alpha
 
-    def start(self, k_initial: int) -> KState:
-        return KState(k_initial)
+    def start(self, k_initial: int, prior: float | None = None, batch: int = 1, k_min: int = 0,
+              k_max: int = 8) -> KState:
+        """A request's state. With a prior alpha (what recent requests of its prompt type saw), its
+        first K is already the best K for that alpha rather than k_initial: short requests would
+        otherwise spend much of their life walking K to where it belongs."""
+        if prior is None:
+            return KState(min(max(k_initial, k_min), k_max), self.prior)
+        return KState(best_k(prior, batch, k_min, k_max, self.cost)[0], prior)
 
     def observe(self, st: KState, num_draft_tokens: int, num_accepted: int) -> None:
         st.since_change += 1
@@ -120,7 +136,7 @@ class KController:
             return st.k
         if st.since_change < self.hold:
             return st.k
-        target, rates = best_k(st.alpha(self.prior), batch, k_min, k_max, self.cost)
+        target, rates = best_k(st.alpha(), batch, k_min, k_max, self.cost)
         now = rates[st.k - k_min]
         step = (target > st.k) - (target < st.k)
         if step and rates[target - k_min] > now * (1 + self.margin):

@@ -18,23 +18,34 @@ K_BUCKETS = tuple(range(0, 17))
 
 
 class WindowRate:
-    """accepted / drafted and tokens per step over the last `size` verify steps."""
+    """accepted / drafted and tokens per step over the last `size` decoding steps.
+
+    Running sums, so that readers on other threads (scrapes, Admin.GetStats) read two numbers
+    instead of iterating a deque the scheduler thread is appending to."""
 
     def __init__(self, size: int = 512):
-        self.steps: deque[tuple[int, int, int]] = deque(maxlen=size)  # (drafted, accepted, emitted)
+        self.steps: deque[tuple[int, int]] = deque(maxlen=size)  # (drafted, accepted)
+        self.drafted = self.accepted = 0
 
-    def add(self, drafted: int, accepted: int, emitted: int) -> None:
-        self.steps.append((drafted, accepted, emitted))
+    def add(self, drafted: int, accepted: int) -> None:
+        if len(self.steps) == self.steps.maxlen:
+            old_d, old_a = self.steps[0]
+            self.drafted -= old_d
+            self.accepted -= old_a
+        self.steps.append((drafted, accepted))
+        self.drafted += drafted
+        self.accepted += accepted
 
     @property
     def acceptance_rate(self) -> float:
-        drafted = sum(d for d, _, _ in self.steps)
-        return sum(a for _, a, _ in self.steps) / drafted if drafted else 0.0
+        drafted, accepted = self.drafted, self.accepted
+        return accepted / drafted if drafted else 0.0
 
     @property
     def mean_accepted_length(self) -> float:
         """tau over the window: (accepted + 1) per target forward, as SequenceStats counts it."""
-        return sum(a for _, a, _ in self.steps) / len(self.steps) + 1.0 if self.steps else 0.0
+        n = len(self.steps)
+        return self.accepted / n + 1.0 if n else 0.0
 
 
 class Metrics:
@@ -103,7 +114,7 @@ class Metrics:
         m = self.model
         self.draft_k.labels(m).observe(k)
         self.generation_tokens.labels(m).inc(emitted)
-        self.window.add(drafted, accepted, emitted)
+        self.window.add(drafted, accepted)
         if drafted:
             self.totals["num_drafts"] += 1
             self.totals["num_draft_tokens"] += drafted
@@ -114,7 +125,7 @@ class Metrics:
             for pos in range(accepted):
                 self.accepted_per_pos.labels(m, str(pos)).inc()
             w = self.window_by_type.setdefault(prompt_type, WindowRate())
-            w.add(drafted, accepted, emitted)
+            w.add(drafted, accepted)
             self.acceptance_rate.labels(m, prompt_type).set(w.acceptance_rate)
         self.avg_accepted_tokens.labels(m).set(self.window.mean_accepted_length)
 

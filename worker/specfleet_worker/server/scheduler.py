@@ -23,7 +23,7 @@ import grpc
 from ..engine import NO_SPECULATION, Engine, Sequence
 from ..sampling import SamplingParams
 from .config import LiveConfig
-from .kcontrol import KController, KState, StepCostModel
+from .kcontrol import KController, KState, StepCostModel, geometric_alpha
 from .metrics import Metrics
 from .tracing import result_attributes
 
@@ -78,7 +78,9 @@ class Scheduler:
         self._active: list[Request] = []  # the running batch; only the scheduler thread touches it
         self._count = 0  # pending + running, under the lock: what admission counts
         self._reserved = 0  # KV blocks reserved by the running batch
+        self._by_type: dict[str, deque] = {}  # prompt type -> its last verify steps (accepted, drafted)
         self._speedup_window: deque[tuple[float, float]] = deque(maxlen=256)  # (plain-equivalent s, actual s)
+        self._speedup_sums = (0.0, 0.0)  # the window's sums, one tuple so other threads read it whole
         self.draining = False
         self._stopped = False
         self.fatal: BaseException | None = None
@@ -154,8 +156,7 @@ class Scheduler:
             self.thread.join(timeout_s)
 
     def speedup_ratio(self) -> float:
-        plain = sum(p for p, _ in self._speedup_window)
-        actual = sum(a for _, a in self._speedup_window)
+        plain, actual = self._speedup_sums
         return plain / actual if actual > 0 else 1.0
 
     def _reject(self, reason: str) -> None:
@@ -226,6 +227,12 @@ class Scheduler:
         return True
 
     def _start(self, req: Request) -> None:
+        s = self.live.settings
+        history = self._by_type.get(req.prompt_type)
+        if req.method != NO_SPECULATION and s.k_policy == "adaptive" and history and len(history) >= 16:
+            batch = len(self._active) + 1
+            req.kstate = self.controller.start(s.k_initial, geometric_alpha(history, self.controller.prior),
+                                               batch, s.k_min, s.k_max)
         try:
             req.seq = self.engine.add(req.prompt_ids, req.params, req.method, req.kstate.k, req.request_id)
         except ValueError as e:  # the service validates first; this is the engine's last word
@@ -265,6 +272,9 @@ class Scheduler:
                 emitted += st.num_emitted
                 decoded += 1
                 self.controller.observe(req.kstate, st.num_draft_tokens, st.num_accepted)
+                if st.num_draft_tokens:
+                    self._by_type.setdefault(req.prompt_type, deque(maxlen=256)).append(
+                        (st.num_accepted, st.num_draft_tokens))
                 self.metrics.step(req.prompt_type, seq.k, st.num_draft_tokens, st.num_accepted, st.num_emitted)
             errors = seq.stats.draft_errors - getattr(req, "_draft_errors", 0)
             if errors:
@@ -279,7 +289,13 @@ class Scheduler:
         if measure and decoded:
             self.cost.observe(tokens_in_forward, elapsed)
             # what plain decoding would have taken for these tokens, at the fitted cost of a B-token step
-            self._speedup_window.append((emitted * self.cost.cost(decoded) / decoded, elapsed))
+            sample = (emitted * self.cost.cost(decoded) / decoded, elapsed)
+            plain, actual = self._speedup_sums
+            if len(self._speedup_window) == self._speedup_window.maxlen:
+                old_plain, old_actual = self._speedup_window[0]
+                plain, actual = plain - old_plain, actual - old_actual
+            self._speedup_window.append(sample)
+            self._speedup_sums = (plain + sample[0], actual + sample[1])
 
     def _finish(self, req: Request, error: Rejected | None = None, tokens: list[int] | None = None,
                 logprobs: list[float] | None = None) -> None:

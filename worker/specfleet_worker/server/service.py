@@ -276,5 +276,5 @@ class AdminServicer(pb_grpc.AdminServicer):
             num_draft_tokens=m.totals["num_draft_tokens"], num_accepted_tokens=m.totals["num_accepted_tokens"],
             acceptance_rate=m.window.acceptance_rate, mean_accepted_length=m.window.mean_accepted_length,
             speedup_ratio=sch.speedup_ratio(),
-            acceptance_rate_by_prompt_type={t: wr.acceptance_rate for t, wr in m.window_by_type.items()},
+            acceptance_rate_by_prompt_type={t: wr.acceptance_rate for t, wr in list(m.window_by_type.items())},
             ready=self.holder.ready, draining=sch.draining, draft_errors=m.totals["draft_errors"])
