@@ -5,12 +5,21 @@ import re
 
 from specfleet_worker.server import codegen
 
-# lines that name the generator's version, not the API
-VERSION_LINE = re.compile(r"^(GRPC_GENERATED_VERSION = .*|# Protobuf Python Version: .*|\s*\d+,\s*\d+,\s*\d+,\s*'.*',)$", re.M)
+# what names the generator's version, not the API: a newer grpcio-tools alone is no staleness
+VERSIONS = [re.compile(r"^GRPC_GENERATED_VERSION = .*$", re.M), re.compile(r"^# Protobuf Python Version: .*$", re.M),
+            re.compile(r"ValidateProtobufRuntimeVersion\(.*?\)", re.S)]
 
 
 def normalise(text: str) -> str:
-    return VERSION_LINE.sub("<version>", text)
+    for pattern in VERSIONS:
+        text = pattern.sub("<version>", text)
+    return text
+
+
+def test_normalising_hides_versions_only():
+    a = "GRPC_GENERATED_VERSION = '1.85.1'\nx = ValidateProtobufRuntimeVersion(\n    7,\n    35,\n)\nrpc Foo"
+    b = "GRPC_GENERATED_VERSION = '1.90.0'\nx = ValidateProtobufRuntimeVersion(\n    7,\n    40,\n)\nrpc Foo"
+    assert normalise(a) == normalise(b) != normalise(b.replace("Foo", "Bar"))
 
 
 def test_committed_stubs_are_current():
