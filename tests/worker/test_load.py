@@ -9,10 +9,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from specfleet_worker.server.testing import pb, running_worker, tiny_engine, wait_idle
 
-from specfleet_worker.proposers import NgramProposer, Proposal
+from specfleet_worker.proposers import NgramProposer
 from specfleet_worker.sampling import SamplingParams
+from specfleet_worker.server.testing import pb, running_worker, tiny_engine, wait_idle
 
 
 def make_prompts(n: int, seed: int = 1) -> list[list[int]]:

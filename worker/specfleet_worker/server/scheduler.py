@@ -64,6 +64,7 @@ class Request:
         self.first_token_at: float | None = None
         self.finished_at: float | None = None
         self._sent_logprobs = 0
+        self._draft_errors = 0
 
 
 class Scheduler:
@@ -108,11 +109,11 @@ class Scheduler:
         req.reserved_blocks = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
         with self._cond:
             if self.draining or self._stopped or not self.alive:
-                self._reject("draining")
+                self.count_rejection("draining")
                 raise Rejected(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down; send the request elsewhere")
             limit = self.max_batch_size + self.max_queue
             if self._count >= limit:
-                self._reject("overload")
+                self.count_rejection("overload")
                 raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
                                f"the worker is full: {self._count} requests running or queued, the limit is {limit}")
             self._count += 1
@@ -159,7 +160,7 @@ class Scheduler:
         plain, actual = self._speedup_sums
         return plain / actual if actual > 0 else 1.0
 
-    def _reject(self, reason: str) -> None:
+    def count_rejection(self, reason: str) -> None:
         self.rejected_total += 1
         self.metrics.rejected.labels(self.metrics.model, reason).inc()
 
@@ -276,7 +277,7 @@ class Scheduler:
                     self._by_type.setdefault(req.prompt_type, deque(maxlen=256)).append(
                         (st.num_accepted, st.num_draft_tokens))
                 self.metrics.step(req.prompt_type, seq.k, st.num_draft_tokens, st.num_accepted, st.num_emitted)
-            errors = seq.stats.draft_errors - getattr(req, "_draft_errors", 0)
+            errors = seq.stats.draft_errors - req._draft_errors
             if errors:
                 req._draft_errors = seq.stats.draft_errors
                 self.metrics.draft_error(errors)

@@ -129,7 +129,7 @@ class Worker:
         try:
             req = self.build_request(msg, context)
         except Invalid as e:
-            self.scheduler._reject("invalid")
+            self.scheduler.count_rejection("invalid")
             log.info("request refused", extra={"request_id": msg.request_id, "error": str(e)})
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         span = self.tracer.start_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER,
