@@ -217,7 +217,10 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - fail the batch, keep the worker serving
             log.exception("engine step failed; failing the running batch")
             for req in list(self._active):
-                self.engine.abort(req.seq)
+                try:
+                    self.engine.abort(req.seq)
+                except Exception:  # noqa: BLE001 - the engine is what broke; the request is told anyway
+                    log.exception("abort after a failed step failed", extra={"request_id": req.request_id})
                 self.failed_total += 1
                 self.metrics.failed.labels(self.metrics.model).inc()
                 self._finish(req, Rejected(grpc.StatusCode.INTERNAL, f"the engine failed: {type(e).__name__}: {e}"))
