@@ -12,6 +12,7 @@ import pytest
 
 from specfleet_worker.proposers import NgramProposer
 from specfleet_worker.sampling import SamplingParams
+from specfleet_worker.server.pb import worker_pb2_grpc as pb_grpc
 from specfleet_worker.server.testing import pb, running_worker, tiny_engine, wait_idle
 
 
@@ -161,3 +162,18 @@ def test_a_failing_proposer_degrades_to_plain_decoding_and_is_counted():
     assert list(resp.token_ids) == want
     assert resp.speculation.draft_errors > 0 and stats.draft_errors == resp.speculation.draft_errors
     assert stats.failed_total == 0
+
+
+def test_a_client_that_disconnects_mid_stream_frees_its_blocks():
+    engine = tiny_engine(proposers={"slow": SlowProposer(0.005)})
+    with running_worker(engine) as r:
+        other = grpc.insecure_channel(f"127.0.0.1:{r.server.grpc_port}")
+        stream = pb_grpc.GenerationStub(other).GenerateStream(pb.GenerateRequest(
+            prompt_token_ids=[9, 8, 7], max_tokens=400, ignore_eos=True, speculation_method="slow"))
+        next(stream)
+        assert r.stats().kv_blocks_used > 0
+        other.close()  # the client goes away without a word
+        stats = wait_idle(r)
+        assert (stats.running, stats.kv_blocks_used) == (0, 0)
+        assert r.worker.scheduler.metrics.registry.get_sample_value(
+            "spec_decode_requests_total", {"model": "tiny-random", "finish_reason": "abort"}) == 1
