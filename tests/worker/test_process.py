@@ -65,8 +65,6 @@ def test_a_bad_config_exits_2_with_a_json_error(tmp_path, capsys):
     assert serve_main(["--config", str(tmp_path / "missing.json")]) == 2
 
 
-@pytest.mark.xfail(strict=True, reason="cli.py's `serve` subcommand (argparse.REMAINDER) rejects options "
-                                       "that start with --; it needs to pass argv through untouched")
 def test_specfleet_serve_passes_its_arguments_to_the_worker():
     out = subprocess.run([sys.executable, "-m", "specfleet_worker.cli", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)

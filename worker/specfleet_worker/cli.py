@@ -26,6 +26,16 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # serve and operator own their flags: hand everything after the subcommand straight over
+    if argv and argv[0] == "serve":
+        from .server.main import main as serve_main
+
+        return serve_main(argv[1:])
+    if argv and argv[0] == "operator":
+        from specfleet_operator.main import run as operator_main
+
+        return operator_main(argv[1:])
     parser = argparse.ArgumentParser(prog="specfleet", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -51,11 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     add_bench_args(p)
 
-    p = sub.add_parser("serve", help="run the gRPC worker (see docs/worker-contract.md)")
-    p.add_argument("serve_args", nargs=argparse.REMAINDER, help="arguments for the worker; --help lists them")
-
-    p = sub.add_parser("operator", help="run the Kubernetes operator (kopf)")
-    p.add_argument("operator_args", nargs=argparse.REMAINDER, help="arguments for the operator; --help lists them")
+    sub.add_parser("serve", help="run the gRPC worker; `specfleet serve --help` lists its flags", add_help=False)
+    sub.add_parser("operator", help="run the Kubernetes operator; `specfleet operator --help` lists its flags",
+                   add_help=False)
 
     args = parser.parse_args(argv)
     try:
@@ -72,14 +80,6 @@ def main(argv: list[str] | None = None) -> int:
             from .bench import run_bench
 
             return run_bench(args)
-        if args.command == "serve":
-            from .server.main import main as serve_main
-
-            return serve_main(args.serve_args)
-        if args.command == "operator":
-            from specfleet_operator.main import run as operator_main
-
-            return operator_main(args.operator_args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specfleet {args.command}: error: {e}", file=sys.stderr)
         return 2

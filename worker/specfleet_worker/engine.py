@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from .k_policy import AcceptanceEstimator, StepCostModel, choose_ks
 from .kv_cache import BlockTable, PagedKVCache
 from .model import AttentionMetadata, Transformer
 from .proposers import NgramProposer, Proposal, Proposer
@@ -90,6 +91,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.stats = SequenceStats()
+        self.acceptance = AcceptanceEstimator()
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.prefilled = False
@@ -123,6 +125,7 @@ class Engine:
         max_kv_tokens: int = 32768,
         block_size: int = 16,
         eos_token_ids: list[int] | None = None,
+        adaptive_k: bool = True,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -134,6 +137,26 @@ class Engine:
         self.eos = set(eos_token_ids)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.default_k = 8
+        # adaptive_k: each sequence's k is an upper bound; the step verifies the draft lengths
+        # that maximise expected tokens per second (k_policy), down to 0 (plain decoding).
+        self.adaptive_k = adaptive_k
+        self.costs = StepCostModel()
+
+    def calibrate(self, max_rows: int = 12, context: int = 128, reps: int = 3) -> dict[int, float]:
+        """Measures the target forward's cost by number of new-token rows (median of reps)."""
+        seq = Sequence([0] * context, SamplingParams(max_tokens=1), NO_SPECULATION, 0, BlockTable(self.cache))
+        self._forward([seq], [seq.tokens], "last")
+        for rows in range(1, max_rows + 1):
+            times = []
+            for _ in range(reps + 1):
+                t = time.perf_counter()
+                self._forward([seq], [[0] * rows], "all")
+                times.append(time.perf_counter() - t)
+                seq.block_table.truncate(context)
+            self.costs.seconds[rows] = sorted(times[1:])[reps // 2]  # the first run warms up
+        seq.block_table.free()
+        return self.costs.relative()
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -218,6 +241,9 @@ class Engine:
             # never draft past the context or past max_tokens
             ks = [max(0, min(s.k, self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
                   if method != NO_SPECULATION else 0 for s in group]
+            if self.adaptive_k and any(ks):
+                others = len(seqs) - len(group)  # rows the rest of the batch adds
+                ks = choose_ks([s.acceptance.alpha for s in group], ks, lambda rows: self.costs(rows + others))
             if method == NO_SPECULATION or not any(ks):
                 results = [Proposal([], None) for _ in group]
             else:
@@ -234,7 +260,9 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         proposals = self._propose(seqs)
         inputs = [[s.tokens[-1]] + p.draft_tokens for s, p in zip(seqs, proposals)]
+        t = time.perf_counter()
         logits = self._forward(seqs, inputs, "all")  # [sum(1 + k_i), V]
+        self.costs.observe(sum(map(len, inputs)), time.perf_counter() - t)
         outs, offset = [], 0
         for seq, prop in zip(seqs, proposals):
             k = len(prop.draft_tokens)
@@ -250,6 +278,8 @@ class Engine:
             emitted = self._emit(seq, result.tokens, rows)
             stats = StepStats(seq.method if k else NO_SPECULATION, k, result.num_accepted, result.bonus, len(emitted))
             seq.stats.add(stats)
+            if seq.method != NO_SPECULATION:
+                seq.acceptance.update(k, result.num_accepted)
             if not seq.finished and seq.method in self.proposers:
                 self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
             outs.append(StepOutput(seq, emitted, stats))

@@ -1,0 +1,333 @@
+"""Spec-Bench on one machine: tokens/s, speedup over plain decoding, tau and alpha by category.
+
+Every configuration (dtype x quantization x method, and optionally HF transformers' own
+`generate`) runs on the same question back to back before the next question starts, so that
+the ratios compare runs made under the same machine load. Also measured in the same run: the
+greedy agreement of each low-precision model with fp32 (teacher-forced on fp32's outputs),
+the weight bytes streamed per second against the machine's memory bandwidth, and whether each
+speculative output equals its plain twin token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_CONFIGS = "fp32/none,fp32/ngram,bf16/none,bf16/ngram,int8/none,int8/ngram,hf/plain,hf/lookup"
+
+
+def default_questions() -> Path:
+    env = os.environ.get("SPECFLEET_SPEC_BENCH")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    return repo.parent / "shared" / "data" / "spec_bench" / "question.dev.jsonl"
+
+
+def add_bench_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--questions", type=Path, default=None,
+                   help="Spec-Bench question file (JSON lines: question_id, category, turns); "
+                        "default ../shared/data/spec_bench/question.dev.jsonl")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--configs", default=DEFAULT_CONFIGS,
+                   help="comma-separated PRECISION/METHOD: precision fp32|bf16|int8, method none|ngram; "
+                        "hf/plain and hf/lookup run HF transformers' generate (default: %(default)s)")
+    p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("-k", type=int, default=None, help="fixed draft length (default: the engine's adaptive K)")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
+    p.add_argument("--plot", type=Path, default=Path("results/bench.png"), help="speedup plot (PNG)")
+
+
+def load_questions(path: Path, per_category: int = 0) -> list[dict]:
+    if not path.exists():
+        raise FileNotFoundError(f"question file {path} not found (pass --questions)")
+    out, seen = [], defaultdict(int)
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            q = json.loads(line)
+            q["turns"][0], q["category"]  # noqa: B018 - the fields every question must have
+        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not a Spec-Bench question (need category and turns): {e}") from None
+        if per_category and seen[q["category"]] >= per_category:
+            continue
+        seen[q["category"]] += 1
+        out.append(q)
+    if not out:
+        raise ValueError(f"{path}: no questions")
+    return out
+
+
+def memory_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
+    """Read + write bandwidth of a large tensor copy, as STREAM's copy counts it."""
+    src = torch.ones(mb * 2**20 // 4)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - t)
+    return 2 * src.numel() * 4 / best / 1e9
+
+
+@dataclass
+class Run:
+    config: str
+    category: str
+    question_id: int
+    tokens: int
+    seconds: float
+    steps: int
+    drafted: int
+    accepted: int
+    output: list[int]
+
+
+def parse_configs(spec: str) -> list[tuple[str, str]]:
+    out = []
+    for item in spec.split(","):
+        prec, _, method = item.strip().partition("/")
+        ok = (prec in ("fp32", "bf16", "int8") and method in ("none", "ngram")) or \
+             (prec == "hf" and method in ("plain", "lookup"))
+        if not ok:
+            raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD (fp32|bf16|int8 / none|ngram, or hf/plain|hf/lookup)")
+        out.append((prec, method))
+    if ("fp32", "none") not in out:
+        out.insert(0, ("fp32", "none"))  # the baseline every ratio is taken against
+    return out
+
+
+class Runner:
+    """Holds one model per precision and runs a question under a configuration."""
+
+    def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None):
+        from .engine import Engine
+        from .factory import prepare_model
+        from .loader import load_tokenizer
+
+        self.tokenizer = load_tokenizer(model_name)
+        self.max_tokens, self.k = max_tokens, k
+        self.engines = {}
+        for prec in sorted(precisions):
+            dtype, quant = ("fp32", "int8") if prec == "int8" else (prec, "none")
+            self.engines[prec] = Engine(prepare_model(model_name, dtype, quant), self.tokenizer, max_kv_tokens=8192)
+            self.engines[prec].calibrate()
+        self.hf = None
+        if want_hf:
+            from transformers import AutoModelForCausalLM
+
+            from .loader import resolve_model_path
+
+            p = resolve_model_path(model_name)
+            kw = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
+            self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent if p.suffix == ".gguf" else p),
+                                                           dtype=torch.float32, local_files_only=True, **kw).eval()
+
+    def run(self, prec: str, method: str, prompt: list[int], hf_lookup: int) -> tuple[list[int], float, int, int, int]:
+        from .sampling import SamplingParams
+
+        if prec == "hf":
+            ids = torch.tensor([prompt])
+            kw = dict(prompt_lookup_num_tokens=hf_lookup) if method == "lookup" else {}
+            t = time.perf_counter()
+            with torch.inference_mode():
+                out = self.hf.generate(ids, max_new_tokens=self.max_tokens, do_sample=False,
+                                       eos_token_id=self.tokenizer.eos_token_ids, pad_token_id=self.tokenizer.eos_token_ids[0], **kw)
+            dt = time.perf_counter() - t
+            toks = out[0, len(prompt):].tolist()
+            while toks and toks[-1] in self.tokenizer.eos_token_ids:
+                toks.pop()  # our engine does not count the EOS token either
+            return toks, dt, len(toks), 0, 0
+        engine = self.engines[prec]
+        params = SamplingParams(max_tokens=self.max_tokens)
+        k = self.k if self.k is not None else engine.default_k
+        t = time.perf_counter()
+        seq = engine.generate(prompt, params, method, k if method != "none" else 0)
+        dt = time.perf_counter() - t
+        s = seq.stats
+        return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens
+
+
+def teacher_forced_agreement(engine_lp, engine_ref, prompt: list[int], output: list[int]) -> tuple[int, int]:
+    """How many of fp32's greedy tokens the other model also ranks first, given fp32's prefix."""
+    if not output:
+        return 0, 0
+    ctx = prompt + output[:-1]
+    agree = 0
+    seq = engine_lp.add(ctx, __import__("specfleet_worker.sampling", fromlist=["SamplingParams"]).SamplingParams(max_tokens=1), "none")
+    logits = engine_lp._forward([seq], [ctx], "all")[len(prompt) - 1:]
+    engine_lp.abort(seq)
+    agree = int((logits.argmax(-1) == torch.tensor(output)).sum())
+    return agree, len(output)
+
+
+def summarize(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
+    names = [f"{p}/{m}" for p, m in configs]
+    cats = sorted({r.category for r in runs})
+    table = {}
+    for cat in cats + ["overall"]:
+        rows = {}
+        sel = [r for r in runs if cat == "overall" or r.category == cat]
+        base = [r for r in sel if r.config == "fp32/none"]
+        base_tps = sum(r.tokens for r in base) / max(sum(r.seconds for r in base), 1e-9)
+        for name in names:
+            rs = [r for r in sel if r.config == name]
+            tokens, secs = sum(r.tokens for r in rs), sum(r.seconds for r in rs)
+            prec = name.split("/")[0]
+            same = [r for r in sel if r.config == f"{prec}/none"]
+            same_tps = sum(r.tokens for r in same) / max(sum(r.seconds for r in same), 1e-9) if same else None
+            tps = tokens / max(secs, 1e-9)
+            drafted, accepted, steps = sum(r.drafted for r in rs), sum(r.accepted for r in rs), sum(r.steps for r in rs)
+            rows[name] = {
+                "tokens": tokens, "seconds": round(secs, 3), "tok_s": round(tps, 2),
+                "speedup_vs_fp32_plain": round(tps / base_tps, 3),
+                "speedup_vs_same_precision_plain": round(tps / same_tps, 3) if same_tps else None,
+                "tau": round(tokens / steps, 3) if steps else None,
+                "alpha": round(accepted / drafted, 3) if drafted else None,
+            }
+        table[cat] = rows
+    return table
+
+
+def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
+    from rich.table import Table
+
+    names = [f"{p}/{m}" for p, m in configs]
+    t = Table(title="Spec-Bench: tok/s (speedup over fp32 plain; tau; alpha)")
+    t.add_column("category")
+    for n in names:
+        t.add_column(n, justify="right")
+    for cat, rows in table.items():
+        cells = []
+        for n in names:
+            r = rows[n]
+            extra = f" τ{r['tau']:.2f} α{r['alpha']:.2f}" if r["alpha"] is not None else ""
+            cells.append(f"{r['tok_s']:.1f} ({r['speedup_vs_fp32_plain']:.2f}x){extra}")
+        t.add_row(cat, *cells, end_section=cat == list(table)[-2])
+    console.print(t)
+
+
+def plot(table: dict, configs: list[tuple[str, str]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [f"{p}/{m}" for p, m in configs if f"{p}/{m}" != "fp32/none"]
+    cats = list(table)
+    fig, ax = plt.subplots(figsize=(max(8, len(cats) * 0.9), 4.5))
+    width = 0.8 / max(len(names), 1)
+    for i, n in enumerate(names):
+        ax.bar([c + i * width for c in range(len(cats))], [table[c][n]["speedup_vs_fp32_plain"] for c in cats],
+               width, label=n)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks([c + 0.4 - width / 2 for c in range(len(cats))], cats, rotation=35, ha="right")
+    ax.set_ylabel("speedup over fp32 plain decoding")
+    ax.set_title("SmolLM2-135M-Instruct on the CPU, Spec-Bench dev, greedy")
+    ax.legend(fontsize=8, ncol=2)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
+def run_bench(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    configs = parse_configs(args.configs)
+    questions = load_questions(args.questions or default_questions(), args.per_category)
+    precisions = {p for p, _ in configs if p != "hf"}
+    console.print(f"[bold]specfleet bench[/]: {len(questions)} questions, configs {', '.join(f'{p}/{m}' for p, m in configs)}, "
+                  f"max {args.max_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
+    with console.status("loading models"):
+        runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k)
+        bandwidth = memory_bandwidth_gbs()
+    # warm-up: first calls pay for allocation and kernel selection
+    warm = runner.tokenizer.chat("Say hello.")
+    for prec, method in configs:
+        runner.run(prec, method, warm, args.hf_lookup_tokens)
+
+    runs: list[Run] = []
+    agreement = defaultdict(lambda: [0, 0])
+    mismatches = defaultdict(int)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=console) as progress:
+        task = progress.add_task("questions", total=len(questions))
+        for q in questions:
+            prompt = runner.tokenizer.chat(q["turns"][0])
+            outputs = {}
+            for prec, method in configs:
+                progress.update(task, description=f"q{q['question_id']} {q['category']}: {prec}/{method}")
+                out, dt, steps, drafted, accepted = runner.run(prec, method, prompt, args.hf_lookup_tokens)
+                outputs[(prec, method)] = out
+                runs.append(Run(f"{prec}/{method}", q["category"], q["question_id"], len(out), dt, steps,
+                                drafted, accepted, out))
+            for prec, method in configs:
+                if method == "ngram" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
+                    mismatches[prec] += 1
+            for prec in precisions - {"fp32"}:
+                a, n = teacher_forced_agreement(runner.engines[prec], runner.engines["fp32"], prompt, outputs[("fp32", "none")])
+                agreement[prec][0] += a
+                agreement[prec][1] += n
+            progress.advance(task)
+            if not console.is_terminal:  # a log file gets a line per question instead of a bar
+                done = {n: sum(r.tokens for r in runs if r.config == n) / max(sum(r.seconds for r in runs if r.config == n), 1e-9)
+                        for n in (f"{p}/{m}" for p, m in configs)}
+                console.print(f"[{len({r.question_id for r in runs})}/{len(questions)}] q{q['question_id']} {q['category']}: "
+                              + ", ".join(f"{n} {v:.1f} tok/s" for n, v in done.items()), soft_wrap=True)
+
+    table = summarize(runs, configs)
+    print_table(table, configs, console)
+    from .quant import weight_bytes
+
+    roofline = {}
+    for prec in sorted(precisions):
+        row = table["overall"][f"{prec}/none"] if f"{prec}/none" in table["overall"] else None
+        if row:
+            wb = weight_bytes(runner.engines[prec].model)
+            gbs = wb * row["tok_s"] / 1e9  # plain decoding: one weight pass per token
+            roofline[prec] = {"weight_bytes": wb, "streamed_gb_s": round(gbs, 2),
+                              "fraction_of_bandwidth": round(gbs / bandwidth, 3)}
+            console.print(f"{prec}: {wb / 1e6:.0f} MB of weights per step, {gbs:.1f} GB/s streamed in plain decoding, "
+                          f"{gbs / bandwidth:.0%} of the measured {bandwidth:.1f} GB/s copy bandwidth")
+    quality = {p: round(a / n, 4) for p, (a, n) in agreement.items() if n}
+    for p, v in quality.items():
+        console.print(f"{p}: greedy agreement with fp32 (teacher-forced) {v:.4f} over {agreement[p][1]} tokens")
+    for prec in sorted(precisions):
+        if (prec, "ngram") in configs:
+            console.print(f"{prec}: speculative output == plain output on "
+                          f"{len(questions) - mismatches[prec]}/{len(questions)} questions")
+    result = {
+        "questions": len(questions), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+        "configs": [f"{p}/{m}" for p, m in configs], "table": table, "quality_agreement_vs_fp32": quality,
+        "roofline": roofline, "memory_bandwidth_gb_s": round(bandwidth, 2),
+        "spec_equals_plain": {p: len(questions) - mismatches[p] for p in precisions},
+        "runs": [r.__dict__ | {"output": None} for r in runs],
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    plot(table, configs, args.plot)
+    console.print(f"wrote {args.out} and {args.plot}")
+    return 0
+
+
+def run_demo(per_category: int, max_tokens: int) -> int:
+    """The main job on the embedded default: a short Spec-Bench run of the main configurations."""
+    ns = argparse.Namespace(questions=None, model="smollm2-135m", configs="fp32/none,fp32/ngram,int8/none,int8/ngram",
+                            per_category=per_category, max_tokens=max_tokens, k=None, hf_lookup_tokens=10,
+                            threads=None, out=Path("results/demo.json"), plot=Path("results/demo.png"))
+    return run_bench(ns)
