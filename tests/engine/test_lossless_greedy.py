@@ -32,7 +32,7 @@ def test_ngram_and_draft_model_match_plain_decoding(config):
     target = tiny_model(seed=1, scale=4.0, **CONFIGS[config])
     draft = tiny_model(seed=2, scale=4.0, **CONFIGS[config])
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft)}
-    engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8)
+    engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8, adaptive_k=False)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     accepted = 0
     for prompt in prompts(3):
@@ -52,6 +52,7 @@ def test_batched_speculation_matches_single_requests():
     target = tiny_model(seed=3, scale=4.0)
     engine = Engine(target, proposers={"ngram": NgramProposer(),
                                        "draft-model": DraftModelProposer(tiny_model(seed=4, scale=4.0))})
+    engine.costs.seconds.update({r: 1.0 + 0.1 * (r - 1) for r in range(1, 64)})  # cheap drafts: adaptive K drafts
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     ps = prompts(8, seed=5)
     expected = [engine.generate(p, params, "none").output for p in ps]
@@ -64,12 +65,13 @@ def test_batched_speculation_matches_single_requests():
             seqs.append(engine.add(ps[0], params, "ngram", 3))
     assert [s.output for s in seqs[: len(ps)]] == expected
     assert seqs[-1].output == expected[0]
+    assert sum(s.stats.num_draft_tokens for s in seqs) > 0, "adaptive K never drafted"
     assert engine.cache.allocator.num_used == 0
 
 
 def test_eos_max_tokens_and_logprobs_inside_verification():
     target = tiny_model(seed=1, scale=4.0)
-    engine = Engine(target)
+    engine = Engine(target, adaptive_k=False)
     prompt = prompts(1, seed=9)[0]
     plain = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "none")
     spec = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "ngram", 8)
@@ -98,7 +100,7 @@ def test_failing_proposer_degrades_to_plain_decoding():
             pass
 
     target = tiny_model(seed=1, scale=4.0)
-    engine = Engine(target, proposers={"broken": Broken()})
+    engine = Engine(target, proposers={"broken": Broken()}, adaptive_k=False)
     prompt = prompts(1)[0]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     plain = engine.generate(prompt, params, "none")

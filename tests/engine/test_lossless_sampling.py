@@ -48,7 +48,7 @@ def tv_threshold(exact, n, reps=300, quantile=0.999):
 
 
 def speculative_samples(model, proposers, method, k, params_kw):
-    engine = Engine(model, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8)
+    engine = Engine(model, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, adaptive_k=False)
     counts = torch.zeros(VOCAB ** DEPTH)
     drafted = accepted = 0
     for start in range(0, N, 1000):

@@ -7,6 +7,8 @@ positions only moves the sequence's length and frees blocks that became empty: n
 
 from __future__ import annotations
 
+import heapq
+
 import torch
 from torch import Tensor
 
@@ -19,7 +21,9 @@ class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self._free = list(range(num_blocks - 1, -1, -1))
+        # a min-heap: the lowest free block goes first, so a sequence's blocks tend to be
+        # consecutive and its context can be read as one view instead of a gather
+        self._free = list(range(num_blocks))
 
     @property
     def num_free(self) -> int:
@@ -32,7 +36,7 @@ class BlockAllocator:
     def allocate(self) -> int:
         if not self._free:
             raise OutOfBlocks(f"all {self.num_blocks} KV blocks are in use")
-        block = self._free.pop()
+        block = heapq.heappop(self._free)
         self.ref_counts[block] = 1
         return block
 
@@ -45,7 +49,7 @@ class BlockAllocator:
         assert self.ref_counts[block] > 0, f"block {block} released twice"
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
-            self._free.append(block)
+            heapq.heappush(self._free, block)
 
 
 class PagedKVCache:

@@ -179,9 +179,14 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # computed in fp32 whatever the model's dtype, as HF's LlamaRMSNorm does
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
+    return weight * xf.to(x.dtype)
 
 
 @dataclass
@@ -204,6 +209,7 @@ class AttentionMetadata:
     context_slots: list[Tensor]
     masks: list[Tensor | None]
     context_starts: list[int | None] | None = None
+    biases: list[Tensor | None] | None = None  # filled by Transformer.forward from masks
 
     @property
     def num_seqs(self) -> int:
@@ -222,46 +228,68 @@ class Attention(nn.Module):
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
         # x: [T, D]; kv: ([Hkv, slots, hd], [Hkv, slots, hd]) of this layer
         T = x.shape[0]
-        q_size, kv_size = self.n_heads * self.head_dim, self.n_kv_heads * self.head_dim
-        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
-        q = apply_rope(q.view(T, self.n_heads, self.head_dim), cos, sin)
-        k = apply_rope(k.view(T, self.n_kv_heads, self.head_dim), cos, sin)
-        v = v.view(T, self.n_kv_heads, self.head_dim)
+        H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(x)
+        qk = apply_rope(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), cos, sin)  # q and k in one go
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + Hkv) * hd:].view(T, Hkv, hd)
         k_cache, v_cache = kv  # [Hkv, slots, hd]
         k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
         v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
-        group = self.n_heads // self.n_kv_heads
+        group = H // Hkv
         out = []
         for b in range(meta.num_seqs):
             lo, hi = meta.cu_seqlens[b], meta.cu_seqlens[b + 1]
-            slots = meta.context_slots[b]
-            n_q, S = hi - lo, slots.shape[0]
+            n_q = hi - lo
             first = meta.context_starts[b] if meta.context_starts else None
             if first is not None:  # blocks laid out in order: a view, no gather
-                kb = k_cache.narrow(1, first, S).to(q.dtype)  # [Hkv, S, hd]
-                vb = v_cache.narrow(1, first, S).to(q.dtype)
+                S = meta.context_slots[b].shape[0]
+                kb, vb = k_cache.narrow(1, first, S), v_cache.narrow(1, first, S)  # [Hkv, S, hd]
             else:
-                kb = k_cache.index_select(1, slots).to(q.dtype)
-                vb = v_cache.index_select(1, slots).to(q.dtype)
+                slots = meta.context_slots[b]
+                kb, vb = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
+            kb, vb = kb.to(q.dtype), vb.to(q.dtype)
             # grouped-query attention without repeating K/V: the query heads that share a KV
             # head become extra query rows of it. [n_q, H, hd] -> [Hkv, G * n_q, hd]
-            qb = q[lo:hi].view(n_q, self.n_kv_heads, group, self.head_dim).permute(1, 2, 0, 3)
-            qb = qb.reshape(self.n_kv_heads, group * n_q, self.head_dim)
-            mask = meta.masks[b]
-            if mask is None and n_q > 1:
-                # causal: new token i sits at context index S - n_q + i
-                mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
-            if self.sliding_window is not None and S > self.sliding_window:
-                qpos = torch.arange(S - n_q, S)[:, None]
-                window = torch.arange(S)[None, :] > qpos - self.sliding_window
-                mask = window if mask is None else mask & window
-            if mask is not None:
-                mask = mask.repeat(group, 1)  # rows ordered (g, i) like qb
-            o = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask)  # [Hkv, G * n_q, hd]
-            o = o.view(self.n_kv_heads, group, n_q, self.head_dim).permute(2, 0, 1, 3)
-            out.append(o.reshape(n_q, q_size))
+            qb = q[lo:hi].reshape(n_q, Hkv, group, hd).permute(1, 2, 0, 3).reshape(Hkv, group * n_q, hd)
+            o = attend(qb, kb, vb, meta.biases[b] if meta.biases else None, self.scale)  # [Hkv, G * n_q, hd]
+            out.append(o.view(Hkv, group, n_q, hd).permute(2, 0, 1, 3).reshape(n_q, H * hd))
         return self.wo(out[0] if len(out) == 1 else torch.cat(out))
+
+    @property
+    def scale(self) -> float:
+        return self.head_dim ** -0.5
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
+    """Softmax attention. q: [Hkv, R, hd]; k, v: [Hkv, S, hd]; bias: [R, S] additive (0 / -inf) or None.
+
+    Decoding and verification have a handful of query rows: two batched matmuls beat the
+    fused kernel's set-up there. Long prefills take the fused kernel."""
+    if q.shape[1] > 64:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype) if bias is not None else None, scale=scale)
+    if bias is None:
+        scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
+    else:
+        scores = torch.baddbmm(bias.to(q.dtype), q, k.transpose(1, 2), alpha=scale)
+    return torch.bmm(torch.softmax(scores, dim=-1), v)
+
+
+def attention_bias(n_q: int, S: int, group: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
+    """The additive mask of one sequence, rows ordered (g, i) as `Attention` lays queries out.
+
+    mask: an explicit bool [n_q, S] (tree verification), or None for causal attention where new
+    token i sits at context index S - n_q + i."""
+    if mask is None and n_q == 1 and (sliding_window is None or S <= sliding_window):
+        return None
+    if mask is None:
+        mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
+    if sliding_window is not None and S > sliding_window:
+        qpos = torch.arange(S - n_q, S)[:, None]
+        mask = mask & (torch.arange(S)[None, :] > qpos - sliding_window)
+    bias = torch.zeros(n_q, S).masked_fill_(~mask, float("-inf"))
+    return bias.repeat(group, 1)
 
 
 class FeedForward(nn.Module):
@@ -284,8 +312,12 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(args)
 
     def forward(self, x, cos, sin, meta, kv):
-        h = x + self.attention(self.attention_norm(x), cos, sin, meta, kv)
-        return h + self.feed_forward(self.ffn_norm(h))
+        # The norms and the feed-forward are inlined: at one token a step, a 135M model spends
+        # as long in Python's module calls as in some of its matmuls.
+        attn_norm, ffn_norm, ff = self.attention_norm, self.ffn_norm, self.feed_forward
+        h = x + self.attention(rms_norm(x, attn_norm.weight, attn_norm.eps), cos, sin, meta, kv)
+        gate, up = ff.w13(rms_norm(h, ffn_norm.weight, ffn_norm.eps)).chunk(2, dim=-1)
+        return h + ff.w2(F.silu(gate).mul_(up))
 
 
 class Transformer(nn.Module):
@@ -315,6 +347,12 @@ class Transformer(nn.Module):
     ) -> Tensor:
         # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32
         x = self.tok_embeddings(tokens)
+        a = self.args
+        meta.biases = [
+            attention_bias(meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0],
+                           a.n_heads // a.n_kv_heads, meta.masks[b], a.sliding_window)
+            for b in range(meta.num_seqs)
+        ]
         cos = self.rope_cos.index_select(0, meta.positions).to(x.dtype)
         sin = self.rope_sin.index_select(0, meta.positions).to(x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
