@@ -182,6 +182,14 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
+def linear(layer: nn.Module, x: Tensor) -> Tensor:
+    """layer(x) without nn.Module's call machinery for plain nn.Linear (quantized layers keep theirs)."""
+    if type(layer) is nn.Linear:
+        d = layer.__dict__["_parameters"]
+        return F.linear(x, d["weight"], d["bias"])
+    return layer(x)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     # computed in fp32 whatever the model's dtype, as HF's LlamaRMSNorm does
     xf = x.float()
@@ -229,7 +237,7 @@ class Attention(nn.Module):
         # x: [T, D]; kv: ([Hkv, slots, hd], [Hkv, slots, hd]) of this layer
         T = x.shape[0]
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
-        qkv = self.wqkv(x)
+        qkv = linear(self.wqkv, x)
         qk = apply_rope(qkv[:, : (H + Hkv) * hd].view(T, H + Hkv, hd), cos, sin)  # q and k in one go
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * hd:].view(T, Hkv, hd)
@@ -255,7 +263,7 @@ class Attention(nn.Module):
             qb = q[lo:hi].reshape(n_q, Hkv, group, hd).permute(1, 2, 0, 3).reshape(Hkv, group * n_q, hd)
             o = attend(qb, kb, vb, meta.biases[b] if meta.biases else None, self.scale)  # [Hkv, G * n_q, hd]
             out.append(o.view(Hkv, group, n_q, hd).permute(2, 0, 1, 3).reshape(n_q, H * hd))
-        return self.wo(out[0] if len(out) == 1 else torch.cat(out))
+        return linear(self.wo, out[0] if len(out) == 1 else torch.cat(out))
 
     @property
     def scale(self) -> float:
@@ -316,8 +324,8 @@ class Block(nn.Module):
         # as long in Python's module calls as in some of its matmuls.
         attn_norm, ffn_norm, ff = self.attention_norm, self.ffn_norm, self.feed_forward
         h = x + self.attention(rms_norm(x, attn_norm.weight, attn_norm.eps), cos, sin, meta, kv)
-        gate, up = ff.w13(rms_norm(h, ffn_norm.weight, ffn_norm.eps)).chunk(2, dim=-1)
-        return h + ff.w2(F.silu(gate).mul_(up))
+        gate, up = linear(ff.w13, rms_norm(h, ffn_norm.weight, ffn_norm.eps)).chunk(2, dim=-1)
+        return h + linear(ff.w2, F.silu(gate).mul_(up))
 
 
 class Transformer(nn.Module):
