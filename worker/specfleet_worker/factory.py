@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .loader import load_model, load_tokenizer
+from .model import transpose_linears
 from .proposers import NgramProposer
 from .quant import quantize_int8
 
@@ -19,6 +20,8 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none"):
         quantize_int8(model)
     elif quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not supported on this path (none, int8)")
+    elif dtype == "fp32":
+        transpose_linears(model)  # the CPU's fast layout for fp32 GEMM with few rows
     return model
 
 

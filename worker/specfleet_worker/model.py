@@ -183,11 +183,42 @@ class RMSNorm(nn.Module):
 
 
 def linear(layer: nn.Module, x: Tensor) -> Tensor:
-    """layer(x) without nn.Module's call machinery for plain nn.Linear (quantized layers keep theirs)."""
-    if type(layer) is nn.Linear:
+    """layer(x) without nn.Module's call machinery for plain and transposed linears."""
+    kind = type(layer)
+    if kind is TransposedLinear:
+        d = layer.__dict__["_buffers"]
+        return torch.mm(x, d["weight_t"]) if d["bias"] is None else torch.addmm(d["bias"], x, d["weight_t"])
+    if kind is nn.Linear:
         d = layer.__dict__["_parameters"]
         return F.linear(x, d["weight"], d["bias"])
     return layer(x)
+
+
+class TransposedLinear(nn.Module):
+    """nn.Linear with its weight stored [in, out]: y = x @ W^T as a plain x @ weight_t.
+
+    On the CPU, fp32 GEMM with a handful of rows (decoding, verifying a draft) is 1.5x to 10x
+    faster in this layout than F.linear's, which repacks the weight on every call; one row is
+    no slower. Measured by bench: see README."""
+
+    def __init__(self, linear_: nn.Linear):
+        super().__init__()
+        self.register_buffer("weight_t", linear_.weight.data.t().contiguous())
+        self.register_buffer("bias", None if linear_.bias is None else linear_.bias.data.clone())
+        self.in_features, self.out_features = linear_.in_features, linear_.out_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(self, x)
+
+
+def transpose_linears(model: nn.Module) -> nn.Module:
+    """Swaps every nn.Linear (the LM head included, untied from the embedding) for TransposedLinear."""
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, TransposedLinear(child))
+        else:
+            transpose_linears(child)
+    return model
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -367,4 +398,4 @@ class Transformer(nn.Module):
             x = layer(x, cos, sin, meta, kv)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        return self.output(self.norm(x)).float()
+        return linear(self.output, rms_norm(x, self.norm.weight, self.norm.eps)).float()

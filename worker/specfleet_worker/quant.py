@@ -59,6 +59,6 @@ def weight_bytes(model: nn.Module) -> int:
         seen.add(t.data_ptr())
         total += t.numel() * t.element_size()
     tied = getattr(model, "output", None)
-    if tied is not None and isinstance(tied, nn.Linear) and tied.weight is getattr(model, "tok_embeddings").weight:
+    if isinstance(tied, nn.Linear) and tied.weight is getattr(model, "tok_embeddings").weight:
         total += tied.weight.numel() * tied.weight.element_size()  # the tied LM head is streamed
     return total
