@@ -199,7 +199,7 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
     }
     raw = {}
     for t in reader.tensors:
-        w = torch.from_numpy(np.ascontiguousarray(gguf.quants.dequantize(t.data, t.tensor_type))).float()
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape([int(s) for s in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
         if t.name == "token_embd.weight":
             raw["model.embed_tokens.weight"] = w

@@ -76,7 +76,8 @@ def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int 
         dtype = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}.get(cfg.dtype, cfg.dtype)
         draft = cfg.draft_uri if cfg.draft_method == "draft-model" else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), dtype, cfg.quantization, draft, threads)
-    return Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens)
+    # the scheduler's K controller (kcontrol) owns K; the engine verifies what it is given
+    return Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, adaptive_k=False)
 
 
 def make_worker(engine, cfg: EngineConfig, *, max_batch_size: int = 16, max_queue: int = 64,

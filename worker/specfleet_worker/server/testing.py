@@ -38,6 +38,7 @@ class CharTokenizer:
 
 
 def tiny_engine(tokenizer=None, proposers=None, **kw) -> Engine:
+    kw.setdefault("adaptive_k", False)  # the scheduler's K controller owns K, as in serving
     return Engine(tiny_model(seed=0, scale=4.0), tokenizer,
                   proposers=proposers if proposers is not None else {"ngram": NgramProposer()}, **kw)
 
