@@ -218,6 +218,22 @@ def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
     console.print(t)
 
 
+def markdown_table(table: dict, configs: list[str]) -> str:
+    """The same table as Markdown: tok/s (speedup over fp32 plain; tau, alpha) per cell."""
+    lines = ["| category | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
+    for cat, rows in table.items():
+        cells = []
+        for n in configs:
+            r = rows[n]
+            cell = f"{r['tok_s']:.1f} ({r['speedup_vs_fp32_plain']:.2f}x)"
+            if r["alpha"] is not None:
+                cell += f" τ{r['tau']:.2f} α{r['alpha']:.2f}"
+            cells.append(cell)
+        name = f"**{cat}**" if cat == "overall" else cat
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plot(table: dict, configs: list[tuple[str, str]], path: Path) -> None:
     import matplotlib
 
@@ -245,7 +261,7 @@ def run_bench(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-    console = Console()
+    console = Console() if Console().is_terminal else Console(width=240)
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = parse_configs(args.configs)
@@ -320,6 +336,7 @@ def run_bench(args) -> int:
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text(markdown_table(table, result["configs"]) + "\n")
     plot(table, configs, args.plot)
     console.print(f"wrote {args.out} and {args.plot}")
     return 0
