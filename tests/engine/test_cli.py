@@ -1,0 +1,46 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def specfleet(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "specfleet_worker.cli", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_help_lists_every_subcommand():
+    out = specfleet("--help")
+    assert out.returncode == 0
+    for cmd in ("demo", "generate", "bench", "serve", "operator"):
+        assert cmd in out.stdout
+
+
+def test_bad_bench_input_exits_2_with_a_message(tmp_path):
+    out = specfleet("bench", "--configs", "fp64/ngram")
+    assert out.returncode == 2 and "fp64/ngram" in out.stderr
+    out = specfleet("bench", "--questions", str(tmp_path / "missing.jsonl"))
+    assert out.returncode == 2 and "missing.jsonl" in out.stderr
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1}\n')
+    out = specfleet("bench", "--questions", str(bad))
+    assert out.returncode == 2 and "bad.jsonl:1" in out.stderr
+
+
+@pytest.mark.slow
+def test_bench_runs_end_to_end_on_smollm2(tmp_path):
+    q = tmp_path / "q.jsonl"
+    q.write_text("\n".join(json.dumps({"question_id": i, "category": c, "turns": [t]}) for i, (c, t) in enumerate([
+        ("extraction", "Extract the year from: 'The bridge opened in 1932 and closed in 1990.'"),
+        ("qa", "What is the capital of France?"),
+    ])) + "\n")
+    out_json = tmp_path / "r.json"
+    out = specfleet("bench", "--questions", str(q), "--max-tokens", "6", "--configs", "fp32/ngram,int8/ngram",
+                    "--out", str(out_json), "--plot", str(tmp_path / "r.png"))
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out_json.read_text())
+    assert r["questions"] == 2 and set(r["configs"]) == {"fp32/none", "fp32/ngram", "int8/ngram"}
+    assert r["spec_equals_plain"]["fp32"] == 2
+    assert r["table"]["overall"]["fp32/none"]["tokens"] > 0
+    assert (tmp_path / "r.png").stat().st_size > 0 and out_json.with_suffix(".md").exists()
