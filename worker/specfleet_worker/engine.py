@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from .k_policy import AcceptanceEstimator, StepCostModel, choose_ks
-from .kv_cache import BlockTable, PagedKVCache
-from .model import AttentionMetadata, Transformer
+from .kv_cache import BlockTable, PagedKVCache, batch_metadata
+from .model import Transformer
 from .proposers import NgramProposer, Proposal, Proposer
 from .sampling import SamplingParams, logits_to_probs, sample, verify_greedy, verify_sampling
 
@@ -206,20 +206,9 @@ class Engine:
         """One target forward over the new tokens of several sequences.
 
         logits_rows: "last" (one row per sequence) or "all" (every input token)."""
-        tokens, positions, slots, cu, ctx, starts, last = [], [], [], [0], [], [], []
-        for seq, new in zip(seqs, inputs):
-            start = seq.block_table.num_tokens
-            slots.append(seq.block_table.append_slots(len(new)))
-            positions.append(torch.arange(start, start + len(new)))
-            tokens += new
-            cu.append(cu[-1] + len(new))
-            ctx.append(seq.block_table.slots())
-            starts.append(seq.block_table.contiguous_start())
-            last.append(cu[-1] - 1)
-        meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), cu, ctx, [None] * len(seqs), starts)
-        idx = torch.tensor(last) if logits_rows == "last" else None
+        tokens, meta, last = batch_metadata([s.block_table for s in seqs], inputs)
         with torch.inference_mode():
-            return self.model(torch.tensor(tokens), meta, self.cache.layers, idx)
+            return self.model(tokens, meta, self.cache.layers, last if logits_rows == "last" else None)
 
     def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
         logits = self._forward(seqs, [s.tokens for s in seqs], "last")  # [B, V]

@@ -12,6 +12,8 @@ import heapq
 import torch
 from torch import Tensor
 
+from .model import AttentionMetadata
+
 
 class OutOfBlocks(RuntimeError):
     """No free KV block is left; the caller should wait, preempt or refuse the request."""
@@ -139,3 +141,20 @@ class BlockTable:
 
     def free(self) -> None:
         self.truncate(0)
+
+
+def batch_metadata(tables: list[BlockTable], inputs: list[list[int]]) -> tuple[Tensor, AttentionMetadata, Tensor]:
+    """Reserves cache slots for each sequence's new tokens and describes the batch for a forward.
+
+    Returns the flat tokens [T], the metadata, and the row of each sequence's last token [B]."""
+    tokens, positions, slots, cu, ctx, starts = [], [], [], [0], [], []
+    for bt, new in zip(tables, inputs):
+        start = bt.num_tokens
+        slots.append(bt.append_slots(len(new)))
+        positions.append(torch.arange(start, start + len(new)))
+        tokens += new
+        cu.append(cu[-1] + len(new))
+        ctx.append(bt.slots())
+        starts.append(bt.contiguous_start())
+    meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), cu, ctx, [None] * len(tables), starts)
+    return torch.tensor(tokens), meta, torch.tensor(cu[1:]) - 1

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ..kv_cache import BlockTable, PagedKVCache
-from ..model import AttentionMetadata, Transformer
+from ..kv_cache import BlockTable, PagedKVCache, batch_metadata
+from ..model import Transformer
 from ..sampling import logits_to_probs, sample_from
 from .base import Proposal, SequenceView
 
@@ -33,20 +33,9 @@ class DraftModelProposer:
             )
 
     def _forward(self, seqs: list[SequenceView], inputs: list[list[int]]) -> torch.Tensor:
-        tokens, positions, slots, cu, ctx, starts, last = [], [], [], [0], [], [], []
-        for seq, new in zip(seqs, inputs):
-            bt = self.tables[seq.seq_id]
-            start = bt.num_tokens
-            slots.append(bt.append_slots(len(new)))
-            positions.append(torch.arange(start, start + len(new)))
-            tokens += new
-            cu.append(cu[-1] + len(new))
-            ctx.append(bt.slots())
-            starts.append(bt.contiguous_start())
-            last.append(cu[-1] - 1)
-        meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), cu, ctx, [None] * len(seqs), starts)
+        tokens, meta, last = batch_metadata([self.tables[s.seq_id] for s in seqs], inputs)
         with torch.inference_mode():
-            return self.model(torch.tensor(tokens), meta, self.cache.layers, torch.tensor(last))  # [B, V]
+            return self.model(tokens, meta, self.cache.layers, last)  # [B, V]
 
     def _pick(self, seqs: list[SequenceView], logits: torch.Tensor):
         tokens, probs = [], []
