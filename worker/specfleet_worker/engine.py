@@ -91,10 +91,17 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.stats = SequenceStats()
-        self.acceptance = AcceptanceEstimator()
+        self.acceptance: dict[int, AcceptanceEstimator] = {}  # by Proposal.key
+        self.last_key = 0
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.prefilled = False
+
+    def acceptance_for(self, key: int) -> AcceptanceEstimator:
+        est = self.acceptance.get(key)
+        if est is None:
+            est = self.acceptance[key] = AcceptanceEstimator()
+        return est
 
     @property
     def output(self) -> list[int]:
@@ -230,20 +237,32 @@ class Engine:
             # never draft past the context or past max_tokens
             ks = [max(0, min(s.k, self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
                   if method != NO_SPECULATION else 0 for s in group]
-            if self.adaptive_k and any(ks):
-                others = len(seqs) - len(group)  # rows the rest of the batch adds
-                ks = choose_ks([s.acceptance.alpha for s in group], ks, lambda rows: self.costs(rows + others))
+            proposer = self.proposers.get(method)
+            others = len(seqs) - len(group)  # rows the rest of the batch adds
+
+            def cost(rows):
+                return self.costs(rows + others)
+
+            cheap = getattr(proposer, "cheap", False)
+            if self.adaptive_k and any(ks) and not cheap:
+                ks = choose_ks([s.acceptance_for(0).alpha for s in group], ks, cost)
             if method == NO_SPECULATION or not any(ks):
                 results = [Proposal([], None) for _ in group]
             else:
                 try:
-                    results = self.proposers[method].propose(group, ks)
+                    results = proposer.propose(group, ks)
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
                     results = [Proposal([], None) for _ in group]
+                if self.adaptive_k and cheap:
+                    # the draft is known before choosing: judge it by its own kind's acceptance
+                    alphas = [s.acceptance_for(p.key).alpha for s, p in zip(group, results)]
+                    chosen = choose_ks(alphas, [len(p.draft_tokens) for p in results], cost)
+                    results = [p.trimmed(k) for p, k in zip(results, chosen)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p
+                s.last_key = p.key
         return [proposals[s.seq_id] for s in seqs]
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
@@ -268,7 +287,7 @@ class Engine:
             stats = StepStats(seq.method if k else NO_SPECULATION, k, result.num_accepted, result.bonus, len(emitted))
             seq.stats.add(stats)
             if seq.method != NO_SPECULATION:
-                seq.acceptance.update(k, result.num_accepted)
+                seq.acceptance_for(seq.last_key).update(k, result.num_accepted)
             if not seq.finished and seq.method in self.proposers:
                 self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
             outs.append(StepOutput(seq, emitted, stats))

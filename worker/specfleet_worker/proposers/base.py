@@ -14,6 +14,11 @@ from torch import Tensor
 class Proposal:
     draft_tokens: list[int]  # [k'] with k' <= k; empty means "nothing worth verifying"
     draft_probs: Tensor | None  # [k', V] the proposer's q, or None when q is one-hot (deterministic)
+    key: int = 0  # what kind of draft this is (n-gram: the match length); acceptance is tracked per key
+
+    def trimmed(self, k: int) -> "Proposal":
+        probs = self.draft_probs[:k] if self.draft_probs is not None else None
+        return Proposal(self.draft_tokens[:k], probs, self.key)
 
 
 class SequenceView(Protocol):
@@ -29,6 +34,7 @@ class SequenceView(Protocol):
 
 class Proposer(Protocol):
     name: str
+    cheap: bool  # True: drafting k tokens costs next to nothing, so draft first and trim after
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Proposal]:
         """Draft up to ks[i] tokens for each sequence (ks[i] == 0: none)."""

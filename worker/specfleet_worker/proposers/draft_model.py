@@ -17,6 +17,7 @@ class TokenizerMismatch(ValueError):
 
 class DraftModelProposer:
     name = "draft-model"
+    cheap = False
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):
         self.model = model

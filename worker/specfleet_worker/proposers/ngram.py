@@ -8,6 +8,20 @@ import numpy as np
 from .base import Proposal, SequenceView
 
 
+def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
+    """`ngram_propose`'s draft and the length n of the match it came from (0: none)."""
+    L = tokens.shape[0]
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        pattern = tokens[L - n:]
+        # candidate starts i with i + n < L, so that a continuation exists
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if hits.size:
+            start = int(hits[-1]) + n
+            return tokens[start:start + k].astype(np.int64), n
+    return np.empty(0, dtype=np.int64), 0
+
+
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Draft up to k tokens by matching the last n tokens (n from max_n down to min_n).
 
@@ -18,20 +32,12 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
     >>> ngram_propose(np.array([1, 2, 3]), min_n=1, max_n=2, k=4)   # nothing repeats
     array([], dtype=int64)
     """
-    L = tokens.shape[0]
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        pattern = tokens[L - n:]
-        # candidate starts i with i + n < L, so that a continuation exists
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
-            return tokens[start:start + k].astype(np.int64)
-    return np.empty(0, dtype=np.int64)
+    return ngram_match(tokens, min_n, max_n, k)[0]
 
 
 class NgramProposer:
     name = "ngram"
+    cheap = True
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
@@ -39,8 +45,8 @@ class NgramProposer:
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Proposal]:
         out = []
         for seq, k in zip(seqs, ks):
-            draft = ngram_propose(seq.token_array(), self.min_n, self.max_n, k) if k > 0 else np.empty(0, np.int64)
-            out.append(Proposal(draft.tolist(), None))
+            draft, n = ngram_match(seq.token_array(), self.min_n, self.max_n, k) if k > 0 else (np.empty(0, np.int64), 0)
+            out.append(Proposal(draft.tolist(), None, key=n))  # longer matches draft better
         return out
 
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
