@@ -24,3 +24,22 @@ def test_min_n_bounds_the_match_length():
     tokens = np.array([1, 9, 2, 9])
     assert ngram.ngram_propose(tokens, 2, 3, 2).tolist() == []
     assert ngram.ngram_propose(tokens, 1, 3, 2).tolist() == [2, 9]
+
+
+def test_match_length_is_reported_as_the_proposal_key():
+    tokens = np.array([1, 2, 3, 7, 8, 3, 9, 1, 2, 3])
+    draft, n = ngram.ngram_match(tokens, 1, 4, 2)
+    assert draft.tolist() == [7, 8] and n == 3
+    assert ngram.ngram_match(np.array([1, 2, 3]), 1, 2, 4)[1] == 0
+
+
+def test_adaptive_k_keeps_separate_acceptance_per_match_length():
+    from specfleet_worker.engine import Engine
+    from specfleet_worker.sampling import SamplingParams
+    from specfleet_worker.testing import tiny_model
+
+    engine = Engine(tiny_model(seed=1, scale=4.0))
+    engine.costs.seconds.update({r: 1.0 + 0.1 * (r - 1) for r in range(1, 32)})
+    seq = engine.generate([5, 6, 7, 8, 5, 6, 7, 8, 5, 6], SamplingParams(max_tokens=20, ignore_eos=True), "ngram", 6)
+    assert seq.acceptance and all(k >= 0 for k in seq.acceptance)
+    assert any(k > 0 for k in seq.acceptance), "drafts from matches were tracked under their match length"
