@@ -1,7 +1,6 @@
 import json
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from specfleet_worker.loader import ModelFormatError, load_model, ours_to_hf_state_dict

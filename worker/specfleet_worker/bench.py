@@ -159,7 +159,7 @@ class Runner:
         return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens
 
 
-def teacher_forced_agreement(engine_lp, engine_ref, prompt: list[int], output: list[int]) -> tuple[int, int]:  # noqa: ARG001
+def teacher_forced_agreement(engine_lp, prompt: list[int], output: list[int]) -> tuple[int, int]:
     """How many of fp32's greedy tokens the other model also ranks first, given fp32's prefix."""
     if not output:
         return 0, 0
@@ -296,7 +296,7 @@ def run_bench(args) -> int:
                 if method == "ngram" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
                     mismatches[prec] += 1
             for prec in precisions - {"fp32"}:
-                a, n = teacher_forced_agreement(runner.engines[prec], runner.engines["fp32"], prompt, outputs[("fp32", "none")])
+                a, n = teacher_forced_agreement(runner.engines[prec], prompt, outputs[("fp32", "none")])
                 agreement[prec][0] += a
                 agreement[prec][1] += n
             progress.advance(task)
