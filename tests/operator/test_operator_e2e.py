@@ -70,7 +70,7 @@ async def test_example_creates_every_child_owned_labelled_and_secured(cluster, k
         assert engine["quantization"] == "fp8" and engine["role"] == "stable"
         status = cluster.live(API_VERSION, SDDS, "default", "llama-draft")["status"]
         assert status["observedGeneration"] == 1 and status["kRange"] == "1-6"
-        assert events(cluster, "Created")
+        await wait_for(lambda: events(cluster, "Created"), 10, "Created event")
     finally:
         await op.stop_and_join()
     assert op.result == 0
@@ -96,6 +96,8 @@ async def test_update_rolls_exactly_the_stable_deployment(cluster, kube):
         assert cluster.writes("PATCH", "/deployments/smollm2-canary-canary") == canary_writes
         engine = json.loads(after[("ConfigMap", "smollm2-canary-engine")]["data"]["engine.json"])
         assert engine["speculation"]["kMax"] == 6
+        # kopf posts events from a background queue, after the handler has returned.
+        await wait_for(lambda: events(cluster, "Rolled"), 10, "Rolled event")
         assert len(events(cluster, "Rolled")) == 1
     finally:
         await op.stop_and_join()
@@ -138,7 +140,7 @@ async def test_invalid_spec_gets_a_condition_and_event_not_a_crash(cluster, kube
             return [c for c in st.get("conditions", []) if c["type"] == "Ready" and c["reason"] == "InvalidSpec"]
         (cond,) = await wait_for(invalid, 20, "InvalidSpec condition")
         assert cond["status"] == "False" and "spec.speculation" in cond["message"]
-        assert events(cluster, "InvalidSpec")
+        await wait_for(lambda: events(cluster, "InvalidSpec"), 10, "InvalidSpec event")
         assert children_of(cluster, "bad") == {}
         await kube.create(sdd_body("good"))  # the operator keeps working
         await wait_for(lambda: ready(cluster, "good"), 20, "good Ready")
@@ -209,6 +211,6 @@ async def test_control_loop_enters_fallback_without_restarting_workers(cluster, 
         assert control == {"speculate": False, "kMin": 0, "kMax": 0}
         assert sdd()["kRange"] == "0-0"
         assert pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")]) == hash_before
-        assert events(cluster, "FallbackEntered")
+        await wait_for(lambda: events(cluster, "FallbackEntered"), 10, "FallbackEntered event")
     finally:
         await op.stop_and_join()
