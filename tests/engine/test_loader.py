@@ -1,6 +1,7 @@
 import json
 
 import pytest
+import torch
 from safetensors.torch import save_file
 
 from specfleet_worker.loader import ModelFormatError, load_model, ours_to_hf_state_dict
@@ -54,12 +55,25 @@ def test_unsupported_architecture_is_named():
         ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"]})
 
 
-def test_transposed_layout_matches_nn_linear():
-    from specfleet_worker.model import transpose_linears
+@pytest.mark.parametrize("overrides", [dict(), dict(attention_bias=True, architecture="qwen2", n_kv_heads=4),
+                                       dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                          "original_max_position_embeddings": 64})])
+def test_fast_layouts_match_the_checkpoint_layout(overrides):
+    """Interleaved RoPE and transposed linears (what prepare_model applies for fp32) change
+    neither the logits nor the greedy output."""
+    from specfleet_worker.kv_cache import BlockTable, batch_metadata
+    from specfleet_worker.model import interleave_rope, transpose_linears
 
-    model = tiny_model(seed=6, scale=4.0)
-    prompt = [1, 2, 3, 1, 2]
+    ref = tiny_model(seed=6, scale=4.0, **overrides)
+    fast = transpose_linears(interleave_rope(tiny_model(seed=6, scale=4.0, **overrides)))
+    prompt = [1, 2, 3, 1, 2, 7, 9, 1, 2]
+    logits = []
+    for model in (ref, fast):
+        engine = Engine(model)
+        tokens, meta, _ = batch_metadata([BlockTable(engine.cache)], [prompt])
+        logits.append(model(tokens, meta, engine.cache.layers))
+    torch.testing.assert_close(logits[0], logits[1], rtol=1e-4, atol=1e-4)
     params = SamplingParams(max_tokens=16, ignore_eos=True)
-    a = Engine(model).generate(prompt, params, "none").output
-    b = Engine(transpose_linears(tiny_model(seed=6, scale=4.0))).generate(prompt, params, "ngram", 4).output
+    a = Engine(ref).generate(prompt, params, "none").output
+    b = Engine(fast).generate(prompt, params, "ngram", 4).output
     assert a == b

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from .loader import load_model, load_tokenizer
-from .model import transpose_linears
+from .model import interleave_rope, transpose_linears
 from .proposers import NgramProposer
 from .quant import quantize_int8
 
@@ -16,6 +16,8 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none"):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model = load_model(name, DTYPES[dtype])
+    if dtype == "fp32":
+        interleave_rope(model)  # RoPE as one complex multiply
     if quantization == "int8":
         quantize_int8(model)
     elif quantization != "none":

@@ -165,8 +165,13 @@ def rope_cache(args: ModelArgs, max_len: int) -> tuple[Tensor, Tensor]:
     return emb.cos() * attn_factor, emb.sin() * attn_factor
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    # x: [T, H, hd]; cos, sin: [T, hd] (rotate-half layout, as HF checkpoints store q and k)
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor | None) -> Tensor:
+    # x: [T, H, hd]; cos, sin: [T, hd] (rotate-half layout, as HF checkpoints store q and k), or
+    # cos: [T, hd / 2] complex and sin None (interleaved layout, see `interleave_rope`)
+    if sin is None:
+        T, H, hd = x.shape
+        xc = torch.view_as_complex(x.float().reshape(T, H, hd // 2, 2))
+        return torch.view_as_real(xc * cos[:, None, :]).view(T, H, hd).to(x.dtype)
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]
@@ -182,16 +187,20 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps)
 
 
-def linear(layer: nn.Module, x: Tensor) -> Tensor:
-    """layer(x) without nn.Module's call machinery for plain and transposed linears."""
+def linear(layer: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
+    """layer(x) (+ residual) without nn.Module's call machinery for plain and transposed linears."""
     kind = type(layer)
     if kind is TransposedLinear:
         d = layer.__dict__["_buffers"]
-        return torch.mm(x, d["weight_t"]) if d["bias"] is None else torch.addmm(d["bias"], x, d["weight_t"])
-    if kind is nn.Linear:
+        if d["bias"] is None:
+            return torch.mm(x, d["weight_t"]) if residual is None else torch.addmm(residual, x, d["weight_t"])
+        y = torch.addmm(d["bias"], x, d["weight_t"])
+    elif kind is nn.Linear:
         d = layer.__dict__["_parameters"]
-        return F.linear(x, d["weight"], d["bias"])
-    return layer(x)
+        y = F.linear(x, d["weight"], d["bias"])
+    else:
+        y = layer(x)
+    return y if residual is None else residual + y
 
 
 class TransposedLinear(nn.Module):
@@ -221,7 +230,32 @@ def transpose_linears(model: nn.Module) -> nn.Module:
     return model
 
 
+def interleave_rope(model: Transformer) -> Transformer:
+    """Reorders each head's q and k features from the rotate-half layout to interleaved pairs
+    (feature i next to i + hd/2), so RoPE becomes one complex multiply instead of six ops.
+
+    Attention only ever takes q . k, which a permutation applied to both leaves unchanged; v, the
+    outputs and the logits are untouched. Keys are cached in the new layout. Call it on
+    nn.Linear weights, before `transpose_linears`."""
+    a = model.args
+    hd, half = a.head_dim, a.head_dim // 2
+    pairs = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
+    qk = a.n_heads + a.n_kv_heads
+    rows = torch.cat([h * hd + pairs for h in range(qk)] + [torch.arange(qk * hd, (qk + a.n_kv_heads) * hd)])
+    for layer in model.layers:
+        wqkv = layer.attention.wqkv
+        if not isinstance(wqkv, nn.Linear):
+            raise TypeError("interleave_rope needs nn.Linear weights: call it before transposing or quantizing")
+        wqkv.weight.data = wqkv.weight.data[rows].contiguous()
+        if wqkv.bias is not None:
+            wqkv.bias.data = wqkv.bias.data[rows].contiguous()
+    model.rope_cis = torch.complex(model.rope_cos[:, :half].float(), model.rope_sin[:, :half].float())
+    return model
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
     # computed in fp32 whatever the model's dtype, as HF's LlamaRMSNorm does
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
@@ -249,6 +283,8 @@ class AttentionMetadata:
     masks: list[Tensor | None]
     context_starts: list[int | None] | None = None
     biases: list[Tensor | None] | None = None  # filled by Transformer.forward from masks
+    slot_start: int | None = None  # filled by Transformer.forward: the first slot when a long run
+    #                                of new tokens goes to consecutive slots (written as one copy)
 
     @property
     def num_seqs(self) -> int:
@@ -264,8 +300,9 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q, args.dim, bias=False)
         self.sliding_window = args.sliding_window
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, meta: AttentionMetadata, kv: tuple[Tensor, Tensor]) -> Tensor:
-        # x: [T, D]; kv: ([Hkv, slots, hd], [Hkv, slots, hd]) of this layer
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor | None, meta: AttentionMetadata,
+                kv: tuple[Tensor, Tensor], residual: Tensor | None = None) -> Tensor:
+        # x: [T, D]; kv: ([Hkv, slots, hd], [Hkv, slots, hd]) of this layer; returns residual + attention(x)
         T = x.shape[0]
         H, Hkv, hd = self.n_heads, self.n_kv_heads, self.head_dim
         qkv = linear(self.wqkv, x)
@@ -273,8 +310,12 @@ class Attention(nn.Module):
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * hd:].view(T, Hkv, hd)
         k_cache, v_cache = kv  # [Hkv, slots, hd]
-        k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
-        v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
+        if meta.slot_start is not None:  # a prefill into fresh blocks: one strided copy
+            k_cache.narrow(1, meta.slot_start, T).copy_(k.transpose(0, 1))
+            v_cache.narrow(1, meta.slot_start, T).copy_(v.transpose(0, 1))
+        else:
+            k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
+            v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
         group = H // Hkv
         out = []
@@ -289,25 +330,51 @@ class Attention(nn.Module):
                 slots = meta.context_slots[b]
                 kb, vb = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
             kb, vb = kb.to(q.dtype), vb.to(q.dtype)
+            if n_q >= PREFILL_ROWS:
+                out.append(prefill_attention(q[lo:hi], kb, vb, meta.biases[b], self.scale))
+                continue
             # grouped-query attention without repeating K/V: the query heads that share a KV
             # head become extra query rows of it. [n_q, H, hd] -> [Hkv, G * n_q, hd]
             qb = q[lo:hi].reshape(n_q, Hkv, group, hd).permute(1, 2, 0, 3).reshape(Hkv, group * n_q, hd)
             o = attend(qb, kb, vb, meta.biases[b] if meta.biases else None, self.scale)  # [Hkv, G * n_q, hd]
             out.append(o.view(Hkv, group, n_q, hd).permute(2, 0, 1, 3).reshape(n_q, H * hd))
-        return linear(self.wo, out[0] if len(out) == 1 else torch.cat(out))
+        return linear(self.wo, out[0] if len(out) == 1 else torch.cat(out), residual)
 
     @property
     def scale(self) -> float:
         return self.head_dim ** -0.5
 
 
+PREFILL_ROWS = 32  # a sequence with at least this many new tokens takes the fused kernel
+
+
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scale: float) -> Tensor:
+    """Fused (flash) attention for many query rows. q: [n_q, H, hd]; k, v: [Hkv, S, hd];
+    mask: bool [n_q, S] (True = may attend), or None for a causal prefill with no cached prefix.
+    Returns [n_q, H * hd]."""
+    n_q, H, hd = q.shape
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                       is_causal=mask is None, scale=scale, enable_gqa=H != k.shape[0])
+    return o[0].transpose(0, 1).reshape(n_q, H * hd)
+
+
+def prefill_mask(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
+    """The bool mask `prefill_attention` takes; None when plain causal attention from position 0 fits."""
+    if mask is None and S == n_q and (sliding_window is None or S <= sliding_window):
+        return None
+    if mask is None:
+        mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
+    if sliding_window is not None and S > sliding_window:
+        qpos = torch.arange(S - n_q, S)[:, None]
+        mask = mask & (torch.arange(S)[None, :] > qpos - sliding_window)
+    return mask
+
+
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
     """Softmax attention. q: [Hkv, R, hd]; k, v: [Hkv, S, hd]; bias: [R, S] additive (0 / -inf) or None.
 
     Decoding and verification have a handful of query rows: two batched matmuls beat the
-    fused kernel's set-up there. Long prefills take the fused kernel."""
-    if q.shape[1] > 64:
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype) if bias is not None else None, scale=scale)
+    fused kernel's set-up there."""
     if bias is None:
         scores = torch.bmm(q, k.transpose(1, 2)).mul_(scale)
     else:
@@ -354,9 +421,9 @@ class Block(nn.Module):
         # The norms and the feed-forward are inlined: at one token a step, a 135M model spends
         # as long in Python's module calls as in some of its matmuls.
         attn_norm, ffn_norm, ff = self.attention_norm, self.ffn_norm, self.feed_forward
-        h = x + self.attention(rms_norm(x, attn_norm.weight, attn_norm.eps), cos, sin, meta, kv)
+        h = self.attention(rms_norm(x, attn_norm.weight, attn_norm.eps), cos, sin, meta, kv, residual=x)
         gate, up = linear(ff.w13, rms_norm(h, ffn_norm.weight, ffn_norm.eps)).chunk(2, dim=-1)
-        return h + linear(ff.w2, F.silu(gate).mul_(up))
+        return linear(ff.w2, F.silu(gate).mul_(up), residual=h)
 
 
 class Transformer(nn.Module):
@@ -372,6 +439,7 @@ class Transformer(nn.Module):
         cos, sin = rope_cache(args, args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_cis: Tensor | None = None  # set by `interleave_rope`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -387,13 +455,22 @@ class Transformer(nn.Module):
         # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32
         x = self.tok_embeddings(tokens)
         a = self.args
-        meta.biases = [
-            attention_bias(meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0],
-                           a.n_heads // a.n_kv_heads, meta.masks[b], a.sliding_window)
-            for b in range(meta.num_seqs)
-        ]
-        cos = self.rope_cos.index_select(0, meta.positions).to(x.dtype)
-        sin = self.rope_sin.index_select(0, meta.positions).to(x.dtype)
+        meta.slot_start = None
+        sm = meta.slot_mapping
+        if sm.shape[0] >= PREFILL_ROWS and bool((sm[1:] - sm[:-1] == 1).all()):
+            meta.slot_start = int(sm[0])
+        meta.biases = []
+        for b in range(meta.num_seqs):
+            n_q, S = meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0]
+            if n_q >= PREFILL_ROWS:
+                meta.biases.append(prefill_mask(n_q, S, meta.masks[b], a.sliding_window))
+            else:
+                meta.biases.append(attention_bias(n_q, S, a.n_heads // a.n_kv_heads, meta.masks[b], a.sliding_window))
+        if self.rope_cis is not None:
+            cos, sin = self.rope_cis.index_select(0, meta.positions), None
+        else:
+            cos = self.rope_cos.index_select(0, meta.positions).to(x.dtype)
+            sin = self.rope_sin.index_select(0, meta.positions).to(x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
             x = layer(x, cos, sin, meta, kv)
         if logits_indices is not None:
