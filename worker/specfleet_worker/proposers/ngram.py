@@ -16,19 +16,47 @@ def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.
         # candidate starts i with i + n < L, so that a continuation exists
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
-        if hits.size:
-            start = int(hits[-1]) + n
+        if hits.size == 1:
+            start = int(hits[0]) + n
             return tokens[start:start + k].astype(np.int64), n
+        if hits.size:
+            return _vote(tokens, hits + n, k), n
     return np.empty(0, dtype=np.int64), 0
+
+
+def _vote(tokens: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
+    """The continuation most occurrences agree on, token by token (ties: the latest occurrence).
+
+    After "of the", the phrase the text continued with most often is a better guess than the
+    one it continued with last."""
+    L = tokens.shape[0]
+    draft = []
+    for j in range(k):
+        starts = starts[starts + j < L]
+        if starts.size == 0:
+            break
+        nxt = tokens[starts + j]
+        if starts.size == 1:
+            draft.extend(tokens[starts[0] + j:starts[0] + k].tolist())
+            break
+        values, counts = np.unique(nxt, return_counts=True)
+        best = values[counts == counts.max()]
+        tok = nxt[np.flatnonzero(np.isin(nxt, best))[-1]]  # starts ascend: the latest of the best
+        draft.append(int(tok))
+        starts = starts[nxt == tok]
+    return np.asarray(draft, dtype=np.int64)
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Draft up to k tokens by matching the last n tokens (n from max_n down to min_n).
 
-    The latest earlier occurrence wins; the draft is what followed it, cut at the context's end.
+    Among several earlier occurrences of the longest match, the continuation most of them share
+    wins, token by token (ties: the latest); the draft is cut at the context's end.
 
     >>> ngram_propose(np.array([5, 6, 7, 9, 5, 6]), min_n=1, max_n=3, k=3)
     array([7, 9, 5])
+    >>> ngram_propose(np.array([1, 2, 8, 1, 2, 9, 1, 2, 8, 1, 2]), min_n=1, max_n=2, k=2)  # 8 twice, 9 once
+    array([8, 1])
     >>> ngram_propose(np.array([1, 2, 3]), min_n=1, max_n=2, k=4)   # nothing repeats
     array([], dtype=int64)
     """
