@@ -1,0 +1,176 @@
+"""The int8 weight-only CPU kernel (csrc/int8_linear.cpp) and its torch fallback in quant.py.
+
+The first run compiles the kernel (~15 s) into the cache; later runs load it."""
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from specfleet_worker import quant
+from specfleet_worker.quant import (Int8WeightOnlyLinear, int8_kernel, pack_int8_weight, quantize_int8,
+                                    unpack_int8_weight, weight_bytes)
+
+MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # K -> N (SmolLM2-135M)
+ODD_SHAPES = [(1, 1), (7, 5), (40, 17), (33, 33), (130, 100), (64, 31), (100, 65), (17, 1000)]
+ROWS = [1, 2, 3, 5, 8, 16, 17, 64]
+
+
+@pytest.fixture(scope="module")
+def ops():
+    ops = int8_kernel()
+    if ops is None:
+        pytest.skip(f"the int8 kernel could not be built here: {quant._KernelState.error}")
+    return ops
+
+
+_layers = {}
+
+
+def layer(k, n, bias, backend="kernel"):
+    """A quantized nn.Linear (cached: the LM head takes a moment) and its float reference weight."""
+    key = (k, n, bias, backend)
+    if key not in _layers:
+        torch.manual_seed(k * 1000 + n)
+        lin = nn.Linear(k, n, bias=bias)
+        nn.init.normal_(lin.weight, std=0.05)
+        if bias:
+            nn.init.normal_(lin.bias, std=0.5)
+        q = Int8WeightOnlyLinear(lin, backend=backend)
+        w_ref = q.int8_weight().double() * q.scales.double()[:, None]  # what the int8 weight stands for
+        b_ref = None if q.bias is None else q.bias.double()
+        _layers[key] = q, w_ref, b_ref
+    return _layers[key]
+
+
+def reference(x, w_ref, b_ref):
+    y = x.double() @ w_ref.T
+    return y if b_ref is None else y + b_ref
+
+
+def assert_matches(y, ref, rtol):
+    """Elementwise |y - ref| <= rtol * (output scale), the scale being the largest |ref|."""
+    scale = ref.abs().max().item() or 1.0
+    err = (y.double() - ref).abs().max().item()
+    assert err <= rtol * scale, f"max error {err:.3g} > {rtol} x {scale:.3g}"
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", MODEL_SHAPES + ODD_SHAPES, ids=lambda v: str(v))
+def test_kernel_matches_float_reference(ops, k, n, bias):
+    q, w_ref, b_ref = layer(k, n, bias)
+    assert q.weight_packed is not None and q.weight is None  # the kernel's layout is in use
+    for m in ROWS:
+        x = torch.randn(m, k)
+        y = q(x)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert_matches(y, reference(x, w_ref, b_ref), 1e-4)
+        # the non-AVX512 build of the same loops (what a CPU without AVX-512 runs)
+        y2 = ops.linear_portable(x, q.weight_packed, q.scales, q.bias)
+        assert_matches(y2, reference(x, w_ref, b_ref), 1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 17), (33, 100)], ids=lambda v: str(v))
+def test_kernel_bf16_activations(ops, k, n, bias):
+    q, w_ref, b_ref = layer(k, n, bias)
+    for m in ROWS:
+        x = torch.randn(m, k).to(torch.bfloat16)
+        y = q(x)
+        assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+        assert_matches(y, reference(x, w_ref, b_ref), 1e-2)  # fp32 math, the output rounded to bf16
+
+
+def test_kernel_edge_inputs(ops):
+    q, w_ref, b_ref = layer(576, 960, True)
+    x = torch.randn(2, 3, 576)  # leading dimensions
+    assert_matches(q(x), reference(x.reshape(6, 576), w_ref, b_ref).reshape(2, 3, 960), 1e-4)
+    xt = torch.randn(576, 5).t()  # a non-contiguous input
+    assert_matches(q(xt), reference(xt, w_ref, b_ref), 1e-4)
+    assert q(torch.randn(0, 576)).shape == (0, 960)
+    with pytest.raises(RuntimeError):
+        ops.linear(torch.randn(2, 575), q.weight_packed, q.scales, None)
+
+
+def test_pack_roundtrip():
+    for n, k in [(1, 1), (31, 7), (32, 64), (100, 33)]:
+        w = torch.randint(-127, 128, (n, k), dtype=torch.int8)
+        p = pack_int8_weight(w)
+        assert p.shape == (-(-n // 32), k, 32)
+        assert torch.equal(unpack_int8_weight(p, n), w)
+        assert not p[-1, :, n - 32 * (p.shape[0] - 1):].any()  # the padding is zeros
+
+
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 17), (33, 100)], ids=lambda v: str(v))
+def test_torch_fallback_matches(ops, k, n):
+    """backend="torch" (plain [N, K] weight, _weight_int8pack_mm) and a kernel layer forced onto
+    torch's op (use_kernel = False) agree with the float reference within bf16 rounding."""
+    q, w_ref, b_ref = layer(k, n, True)
+    qt, _, _ = layer(k, n, True, backend="torch")
+    assert qt.weight is not None and qt.weight_packed is None and not qt.use_kernel
+    assert torch.equal(qt.weight, q.int8_weight())
+    for m in (1, 5, 17):
+        x = torch.randn(m, k)
+        ref = reference(x, w_ref, b_ref)
+        assert_matches(q(x), ref, 1e-4)
+        assert_matches(qt(x), ref, 2e-2)
+        assert_matches(qt(x.bfloat16()), ref, 2e-2)
+        q.use_kernel = False
+        try:
+            assert_matches(q(x), ref, 2e-2)
+        finally:
+            q.use_kernel = True
+    assert qt.bf16_scales() is qt.bf16_scales()  # converted once, not per call
+    with pytest.raises(RuntimeError):
+        qt.use_kernel = True
+
+
+def test_env_var_disables_kernel_at_construction(monkeypatch):
+    monkeypatch.setenv(quant.KERNEL_ENV, "torch")
+    monkeypatch.setattr(quant._KernelState, "warned", False)
+    with pytest.warns(RuntimeWarning, match="SPECFLEET_INT8_KERNEL=torch"):
+        q = Int8WeightOnlyLinear(nn.Linear(64, 48))
+    assert q.weight is not None and q.weight_packed is None
+    x = torch.randn(3, 64)
+    assert_matches(q(x), reference(x, q.weight.double() * q.scales.double()[:, None], q.bias.double()), 2e-2)
+
+
+def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
+    for attr, value in [("tried", False), ("ops", None), ("error", None), ("warned", False)]:
+        monkeypatch.setattr(quant._KernelState, attr, value)
+    monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.delenv(quant.KERNEL_ENV, raising=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = quantize_int8(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)))
+        y = model(torch.randn(4, 64))
+    assert y.shape == (4, 16) and torch.isfinite(y).all()
+    assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == [
+        f"int8 CPU kernel unavailable ({quant._KernelState.error}); falling back to torch._weight_int8pack_mm"]
+    assert "no C++ compiler" in quant._KernelState.error
+    with pytest.raises(RuntimeError, match="unavailable"):
+        Int8WeightOnlyLinear(nn.Linear(8, 8), backend="kernel")
+
+
+def test_library_name_tracks_cpu_and_source(monkeypatch):
+    path = quant.kernel_library_path()
+    monkeypatch.setattr(quant, "_cpu_signature", lambda: "some other CPU")
+    assert quant.kernel_library_path() != path
+    monkeypatch.undo()
+    monkeypatch.setenv("CXX", "clang++")
+    assert quant.kernel_library_path() != path
+
+
+def test_weight_bytes_counts_int8(ops):
+    class Tiny(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.tok_embeddings = nn.Embedding(10, 64)
+            self.wqkv = nn.Linear(64, 96, bias=True)
+            self.output = nn.Linear(64, 128, bias=False)
+
+    for backend in ("kernel", "torch"):
+        m = quantize_int8(Tiny(), backend=backend)
+        assert weight_bytes(m) == (96 * 64 + 96 * 4 + 96 * 4) + (128 * 64 + 128 * 4)
