@@ -174,3 +174,8 @@ def test_weight_bytes_counts_int8(ops):
     for backend in ("kernel", "torch"):
         m = quantize_int8(Tiny(), backend=backend)
         assert weight_bytes(m) == (96 * 64 + 96 * 4 + 96 * 4) + (128 * 64 + 128 * 4)
+
+
+def test_built_for_this_cpu(ops):
+    """-march=native took effect: the AVX-512 path is compiled in exactly where the CPU has it."""
+    assert ops.has_avx512() == (" avx512f " in f" {quant._cpu_signature().split('|')[-1]} ")

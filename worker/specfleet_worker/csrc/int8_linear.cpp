@@ -48,6 +48,9 @@
 #ifndef SF_KU2
 #define SF_KU2 2
 #endif
+#ifndef SF_PRO
+#define SF_PRO 1
+#endif
 #ifndef SF_NS
 #define SF_NS specfleet_int8
 #endif
@@ -234,6 +237,15 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w_, const at::T
   const TileFn f_big = tile_for(static_cast<int>(mt_small + 1), portable);
   const TileFn f_small = tile_for(static_cast<int>(mt_small), portable);
   at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
+#if defined(__AVX512F__) && SF_PF > 0 && SF_PRO
+    // The tiles prefetch SF_PF k-steps ahead, running on into the next block; the start of this
+    // thread's stretch of weights is fetched here, so it does not wait for the hardware prefetcher.
+    {
+      const char* p = reinterpret_cast<const char*>(a.w + b0 * K * NB);
+      const int64_t n = std::min<int64_t>(SF_PF * NB, (b1 - b0) * K * NB);
+      for (int64_t off = 0; off < n; off += 64) _mm_prefetch(p + off, SF_HINT);
+    }
+#endif
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;
       for (int64_t t = 0; t < n_mtiles; ++t) {
