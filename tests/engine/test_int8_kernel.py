@@ -179,3 +179,28 @@ def test_weight_bytes_counts_int8(ops):
 def test_built_for_this_cpu(ops):
     """-march=native took effect: the AVX-512 path is compiled in exactly where the CPU has it."""
     assert ops.has_avx512() == (" avx512f " in f" {quant._cpu_signature().split('|')[-1]} ")
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072)] + ODD_SHAPES, ids=lambda v: str(v))
+def test_fp32_packed_linear_matches_nn_linear(ops, k, n, bias):
+    """The same kernel over fp32 weights (PackedLinear, what prepare_model uses for fp32)."""
+    torch.manual_seed(k + n)
+    lin = nn.Linear(k, n, bias=bias)
+    packed = quant.PackedLinear(lin)
+    assert torch.equal(packed.weight(), lin.weight)
+    w_ref = lin.weight.double()
+    b_ref = None if lin.bias is None else lin.bias.double()
+    for m in ROWS:
+        x = torch.randn(m, k)
+        assert_matches(packed(x), reference(x, w_ref, b_ref), 1e-5)
+        y2 = ops.linear_f32_portable(x, packed.weight_packed, n, packed.bias)
+        assert_matches(y2, reference(x, w_ref, b_ref), 1e-5)
+
+
+def test_fp32_kernel_rejects_mismatched_shapes(ops):
+    packed = quant.PackedLinear(nn.Linear(64, 40))
+    with pytest.raises(RuntimeError, match="features"):
+        packed(torch.randn(2, 63))
+    with pytest.raises(RuntimeError, match="do not match"):
+        ops.linear_f32(torch.randn(2, 64), packed.weight_packed, 100, None)

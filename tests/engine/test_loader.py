@@ -58,14 +58,21 @@ def test_unsupported_architecture_is_named():
 @pytest.mark.parametrize("overrides", [dict(), dict(attention_bias=True, architecture="qwen2", n_kv_heads=4),
                                        dict(rope_scaling={"rope_type": "yarn", "factor": 4.0,
                                                           "original_max_position_embeddings": 64})])
-def test_fast_layouts_match_the_checkpoint_layout(overrides):
-    """Interleaved RoPE and transposed linears (what prepare_model applies for fp32) change
-    neither the logits nor the greedy output."""
+@pytest.mark.parametrize("linears", ["transposed", "packed"])
+def test_fast_layouts_match_the_checkpoint_layout(overrides, linears):
+    """Interleaved RoPE and transposed or packed linears (what prepare_model applies for fp32)
+    change neither the logits nor the greedy output."""
     from specfleet_worker.kv_cache import BlockTable, batch_metadata
     from specfleet_worker.model import interleave_rope, transpose_linears
+    from specfleet_worker.quant import PackedLinear, pack_linears
 
     ref = tiny_model(seed=6, scale=4.0, **overrides)
-    fast = transpose_linears(interleave_rope(tiny_model(seed=6, scale=4.0, **overrides)))
+    fast = interleave_rope(tiny_model(seed=6, scale=4.0, **overrides))
+    if linears == "packed":
+        assert pack_linears(fast), "the CPU kernel did not build"
+        assert isinstance(fast.output, PackedLinear)
+    else:
+        transpose_linears(fast)
     prompt = [1, 2, 3, 1, 2, 7, 9, 1, 2]
     logits = []
     for model in (ref, fast):

@@ -7,12 +7,12 @@ import torch
 from .loader import load_model, load_tokenizer
 from .model import interleave_rope, transpose_linears
 from .proposers import NgramProposer
-from .quant import quantize_int8
+from .quant import pack_linears, quantize_int8
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none"):
+def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp32_kernel: bool = True):
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
     model = load_model(name, DTYPES[dtype])
@@ -22,8 +22,8 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none"):
         quantize_int8(model)
     elif quantization != "none":
         raise ValueError(f"quantization {quantization!r} is not supported on this path (none, int8)")
-    elif dtype == "fp32":
-        transpose_linears(model)  # the CPU's fast layout for fp32 GEMM with few rows
+    elif dtype == "fp32" and not (fp32_kernel and pack_linears(model)):  # our few-row kernel, or
+        transpose_linears(model)  # the layout in which MKL's fp32 GEMM is fastest with few rows
     return model
 
 

@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .quant import Int8WeightOnlyLinear, PackedLinear, _KernelState
+
 
 @dataclass
 class ModelArgs:
@@ -198,6 +200,11 @@ def linear(layer: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tenso
     elif kind is nn.Linear:
         d = layer.__dict__["_parameters"]
         y = F.linear(x, d["weight"], d["bias"])
+    elif kind is Int8WeightOnlyLinear and layer._kernel and x.is_cpu:
+        y = _KernelState.linear(x, layer._buffers["weight_packed"], layer._buffers["scales"], layer._parameters["bias"])
+    elif kind is PackedLinear:
+        d = layer.__dict__["_buffers"]
+        y = _KernelState.linear_f32(x, d["weight_packed"], layer.out_features, d["bias"])
     else:
         y = layer(x)
     return y if residual is None else residual + y

@@ -68,6 +68,7 @@ class _KernelState:
     tried = False
     ops = None  # torch.ops.specfleet_int8 once loaded
     linear = None  # its linear op, the cheapest callable form of it
+    linear_f32 = None  # the same for fp32 weights
     error: str | None = None
     warned = False
 
@@ -186,6 +187,8 @@ def int8_kernel():
                     ops = _load_kernel()
                     overload = ops.linear.default
                     _KernelState.linear = getattr(overload, "_op", overload)  # skips a Python wrapper
+                    overload = ops.linear_f32.default
+                    _KernelState.linear_f32 = getattr(overload, "_op", overload)
                     _KernelState.ops = ops
                 except Exception as e:  # noqa: BLE001 - any failure means: use torch's op
                     _KernelState.error = f"{type(e).__name__}: {e}"
@@ -274,6 +277,38 @@ class Int8WeightOnlyLinear(nn.Module):
             return torch._weight_int8pack_mm(x.to(torch.bfloat16), w, self.bf16_scales()).to(x.dtype)
         # _weight_int8pack_mm reads out of bounds (wrong results, or a crash) when K % 16 != 0
         return (F.linear(x.float(), w.float()) * self.scales.float()).to(x.dtype)
+
+
+class PackedLinear(nn.Module):
+    """An fp32 nn.Linear for the CPU kernel: the weight packed like the int8 one
+    (`pack_int8_weight`'s layout, fp32), so that the 2..K+1 rows of a verification step stream
+    it once, as one row does. Build it through `pack_linears`, which only does so where the
+    kernel loads."""
+
+    def __init__(self, linear_: nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear_.in_features, linear_.out_features
+        self.register_buffer("weight_packed", pack_int8_weight(linear_.weight.data.float()))
+        self.register_buffer("bias", None if linear_.bias is None else linear_.bias.data.float().clone())
+
+    def weight(self) -> Tensor:
+        return unpack_int8_weight(self.weight_packed, self.out_features)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return _KernelState.linear_f32(x, self._buffers["weight_packed"], self.out_features, self._buffers["bias"])
+
+
+def pack_linears(model: nn.Module) -> bool:
+    """Swaps every fp32 nn.Linear (the LM head included, untied) for PackedLinear; False, and
+    nothing changed, where the kernel cannot be had."""
+    if int8_kernel() is None:
+        return False
+    for name, child in list(model.named_children()):
+        if isinstance(child, nn.Linear):
+            setattr(model, name, PackedLinear(child))
+        else:
+            pack_linears(child)
+    return True
 
 
 def quantize_int8(model: nn.Module, backend: str | None = None) -> nn.Module:
