@@ -97,11 +97,10 @@ class Sequence:
         self.first_token_time: float | None = None
         self.prefilled = False
 
-    def acceptance_for(self, key: int, prior: float = 0.5) -> AcceptanceEstimator:
-        """This sequence's estimate for drafts of one kind; a new kind starts from `prior`."""
+    def acceptance_for(self, key: int) -> AcceptanceEstimator:
         est = self.acceptance.get(key)
         if est is None:
-            est = self.acceptance[key] = AcceptanceEstimator(prior=prior)
+            est = self.acceptance[key] = AcceptanceEstimator()
         return est
 
     @property
@@ -150,9 +149,6 @@ class Engine:
         # that maximise expected tokens per second (k_policy), down to 0 (plain decoding).
         self.adaptive_k = adaptive_k
         self.costs = StepCostModel()
-        # Acceptance by (method, kind of draft) over every request, with a long memory: the prior
-        # a new request starts from, so that it does not relearn what the last ones showed.
-        self.acceptance: dict[tuple[str, int], AcceptanceEstimator] = {}
 
     def calibrate(self, max_rows: int = 12, context: int = 128, reps: int = 3) -> dict[int, float]:
         """Measures the target forward's cost by number of new-token rows (median of reps)."""
@@ -249,7 +245,7 @@ class Engine:
 
             cheap = getattr(proposer, "cheap", False)
             if self.adaptive_k and any(ks) and not cheap:
-                ks = choose_ks([self._acceptance(s, 0).alpha for s in group], ks, cost)
+                ks = choose_ks([s.acceptance_for(0).alpha for s in group], ks, cost)
             if method == NO_SPECULATION or not any(ks):
                 results = [Proposal([], None) for _ in group]
             else:
@@ -261,25 +257,13 @@ class Engine:
                     results = [Proposal([], None) for _ in group]
                 if self.adaptive_k and cheap:
                     # the draft is known before choosing: judge it by its own kind's acceptance
-                    alphas = [self._acceptance(s, p.key).alpha for s, p in zip(group, results)]
+                    alphas = [s.acceptance_for(p.key).alpha for s, p in zip(group, results)]
                     chosen = choose_ks(alphas, [len(p.draft_tokens) for p in results], cost)
                     results = [p.trimmed(k) for p, k in zip(results, chosen)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p
                 s.last_key = p.key
         return [proposals[s.seq_id] for s in seqs]
-
-    def _fleet_acceptance(self, method: str, key: int) -> AcceptanceEstimator:
-        est = self.acceptance.get((method, key))
-        if est is None:
-            est = self.acceptance[(method, key)] = AcceptanceEstimator(prior=0.5, weight=4.0, decay=0.98)
-        return est
-
-    def _acceptance(self, seq: Sequence, key: int) -> AcceptanceEstimator:
-        est = seq.acceptance.get(key)
-        if est is None:
-            est = seq.acceptance_for(key, prior=self._fleet_acceptance(seq.method, key).alpha)
-        return est
 
     def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
         proposals = self._propose(seqs)
@@ -303,9 +287,7 @@ class Engine:
             stats = StepStats(seq.method if k else NO_SPECULATION, k, result.num_accepted, result.bonus, len(emitted))
             seq.stats.add(stats)
             if seq.method != NO_SPECULATION:
-                self._acceptance(seq, seq.last_key).update(k, result.num_accepted)
-                if k:
-                    self._fleet_acceptance(seq.method, seq.last_key).update(k, result.num_accepted)
+                seq.acceptance_for(seq.last_key).update(k, result.num_accepted)
             if not seq.finished and seq.method in self.proposers:
                 self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
             outs.append(StepOutput(seq, emitted, stats))
