@@ -1,0 +1,137 @@
+"""Oracle replay: how well a drafting strategy could do on a model's real outputs, in seconds.
+
+`record` runs the target model once (greedy) over Spec-Bench questions and stores prompt and
+output token ids. `replay` feeds those outputs back through the real Engine (proposers, adaptive
+K, verification) with an oracle in place of the model: its logits are one-hot on the recorded
+next token, so greedy verification accepts exactly what the model would have accepted. Each step
+is charged a fixed cost by its number of rows, so the modelled speedup over plain decoding follows
+from tau and the cost curve alone, with no machine noise. Prefill is not counted.
+
+    python bench/oracle_replay.py record results/outputs.jsonl --per-category 0      # ~20 min, all 240
+    python bench/oracle_replay.py replay results/outputs.jsonl --costs 1,1.03,1.06,1.09,1.12,1.15,1.18,1.21,1.24
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from specfleet_worker.bench import default_questions, load_questions
+from specfleet_worker.engine import Engine
+from specfleet_worker.model import ModelArgs
+from specfleet_worker.sampling import SamplingParams
+
+
+
+class Oracle:
+    """Stands in for the Transformer: logits one-hot on the recorded continuation."""
+
+    def __init__(self, vocab_size: int):
+        self.args = ModelArgs(vocab_size=vocab_size, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
+                              intermediate_size=8, max_position_embeddings=16384)
+        self.dtype = torch.float32
+        self.full: list[int] = []
+
+    def __call__(self, tokens, meta, kv, logits_indices=None):
+        pos = meta.positions if logits_indices is None else meta.positions.index_select(0, logits_indices)
+        out = torch.zeros(len(pos), self.args.vocab_size)
+        for i, p in enumerate(pos.tolist()):
+            out[i, self.full[p + 1] if p + 1 < len(self.full) else self.args.vocab_size - 1] = 1.0
+        return out
+
+
+def record(args) -> int:
+    from specfleet_worker.factory import prepare_model
+    from specfleet_worker.loader import load_tokenizer
+
+    tok = load_tokenizer(args.model)
+    engine = Engine(prepare_model(args.model, "fp32"), tok, max_kv_tokens=8192)
+    done = set()
+    if args.path.exists():
+        done = {json.loads(line)["question_id"] for line in args.path.read_text().splitlines() if line.strip()}
+    questions = load_questions(args.questions or default_questions(), args.per_category)
+    with args.path.open("a") as f:
+        for i, q in enumerate(questions, 1):
+            if q["question_id"] in done:
+                continue
+            prompt = tok.chat(q["turns"][0])
+            seq = engine.generate(prompt, SamplingParams(max_tokens=args.max_tokens), "ngram", 8)  # lossless: = plain
+            f.write(json.dumps(dict(question_id=q["question_id"], category=q["category"],
+                                    prompt=prompt, output=seq.output)) + "\n")
+            f.flush()
+            print(f"[{i}/{len(questions)}] {q['category']}: {len(prompt)} prompt, {len(seq.output)} output tokens",
+                  file=sys.stderr, flush=True)
+    return 0
+
+
+def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size: int = 49152,
+           max_tokens: int = 128) -> dict:
+    """{category: (tokens, modelled spec cost, modelled plain cost, steps)}; cost in units of one plain step.
+
+    max_tokens: the recording's. An output shorter than that ended at EOS, which took a step too."""
+    oracle = Oracle(vocab_size)
+    engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1])
+    engine.costs.seconds.update(costs)
+    engine.costs.observe = lambda rows, seconds: None  # the curve stays as given
+    by_cat: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
+    for r in records:
+        oracle.full = r["prompt"] + r["output"] + [vocab_size - 1]
+        seq = engine.add(r["prompt"], SamplingParams(max_tokens=max_tokens), "ngram", k)
+        engine.step()  # prefill: its first token is not a decoding step
+        spent = 0.0
+        while not seq.finished:
+            (out,) = engine.step()
+            spent += engine.costs(out.stats.num_draft_tokens + 1)
+        if seq.output != r["output"]:
+            raise AssertionError(f"question {r['question_id']}: the replay diverged from the recording")
+        n = len(r["output"]) - 1 + (seq.finish_reason == "stop")  # tokens after the prefill's, EOS included
+        c = by_cat[r["category"]]
+        c[0] += n
+        c[1] += spent
+        c[2] += n * costs[1]
+        c[3] += seq.stats.num_steps
+    return dict(by_cat)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("record", help="run the model once and store its greedy outputs")
+    r.add_argument("path", type=Path)
+    r.add_argument("--questions", type=Path, default=None)
+    r.add_argument("--per-category", type=int, default=0)
+    r.add_argument("--max-tokens", type=int, default=128)
+    r.add_argument("--model", default="smollm2-135m")
+    s = sub.add_parser("replay", help="replay stored outputs through the engine with an oracle model")
+    s.add_argument("path", type=Path)
+    s.add_argument("--costs", default="1,1.03,1.06,1.09,1.12,1.15,1.18,1.21,1.24",
+                   help="cost of a forward over 1, 2, ... rows, relative to one row")
+    s.add_argument("-k", type=int, default=8)
+    s.add_argument("--max-tokens", type=int, default=128, help="the recording's max_tokens")
+    args = p.parse_args(argv)
+    if args.cmd == "record":
+        return record(args)
+    try:
+        costs = {i + 1: float(c) for i, c in enumerate(args.costs.split(","))}
+    except ValueError:
+        p.error(f"--costs must be comma-separated numbers, got {args.costs!r}")
+    if not args.path.exists():
+        p.error(f"{args.path}: no such file (run `record` first)")
+    records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+    res = replay(records, costs, args.k, max_tokens=args.max_tokens)
+    total = [0, 0.0, 0.0, 0]
+    for cat, (n, spec, plain, steps) in sorted(res.items()):
+        print(f"{cat:15s} {n:6d} tokens  tau {n / steps:.2f}  modelled decode speedup {plain / spec:.2f}x")
+        total = [a + b for a, b in zip(total, (n, spec, plain, steps))]
+    print(f"{'overall':15s} {total[0]:6d} tokens  tau {total[0] / total[3]:.2f}  "
+          f"modelled decode speedup {total[2] / total[1]:.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,43 @@
+"""bench/oracle_replay.py: recorded outputs replayed through the engine with an oracle model."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ROOT / "docs" / "bench" / "smollm2-dev-greedy-outputs.jsonl"
+
+
+@pytest.fixture(scope="module")
+def replay_mod():
+    spec = importlib.util.spec_from_file_location("oracle_replay", ROOT / "bench" / "oracle_replay.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def records(category, n):
+    rows = [json.loads(line) for line in RECORDED.read_text().splitlines()]
+    return [r for r in rows if r["category"] == category][:n]
+
+
+def test_replay_reproduces_the_recording_and_counts_steps(replay_mod):
+    recs = records("extraction", 2) + records("writing", 1)
+    flat = {i + 1: 1.0 + 0.03 * i for i in range(12)}
+    res = replay_mod.replay(recs, flat)  # raises if the engine's output diverged from the recording
+    n, spec, plain, steps = res["extraction"]
+    assert n == sum(len(r["output"]) - 1 for r in recs[:2])  # both ran to max_tokens
+    assert n / steps > 1.5, "extraction copies its prompt: drafts must be accepted"
+    assert plain / spec > 1.3
+    # drafts that cost as much as the tokens they could yield are never verified: plain decoding
+    costly = {i + 1: float(i + 1) for i in range(12)}
+    n, spec, plain, steps = replay_mod.replay(recs, costly)["extraction"]
+    assert steps == n and spec == plain
+
+
+def test_replay_cli_names_a_missing_file(replay_mod, capsys):
+    with pytest.raises(SystemExit) as e:
+        replay_mod.main(["replay", "/nonexistent/outputs.jsonl"])
+    assert e.value.code == 2 and "no such file" in capsys.readouterr().err
