@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant import Int8WeightOnlyLinear, PackedLinear, _KernelState
+from .quant import Int8WeightOnlyLinear, PackedLinear, _KernelState, replace_linears
 
 
 @dataclass
@@ -229,12 +229,7 @@ class TransposedLinear(nn.Module):
 
 def transpose_linears(model: nn.Module) -> nn.Module:
     """Swaps every nn.Linear (the LM head included, untied from the embedding) for TransposedLinear."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, TransposedLinear(child))
-        else:
-            transpose_linears(child)
-    return model
+    return replace_linears(model, TransposedLinear)
 
 
 def interleave_rope(model: Transformer) -> Transformer:
@@ -262,7 +257,7 @@ def interleave_rope(model: Transformer) -> Transformer:
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op
+        return F.rms_norm(x, weight.shape, weight, eps)  # one op call instead of six
     # computed in fp32 whatever the model's dtype, as HF's LlamaRMSNorm does
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True).add_(eps))
@@ -365,16 +360,22 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     return o[0].transpose(0, 1).reshape(n_q, H * hd)
 
 
-def prefill_mask(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
-    """The bool mask `prefill_attention` takes; None when plain causal attention from position 0 fits."""
-    if mask is None and S == n_q and (sliding_window is None or S <= sliding_window):
-        return None
+def allowed(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None) -> Tensor:
+    """bool [n_q, S], True where a query may attend: `mask` (tree verification) or causal, where
+    new token i sits at context index S - n_q + i; both cut to the sliding window."""
     if mask is None:
         mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
     if sliding_window is not None and S > sliding_window:
         qpos = torch.arange(S - n_q, S)[:, None]
         mask = mask & (torch.arange(S)[None, :] > qpos - sliding_window)
     return mask
+
+
+def prefill_mask(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
+    """The bool mask `prefill_attention` takes; None when plain causal attention from position 0 fits."""
+    if mask is None and S == n_q and (sliding_window is None or S <= sliding_window):
+        return None
+    return allowed(n_q, S, mask, sliding_window)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
@@ -392,16 +393,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -
 def attention_bias(n_q: int, S: int, group: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
     """The additive mask of one sequence, rows ordered (g, i) as `Attention` lays queries out.
 
-    mask: an explicit bool [n_q, S] (tree verification), or None for causal attention where new
-    token i sits at context index S - n_q + i."""
+    mask: an explicit bool [n_q, S] (tree verification), or None for causal attention (`allowed`)."""
     if mask is None and n_q == 1 and (sliding_window is None or S <= sliding_window):
         return None
-    if mask is None:
-        mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
-    if sliding_window is not None and S > sliding_window:
-        qpos = torch.arange(S - n_q, S)[:, None]
-        mask = mask & (torch.arange(S)[None, :] > qpos - sliding_window)
-    bias = torch.zeros(n_q, S).masked_fill_(~mask, float("-inf"))
+    bias = torch.zeros(n_q, S).masked_fill_(~allowed(n_q, S, mask, sliding_window), float("-inf"))
     return bias.repeat(group, 1)
 
 

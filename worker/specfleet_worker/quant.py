@@ -303,22 +303,23 @@ def pack_linears(model: nn.Module) -> bool:
     nothing changed, where the kernel cannot be had."""
     if int8_kernel() is None:
         return False
+    replace_linears(model, PackedLinear)
+    return True
+
+
+def replace_linears(model: nn.Module, make) -> nn.Module:
+    """Replaces every nn.Linear below `model`, in place, by make(linear)."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child))
+            setattr(model, name, make(child))
         else:
-            pack_linears(child)
-    return True
+            replace_linears(child, make)
+    return model
 
 
 def quantize_int8(model: nn.Module, backend: str | None = None) -> nn.Module:
     """Replaces every nn.Linear (the LM head included) in place; embeddings and norms stay float."""
-    for name, child in list(model.named_children()):
-        if isinstance(child, nn.Linear):
-            setattr(model, name, Int8WeightOnlyLinear(child, backend))
-        else:
-            quantize_int8(child, backend)
-    return model
+    return replace_linears(model, lambda linear: Int8WeightOnlyLinear(linear, backend))
 
 
 def weight_bytes(model: nn.Module) -> int:
