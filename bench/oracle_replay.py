@@ -76,8 +76,8 @@ def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size:
     max_tokens: the recording's. An output shorter than that ended at EOS, which took a step too."""
     oracle = Oracle(vocab_size)
     engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1])
-    engine.costs.seconds.update(costs)
-    engine.costs.observe = lambda rows, seconds: None  # the curve stays as given
+    engine.costs.set_curve(costs)
+    engine.costs.observe = lambda rows, seconds: None  # the oracle's steps take no real time
     by_cat: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
     for r in records:
         oracle.full = r["prompt"] + r["output"] + [vocab_size - 1]

@@ -123,7 +123,7 @@ def start_local_worker(args, max_batch: int):
 
     cfg = EngineConfig(model_name=args.model, k_max=args.k_max)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = build_engine(cfg, threads=args.threads)
+    engine = build_engine(cfg, threads=args.threads, max_batch_size=max_batch)
     server = WorkerServer("127.0.0.1", 0, 0, max_workers=max_batch + 16).start()
     server.attach(make_worker(engine, cfg, max_batch_size=max_batch, max_queue=max_batch * 4,
                               max_tokens_limit=max(args.max_tokens, 2048)))

@@ -113,3 +113,11 @@ def test_process_flags_and_defaults_follow_the_contract():
     assert (a.host, a.grpc_port, a.http_port, a.drain_seconds) == ("0.0.0.0", 1, 2, 5.0)
     with pytest.raises(SystemExit):
         parse_args(["--max-batch-size", "0"])
+
+
+def test_the_calibration_sizes_docstring_holds():
+    import doctest
+
+    from specfleet_worker.server import main
+
+    assert doctest.testmod(main).failed == 0

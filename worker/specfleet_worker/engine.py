@@ -81,7 +81,8 @@ class Sequence:
         self.prompt_len = len(prompt)
         self.params = params
         self.method = method
-        self.k = k
+        self.k = k  # the most draft tokens a step may verify
+        self.k_floor = 0  # the fewest it verifies when a draft is there (the K_min bound)
         self.block_table = block_table
         self.generator = None
         if not params.greedy:
@@ -150,19 +151,25 @@ class Engine:
         self.adaptive_k = adaptive_k
         self.costs = StepCostModel()
 
-    def calibrate(self, max_rows: int = 12, context: int = 128, reps: int = 3) -> dict[int, float]:
-        """Measures the target forward's cost by number of new-token rows (median of reps)."""
+    def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5) -> dict[int, float]:
+        """Measures the target forward's cost by number of new-token rows and sets the cost curve.
+
+        sizes: the row counts to time (default 1-12, 16, 24, 32); a server passes sizes up to its
+        largest batch times (K + 1). Every size is timed once per round, the order alternating, and
+        each size's median over the rounds is kept: a burst of load hits all sizes alike."""
+        sizes = sorted(set(sizes or [*range(1, 13), 16, 24, 32]))
         seq = Sequence([0] * context, SamplingParams(max_tokens=1), NO_SPECULATION, 0, BlockTable(self.cache))
         self._forward([seq], [seq.tokens], "last")
-        for rows in range(1, max_rows + 1):
-            times = []
-            for _ in range(reps + 1):
+        times: dict[int, list[float]] = {r: [] for r in sizes}
+        for rnd in range(reps + 1):  # round 0 warms up
+            for rows in (sizes if rnd % 2 else sizes[::-1]):
                 t = time.perf_counter()
                 self._forward([seq], [[0] * rows], "all")
-                times.append(time.perf_counter() - t)
+                if rnd:
+                    times[rows].append(time.perf_counter() - t)
                 seq.block_table.truncate(context)
-            self.costs.seconds[rows] = sorted(times[1:])[reps // 2]  # the first run warms up
         seq.block_table.free()
+        self.costs.set_curve({r: sorted(ts)[len(ts) // 2] for r, ts in times.items()})
         return self.costs.relative()
 
     # -- requests -----------------------------------------------------------------------------
@@ -245,7 +252,8 @@ class Engine:
 
             cheap = getattr(proposer, "cheap", False)
             if self.adaptive_k and any(ks) and not cheap:
-                ks = choose_ks([s.acceptance_for(0).alpha for s in group], ks, cost)
+                chosen = choose_ks([s.acceptance_for(0).alpha for s in group], ks, cost)
+                ks = [max(c, min(s.k_floor, k)) for s, c, k in zip(group, chosen, ks)]
             if method == NO_SPECULATION or not any(ks):
                 results = [Proposal([], None) for _ in group]
             else:
@@ -258,8 +266,9 @@ class Engine:
                 if self.adaptive_k and cheap:
                     # the draft is known before choosing: judge it by its own kind's acceptance
                     alphas = [s.acceptance_for(p.key).alpha for s, p in zip(group, results)]
-                    chosen = choose_ks(alphas, [len(p.draft_tokens) for p in results], cost)
-                    results = [p.trimmed(k) for p, k in zip(results, chosen)]
+                    drafted = [len(p.draft_tokens) for p in results]
+                    chosen = choose_ks(alphas, drafted, cost)
+                    results = [p.trimmed(max(c, min(s.k_floor, n))) for s, p, c, n in zip(group, results, chosen, drafted)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p
                 s.last_key = p.key

@@ -13,7 +13,9 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from .config import EngineConfig, LiveConfig
 
@@ -21,6 +23,7 @@ log = logging.getLogger("specfleet.worker")
 
 TINY_MODEL = "tiny-random"  # a random 2-layer model for tests: token ids only, no tokenizer
 CONTROL_FILE = "control.json"
+T = TypeVar("T")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,8 +60,43 @@ def _model_source(cfg: EngineConfig) -> str:
     return cfg.model_name
 
 
-def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int | None = None):
-    """The engine for engine.json, built from the engine's own factory."""
+def on_short_lived_thread(fn: Callable[[], T]) -> T:
+    """fn() run on a thread that exits before this returns; its result, or its exception.
+
+    libgomp, torch's OpenMP, keeps a team of helper threads for every thread that has run a
+    parallel region, for as long as that thread lives. Once there are more of them than cores,
+    every team stops spinning between regions and each op pays a wake-up: on a 2-core machine, a
+    decoding step run by the scheduler thread took 1.6x as long when the model had been loaded by
+    the (still living) main thread. Loading on a thread that exits leaves the scheduler's team the
+    only one."""
+    box: dict = {}
+
+    def run() -> None:
+        try:
+            box["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller
+            box["error"] = e
+
+    t = threading.Thread(target=run, name="build-engine")
+    t.start()
+    t.join()
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int | None = None,
+                 max_batch_size: int = 16):
+    """The engine for engine.json (see `_build_engine`), built on a short-lived thread."""
+    return on_short_lived_thread(lambda: _build_engine(cfg, max_kv_tokens, threads, max_batch_size))
+
+
+def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, max_batch_size: int):
+    """The engine for engine.json, built from the engine's own factory, its step costs calibrated.
+
+    The scheduler's K controller sets each request's K (within the live bounds, with hysteresis);
+    of each draft, the engine verifies the prefix that pays for itself at the calibrated cost of
+    the batch's rows, judged by the acceptance of that kind of draft (`Engine(adaptive_k=True)`)."""
     import torch
 
     from ..engine import Engine
@@ -76,8 +114,25 @@ def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int 
         dtype = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}.get(cfg.dtype, cfg.dtype)
         draft = cfg.draft_uri if cfg.draft_method == "draft-model" else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), dtype, cfg.quantization, draft, threads)
-    # the scheduler's K controller (kcontrol) owns K; the engine verifies what it is given
-    return Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, adaptive_k=False)
+    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, adaptive_k=True)
+    k_max = max(cfg.k_max, 8)
+    engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
+    log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})
+    return engine
+
+
+def calibration_sizes(max_rows: int) -> list[int]:
+    """Row counts to time: every one up to 12, then about 1.5x apart up to max_rows.
+
+    >>> calibration_sizes(144)
+    [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 16, 24, 36, 54, 81, 121, 144]
+    """
+    sizes = list(range(1, min(12, max_rows) + 1))
+    r = 16
+    while r < max_rows:
+        sizes.append(r)
+        r = r * 3 // 2
+    return sizes + ([max_rows] if max_rows > sizes[-1] else [])
 
 
 def make_worker(engine, cfg: EngineConfig, *, max_batch_size: int = 16, max_queue: int = 64,
@@ -136,7 +191,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def load() -> None:
         try:
-            loaded["engine"] = build_engine(cfg, max_kv_tokens=args.max_kv_tokens, threads=args.threads)
+            loaded["engine"] = build_engine(cfg, max_kv_tokens=args.max_kv_tokens, threads=args.threads,
+                                            max_batch_size=args.max_batch_size)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             loaded["error"] = e
         finally:

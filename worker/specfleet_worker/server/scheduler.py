@@ -252,10 +252,12 @@ class Scheduler:
         decoding = [r for r in self._active if r.seq.prefilled]
         for req in decoding:
             if req.method == NO_SPECULATION or not s.speculation_enabled:
-                req.seq.k = 0
+                req.seq.k = req.seq.k_floor = 0
             else:
                 req.seq.k = self.controller.choose(req.kstate, len(decoding), s.k_min, s.k_max,
                                                    adaptive=s.k_policy == "adaptive")
+                # an adaptive engine verifies, of each draft, the prefix that pays; never under K_min
+                req.seq.k_floor = s.k_min if s.k_policy == "adaptive" else req.seq.k
 
     def _route(self, outputs, elapsed: float, measure: bool) -> None:
         by_id = {r.seq.seq_id: r for r in self._active}
