@@ -70,3 +70,39 @@ def test_calibration_keeps_the_shape_non_decreasing():
     values = [c(r) for r in range(1, 5)]
     assert values == sorted(values)
     assert values[1] == values[2] == pytest.approx(1.15)
+
+
+def test_k_floor_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
+    from specfleet_worker.engine import Engine
+    from specfleet_worker.proposers import Proposal
+    from specfleet_worker.sampling import SamplingParams
+    from specfleet_worker.testing import tiny_model
+
+    class Counting:  # a cheap proposer that always has a draft: 1, 2, 3, ...
+        name, cheap = "count", True
+
+        def propose(self, seqs, ks):
+            return [Proposal(list(range(1, k + 1)), None) for k in ks]
+
+        def rollback(self, seq, num_valid):
+            pass
+
+        def release(self, seq):
+            pass
+
+    engine = Engine(tiny_model(seed=1, scale=4.0), proposers={"count": Counting()})
+    engine.costs.set_curve({r: float(r) for r in range(1, 16)})  # a draft row costs a whole step
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    alone = engine.generate([5, 6, 7, 8], params, "count", 6)
+    assert alone.stats.num_draft_tokens == 0, "drafts never pay at this cost: plain decoding"
+    seq = engine.add([5, 6, 7, 8], params, "count", 6)
+    seq.k_floor = 2
+    engine.step()  # the prefill
+    steps = 0
+    while not seq.finished:
+        room = params.max_tokens - len(seq.output) - 1  # drafts never run past max_tokens
+        (out,) = engine.step()
+        assert out.stats.num_draft_tokens == min(2, room)
+        steps += 1
+    assert steps > 3
+    assert seq.output == alone.output

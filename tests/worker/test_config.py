@@ -121,3 +121,23 @@ def test_the_calibration_sizes_docstring_holds():
     from specfleet_worker.server import main
 
     assert doctest.testmod(main).failed == 0
+
+
+def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_drafts():
+    from specfleet_worker.server.main import build_engine
+
+    engine = build_engine(EngineConfig(model_name="tiny-random"), max_kv_tokens=2048, max_batch_size=2)
+    assert engine.adaptive_k
+    assert max(engine.costs.seconds) == 2 * (8 + 1)  # max batch x (K_max + 1) rows
+    values = [engine.costs.seconds[r] for r in sorted(engine.costs.seconds)]
+    assert values == sorted(values)
+
+
+def test_the_engine_builder_thread_returns_results_and_raises_errors():
+    import threading
+
+    from specfleet_worker.server.main import on_short_lived_thread
+
+    assert on_short_lived_thread(lambda: threading.current_thread().name) == "build-engine"
+    with pytest.raises(ZeroDivisionError):
+        on_short_lived_thread(lambda: 1 / 0)
