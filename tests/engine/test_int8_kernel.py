@@ -152,7 +152,8 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
         y = model(torch.randn(4, 64))
     assert y.shape == (4, 16) and torch.isfinite(y).all()
     assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == [
-        f"int8 CPU kernel unavailable ({quant._KernelState.error}); falling back to torch._weight_int8pack_mm"]
+        f"int8 CPU kernel unavailable ({quant._KernelState.error}); falling back to torch's ops "
+        "(int8: torch._weight_int8pack_mm, fp32: MKL's GEMM)"]
     assert "no C++ compiler" in quant._KernelState.error
     with pytest.raises(RuntimeError, match="unavailable"):
         Int8WeightOnlyLinear(nn.Linear(8, 8), backend="kernel")

@@ -167,7 +167,8 @@ def _load_kernel():
 def _warn_fallback(reason: str) -> None:
     if not _KernelState.warned:
         _KernelState.warned = True
-        warnings.warn(f"int8 CPU kernel unavailable ({reason}); falling back to torch._weight_int8pack_mm",
+        warnings.warn(f"int8 CPU kernel unavailable ({reason}); falling back to torch's ops "
+                      "(int8: torch._weight_int8pack_mm, fp32: MKL's GEMM)",
                       RuntimeWarning, stacklevel=3)
 
 
