@@ -1,1 +1,0 @@
-"""The gRPC worker: the engine as a service (docs/worker.md)."""
