@@ -1,6 +1,6 @@
 """The int8 weight-only CPU kernel against fp32 GEMM and torch._weight_int8pack_mm, side by side.
 
-    .venv/bin/python bench/int8_kernel_bench.py [--threads 2] [--reps 7]
+    .venv/bin/python -m specfleet_bench.int8_kernel [--threads 2] [--reps 7]
 
 Three ways to compute y[M, N] = x[M, K] @ W[N, K]^T for fp32 activations:
   fp32   torch.mm(x, W^T) with the weight pre-transposed (TransposedLinear, the fp32 model's path)
@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "worker"))
-from specfleet_worker.quant import Int8WeightOnlyLinear, int8_kernel  # noqa: E402
+from specfleet_engine.quant import Int8WeightOnlyLinear, int8_kernel  # noqa: E402
 
 SHAPES = {"qkv": (576, 960), "wo": (576, 576), "w13": (576, 3072), "w2": (1536, 576), "lm_head": (576, 49152)}
 VARIANTS = ("fp32", "torch", "kernel")

@@ -7,8 +7,8 @@ next token, so greedy verification accepts exactly what the model would have acc
 is charged a fixed cost by its number of rows, so the modelled speedup over plain decoding follows
 from tau and the cost curve alone, with no machine noise. Prefill is not counted.
 
-    python bench/oracle_replay.py record results/outputs.jsonl --per-category 0      # ~20 min, all 240
-    python bench/oracle_replay.py replay results/outputs.jsonl --costs 1,1.03,1.06,1.09,1.12,1.15,1.18,1.21,1.24
+    python -m specfleet_bench.oracle_replay record results/outputs.jsonl --per-category 0      # ~20 min, all 240
+    python -m specfleet_bench.oracle_replay replay results/outputs.jsonl --costs 1,1.03,1.06,1.09,1.12,1.15,1.18,1.21,1.24
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from specfleet_worker.bench import default_questions, load_questions
-from specfleet_worker.engine import Engine
-from specfleet_worker.model import ModelArgs
-from specfleet_worker.sampling import SamplingParams
+from specfleet_bench.spec_bench import default_questions, load_questions
+from specfleet_engine.engine import Engine
+from specfleet_engine.model import ModelArgs
+from specfleet_engine.sampling import SamplingParams
 
 
 
@@ -46,8 +46,8 @@ class Oracle:
 
 
 def record(args) -> int:
-    from specfleet_worker.factory import prepare_model
-    from specfleet_worker.loader import load_tokenizer
+    from specfleet_engine.factory import prepare_model
+    from specfleet_engine.loader import load_tokenizer
 
     tok = load_tokenizer(args.model)
     engine = Engine(prepare_model(args.model, "fp32"), tok, max_kv_tokens=8192)

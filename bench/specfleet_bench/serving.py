@@ -7,8 +7,8 @@ instead. For each concurrency, speculation is switched off and on through the Ad
 same worker, no restart), and every prompt is sent by that many client threads. Greedy outputs
 with speculation on must equal those with it off; the table says whether they did.
 
-    python bench/serving_bench.py --limit 8 --max-tokens 64 --concurrency 1,4   # a quick look
-    python bench/serving_bench.py                                              # the full run
+    python -m specfleet_bench.serving --limit 8 --max-tokens 64 --concurrency 1,4   # a quick look
+    python -m specfleet_bench.serving                                              # the full run
 """
 
 from __future__ import annotations
@@ -25,11 +25,10 @@ from pathlib import Path
 import grpc
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "worker"))  # run from a checkout without installing
 
-from specfleet_worker.bench import default_questions, load_questions  # noqa: E402
-from specfleet_worker.server.pb import worker_pb2 as pb  # noqa: E402
-from specfleet_worker.server.pb import worker_pb2_grpc as pb_grpc  # noqa: E402
+from specfleet_bench.spec_bench import default_questions, load_questions  # noqa: E402
+from specfleet_proto import worker_pb2 as pb  # noqa: E402
+from specfleet_proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -117,9 +116,9 @@ def percentile(sorted_values: list[float], p: float) -> float:
 
 
 def start_local_worker(args, max_batch: int):
-    from specfleet_worker.server.app import WorkerServer
-    from specfleet_worker.server.config import EngineConfig
-    from specfleet_worker.server.main import build_engine, make_worker
+    from specfleet_worker.app import WorkerServer
+    from specfleet_worker.config import EngineConfig
+    from specfleet_worker.main import build_engine, make_worker
 
     cfg = EngineConfig(model_name=args.model, k_max=args.k_max)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)

@@ -112,9 +112,9 @@ class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None):
-        from .engine import Engine
-        from .factory import prepare_model
-        from .loader import load_tokenizer
+        from specfleet_engine.engine import Engine
+        from specfleet_engine.factory import prepare_model
+        from specfleet_engine.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_name)
         self.max_tokens, self.k = max_tokens, k
@@ -127,7 +127,7 @@ class Runner:
         if want_hf:
             from transformers import AutoModelForCausalLM
 
-            from .loader import resolve_model_path
+            from specfleet_engine.loader import resolve_model_path
 
             p = resolve_model_path(model_name)
             kw = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
@@ -135,7 +135,7 @@ class Runner:
                                                            dtype=torch.float32, local_files_only=True, **kw).eval()
 
     def run(self, prec: str, method: str, prompt: list[int], hf_lookup: int) -> tuple[list[int], float, int, int, int]:
-        from .sampling import SamplingParams
+        from specfleet_engine.sampling import SamplingParams
 
         if prec == "hf":
             ids = torch.tensor([prompt])
@@ -163,7 +163,7 @@ def teacher_forced_agreement(engine_lp, prompt: list[int], output: list[int]) ->
     """How many of fp32's greedy tokens the other model also ranks first, given fp32's prefix."""
     if not output:
         return 0, 0
-    from .sampling import SamplingParams
+    from specfleet_engine.sampling import SamplingParams
 
     ctx = prompt + output[:-1]
     seq = engine_lp.add(ctx, SamplingParams(max_tokens=1), "none")
@@ -308,7 +308,7 @@ def run_bench(args) -> int:
 
     table = summarize(runs, configs)
     print_table(table, configs, console)
-    from .quant import weight_bytes
+    from specfleet_engine.quant import weight_bytes
 
     roofline = {}
     for prec in sorted(precisions):

@@ -29,7 +29,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # serve and operator own their flags: hand everything after the subcommand straight over
     if argv and argv[0] == "serve":
-        from .server.main import main as serve_main
+        from specfleet_worker.main import main as serve_main
 
         return serve_main(argv[1:])
     if argv and argv[0] == "operator":
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=None)
 
     p = sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category")
-    from .bench import add_bench_args
+    from specfleet_bench.spec_bench import add_bench_args
 
     add_bench_args(p)
 
@@ -71,13 +71,13 @@ def main(argv: list[str] | None = None) -> int:
             parser.print_help()
             return 0
         if args.command == "demo":
-            from .bench import run_demo
+            from specfleet_bench.spec_bench import run_demo
 
             return run_demo(args.per_category, args.max_tokens)
         if args.command == "generate":
             return _generate(args)
         if args.command == "bench":
-            from .bench import run_bench
+            from specfleet_bench.spec_bench import run_bench
 
             return run_bench(args)
     except (ValueError, FileNotFoundError) as e:
@@ -89,9 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args) -> int:
     import time
 
-    from .engine import Engine
-    from .factory import build_engine_parts
-    from .sampling import SamplingParams
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.factory import build_engine_parts
+    from specfleet_engine.sampling import SamplingParams
 
     model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
                                                      args.draft_model, args.threads)

@@ -1,1 +1,1 @@
-"""Generated protobuf and gRPC stubs (see ../codegen.py)."""
+"""Generated protobuf and gRPC stubs (see codegen.py)."""

@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from specfleet_worker import quant
-from specfleet_worker.quant import (Int8WeightOnlyLinear, int8_kernel, pack_int8_weight, quantize_int8,
+from specfleet_engine import quant
+from specfleet_engine.quant import (Int8WeightOnlyLinear, int8_kernel, pack_int8_weight, quantize_int8,
                                     unpack_int8_weight, weight_bytes)
 
 MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # K -> N (SmolLM2-135M)

@@ -2,8 +2,8 @@ import doctest
 
 import pytest
 
-from specfleet_worker import k_policy
-from specfleet_worker.k_policy import AcceptanceEstimator, StepCostModel, choose_ks, expected_tokens
+from specfleet_engine import costs as k_policy
+from specfleet_engine.costs import AcceptanceEstimator, StepCostModel, choose_ks, expected_tokens
 
 
 def test_docstring_examples():
@@ -73,10 +73,10 @@ def test_calibration_keeps_the_shape_non_decreasing():
 
 
 def test_k_floor_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
-    from specfleet_worker.engine import Engine
-    from specfleet_worker.proposers import Proposal
-    from specfleet_worker.sampling import SamplingParams
-    from specfleet_worker.testing import tiny_model
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.proposers import Proposal
+    from specfleet_engine.sampling import SamplingParams
+    from specfleet_engine.testing import tiny_model
 
     class Counting:  # a cheap proposer that always has a draft: 1, 2, 3, ...
         name, cheap = "count", True

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from specfleet_worker.kv_cache import BlockTable, OutOfBlocks, PagedKVCache
+from specfleet_engine.kv_cache import BlockTable, OutOfBlocks, PagedKVCache
 
 
 def make_cache(num_blocks=8, block_size=4):

@@ -4,10 +4,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from specfleet_worker.loader import ModelFormatError, load_model, ours_to_hf_state_dict
-from specfleet_worker.engine import Engine
-from specfleet_worker.sampling import SamplingParams
-from specfleet_worker.testing import tiny_model
+from specfleet_engine.loader import ModelFormatError, load_model, ours_to_hf_state_dict
+from specfleet_engine.engine import Engine
+from specfleet_engine.sampling import SamplingParams
+from specfleet_engine.testing import tiny_model
 
 
 def save_hf_folder(model, path):
@@ -49,7 +49,7 @@ def test_missing_and_unknown_models_are_named(tmp_path):
 
 
 def test_unsupported_architecture_is_named():
-    from specfleet_worker.model import ModelArgs
+    from specfleet_engine.model import ModelArgs
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         ModelArgs.from_hf_config({"architectures": ["GPT2LMHeadModel"]})
@@ -62,9 +62,9 @@ def test_unsupported_architecture_is_named():
 def test_fast_layouts_match_the_checkpoint_layout(overrides, linears):
     """Interleaved RoPE and transposed or packed linears (what prepare_model applies for fp32)
     change neither the logits nor the greedy output."""
-    from specfleet_worker.kv_cache import BlockTable, batch_metadata
-    from specfleet_worker.model import interleave_rope, transpose_linears
-    from specfleet_worker.quant import PackedLinear, pack_linears
+    from specfleet_engine.kv_cache import BlockTable, batch_metadata
+    from specfleet_engine.model import interleave_rope, transpose_linears
+    from specfleet_engine.quant import PackedLinear, pack_linears
 
     ref = tiny_model(seed=6, scale=4.0, **overrides)
     fast = interleave_rope(tiny_model(seed=6, scale=4.0, **overrides))

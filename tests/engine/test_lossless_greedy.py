@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from specfleet_worker.engine import Engine
-from specfleet_worker.proposers import NgramProposer
-from specfleet_worker.proposers.draft_model import DraftModelProposer
-from specfleet_worker.sampling import SamplingParams
-from specfleet_worker.testing import tiny_model
+from specfleet_engine.engine import Engine
+from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.sampling import SamplingParams
+from specfleet_engine.testing import tiny_model
 
 CONFIGS = {
     "llama": dict(),
@@ -32,7 +32,7 @@ def test_ngram_and_draft_model_match_plain_decoding(config):
     target = tiny_model(seed=1, scale=4.0, **CONFIGS[config])
     draft = tiny_model(seed=2, scale=4.0, **CONFIGS[config])
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft)}
-    engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8, adaptive_k=False)
+    engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8, k_policy="fixed")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     accepted = 0
     for prompt in prompts(3):
@@ -71,7 +71,7 @@ def test_batched_speculation_matches_single_requests():
 
 def test_eos_max_tokens_and_logprobs_inside_verification():
     target = tiny_model(seed=1, scale=4.0)
-    engine = Engine(target, adaptive_k=False)
+    engine = Engine(target, k_policy="fixed")
     prompt = prompts(1, seed=9)[0]
     plain = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "none")
     spec = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "ngram", 8)
@@ -100,7 +100,7 @@ def test_failing_proposer_degrades_to_plain_decoding():
             pass
 
     target = tiny_model(seed=1, scale=4.0)
-    engine = Engine(target, proposers={"broken": Broken()}, adaptive_k=False)
+    engine = Engine(target, proposers={"broken": Broken()}, k_policy="fixed")
     prompt = prompts(1)[0]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     plain = engine.generate(prompt, params, "none")

@@ -11,13 +11,13 @@ import itertools
 import pytest
 import torch
 
-from specfleet_worker import engine as engine_module
-from specfleet_worker import sampling
-from specfleet_worker.engine import Engine
-from specfleet_worker.proposers import NgramProposer
-from specfleet_worker.proposers.draft_model import DraftModelProposer
-from specfleet_worker.sampling import SamplingParams, logits_to_probs
-from specfleet_worker.testing import tiny_model
+from specfleet_engine import engine as engine_module
+from specfleet_engine import sampling, verify
+from specfleet_engine.engine import Engine
+from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.sampling import SamplingParams, logits_to_probs
+from specfleet_engine.testing import tiny_model
 
 VOCAB, DEPTH, N = 4, 3, 10_000
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
@@ -48,7 +48,7 @@ def tv_threshold(exact, n, reps=300, quantile=0.999):
 
 
 def speculative_samples(model, proposers, method, k, params_kw):
-    engine = Engine(model, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, adaptive_k=False)
+    engine = Engine(model, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed")
     counts = torch.zeros(VOCAB ** DEPTH)
     drafted = accepted = 0
     for start in range(0, N, 1000):
@@ -103,7 +103,7 @@ def test_a_broken_acceptance_rule_is_caught(monkeypatch):
         n = int(torch.cumprod(u * q < p, dim=0).sum())
         tokens = draft_tokens[:n].tolist()
         tokens.append(int(sampling.sample_from(target_probs[n:n + 1], generator)))  # wrong when n < k
-        return sampling.VerifyResult(n, tokens, n == k)
+        return verify.VerifyResult(n, tokens, n == k)
 
     monkeypatch.setattr(engine_module, "verify_sampling", broken)
     target, draft = models()

@@ -2,7 +2,7 @@ import doctest
 
 import numpy as np
 
-from specfleet_worker.proposers import ngram
+from specfleet_engine.proposers import ngram
 
 
 def test_docstring_examples():
@@ -34,9 +34,9 @@ def test_match_length_is_reported_as_the_proposal_key():
 
 
 def test_adaptive_k_keeps_separate_acceptance_per_match_length():
-    from specfleet_worker.engine import Engine
-    from specfleet_worker.sampling import SamplingParams
-    from specfleet_worker.testing import tiny_model
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.sampling import SamplingParams
+    from specfleet_engine.testing import tiny_model
 
     engine = Engine(tiny_model(seed=1, scale=4.0))
     engine.costs.seconds.update({r: 1.0 + 0.1 * (r - 1) for r in range(1, 32)})

@@ -3,8 +3,9 @@ import doctest
 import pytest
 import torch
 
-from specfleet_worker import sampling
-from specfleet_worker.sampling import SamplingParams, logits_to_probs, verify_greedy
+from specfleet_engine import sampling, verify
+from specfleet_engine.sampling import SamplingParams, logits_to_probs
+from specfleet_engine.verify import verify_greedy
 
 
 def test_docstring_examples():

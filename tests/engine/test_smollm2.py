@@ -6,13 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from specfleet_worker.bench import default_questions
-from specfleet_worker.engine import Engine
-from specfleet_worker.factory import prepare_model
-from specfleet_worker.loader import default_gguf_path, load_tokenizer
-from specfleet_worker.proposers import NgramProposer
-from specfleet_worker.proposers.draft_model import DraftModelProposer
-from specfleet_worker.sampling import SamplingParams
+from specfleet_bench.spec_bench import default_questions
+from specfleet_engine.engine import Engine
+from specfleet_engine.factory import prepare_model
+from specfleet_engine.loader import default_gguf_path, load_tokenizer
+from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.sampling import SamplingParams
 
 pytestmark = pytest.mark.slow
 
@@ -50,7 +50,7 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(smollm2):
     model, tokenizer = smollm2
     draft = DraftModelProposer(prepare_model("smollm2-135m", "fp32", "int8"))  # a quantized self-draft
     engine = Engine(model, tokenizer, proposers={"ngram": NgramProposer(), "draft-model": draft},
-                    max_kv_tokens=8192, adaptive_k=False)
+                    max_kv_tokens=8192, k_policy="fixed")
     params = SamplingParams(max_tokens=40)
     accepted = 0
     for q in questions(["extraction", "summarization", "writing"]):
@@ -65,7 +65,7 @@ def test_greedy_speculation_is_token_identical_to_plain_decoding(smollm2):
 
 
 def test_int8_keeps_greedy_quality(smollm2):
-    from specfleet_worker.bench import teacher_forced_agreement
+    from specfleet_bench.spec_bench import teacher_forced_agreement
 
     model, tokenizer = smollm2
     ref = Engine(model, tokenizer, max_kv_tokens=8192)

@@ -1,10 +1,10 @@
-"""Fixtures for the worker's tests (helpers live in specfleet_worker.server.testing)."""
+"""Fixtures for the worker's tests (helpers live in specfleet_worker.testing)."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from specfleet_worker.server.testing import running_worker
+from specfleet_worker.testing import running_worker
 
 # The tiny model gains nothing from intra-op threads, and on a shared machine their spinning
 # costs more than the work: one thread keeps the suite fast and its timing steady.

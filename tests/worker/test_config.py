@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from specfleet_worker.server.config import EngineConfig, LiveConfig
-from specfleet_worker.server.main import parse_args, watch_control_file
+from specfleet_worker.config import EngineConfig, LiveConfig
+from specfleet_worker.main import parse_args, watch_control_file
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -118,13 +118,13 @@ def test_process_flags_and_defaults_follow_the_contract():
 def test_the_calibration_sizes_docstring_holds():
     import doctest
 
-    from specfleet_worker.server import main
+    from specfleet_worker import main
 
     assert doctest.testmod(main).failed == 0
 
 
 def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_drafts():
-    from specfleet_worker.server.main import build_engine
+    from specfleet_worker.main import build_engine
 
     engine = build_engine(EngineConfig(model_name="tiny-random"), max_kv_tokens=2048, max_batch_size=2)
     assert engine.adaptive_k
@@ -136,7 +136,7 @@ def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_draf
 def test_the_engine_builder_thread_returns_results_and_raises_errors():
     import threading
 
-    from specfleet_worker.server.main import on_short_lived_thread
+    from specfleet_worker.main import on_short_lived_thread
 
     assert on_short_lived_thread(lambda: threading.current_thread().name) == "build-engine"
     with pytest.raises(ZeroDivisionError):

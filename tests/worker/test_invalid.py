@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specfleet_worker.server.testing import CharTokenizer, pb, running_worker, tiny_engine, wait_idle
+from specfleet_worker.testing import CharTokenizer, pb, running_worker, tiny_engine, wait_idle
 
 OK_PROMPT = [1, 2, 3, 4]
 CONTEXT = 512  # the tiny model's

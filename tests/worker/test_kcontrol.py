@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from specfleet_worker.server.kcontrol import KController, StepCostModel, best_k, expected_tokens
+from specfleet_worker.kcontrol import KController, StepCostModel, best_k, expected_tokens
 
 
 def fitted(a: float, b: float) -> StepCostModel:
@@ -95,6 +95,6 @@ def test_a_prior_from_the_prompt_types_history_sets_the_first_k():
 def test_the_docstring_examples_hold():
     import doctest
 
-    from specfleet_worker.server import kcontrol
+    from specfleet_worker import kcontrol
 
     assert doctest.testmod(kcontrol).failed == 0

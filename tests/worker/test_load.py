@@ -10,10 +10,10 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 
-from specfleet_worker.proposers import NgramProposer
-from specfleet_worker.sampling import SamplingParams
-from specfleet_worker.server.pb import worker_pb2_grpc as pb_grpc
-from specfleet_worker.server.testing import pb, running_worker, tiny_engine, wait_idle
+from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.sampling import SamplingParams
+from specfleet_proto import worker_pb2_grpc as pb_grpc
+from specfleet_worker.testing import pb, running_worker, tiny_engine, wait_idle
 
 
 def make_prompts(n: int, seed: int = 1) -> list[list[int]]:

@@ -11,9 +11,9 @@ import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Tracer as SdkTracer
 
-from specfleet_worker.server.main import main as serve_main
-from specfleet_worker.server.testing import pb, running_worker, tiny_engine, wait_idle
-from specfleet_worker.server.tracing import make_tracer
+from specfleet_worker.main import main as serve_main
+from specfleet_worker.testing import pb, running_worker, tiny_engine, wait_idle
+from specfleet_worker.tracing import make_tracer
 
 
 def test_tracing_is_off_at_no_cost_without_an_endpoint_and_otlp_with_one(monkeypatch):
@@ -66,7 +66,7 @@ def test_a_bad_config_exits_2_with_a_json_error(tmp_path, capsys):
 
 
 def test_specfleet_serve_passes_its_arguments_to_the_worker():
-    out = subprocess.run([sys.executable, "-m", "specfleet_worker.cli", "serve", "--help"],
+    out = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and "--drain-seconds" in out.stdout
 
@@ -95,7 +95,7 @@ class FakeRedis:
 
 
 def test_fleet_statistics_are_published_with_an_expiry_and_redis_outages_are_survived():
-    from specfleet_worker.server.fleet import FleetPublisher
+    from specfleet_worker.fleet import FleetPublisher
 
     with running_worker() as r:
         r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 1, 2, 3], max_tokens=30, ignore_eos=True))

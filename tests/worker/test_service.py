@@ -17,9 +17,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 
-from specfleet_worker.sampling import SamplingParams
-from specfleet_worker.server import logs
-from specfleet_worker.server.testing import CharTokenizer, pb, running_worker, tiny_engine, wait_idle
+from specfleet_engine.sampling import SamplingParams
+from specfleet_worker import logs
+from specfleet_worker.testing import CharTokenizer, pb, running_worker, tiny_engine, wait_idle
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
 
@@ -144,7 +144,7 @@ def test_health_reflection_and_http_probes_follow_the_life_cycle():
 
 
 def test_health_is_not_serving_while_the_model_loads():
-    from specfleet_worker.server.app import WorkerServer
+    from specfleet_worker.app import WorkerServer
 
     server = WorkerServer("127.0.0.1", 0, 0).start()
     try:
@@ -155,7 +155,7 @@ def test_health_is_not_serving_while_the_model_loads():
             urllib.request.urlopen(f"http://127.0.0.1:{server.http_port}/readyz")
         assert e.value.code == 503 and b"loading" in e.value.read()
         with pytest.raises(grpc.RpcError) as e:
-            from specfleet_worker.server.pb import worker_pb2_grpc
+            from specfleet_proto import worker_pb2_grpc
 
             worker_pb2_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(prompt_token_ids=[1]))
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE

@@ -18,8 +18,8 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from specfleet_worker.server.pb import worker_pb2 as pb
-from specfleet_worker.server.pb import worker_pb2_grpc as pb_grpc
+from specfleet_proto import worker_pb2 as pb
+from specfleet_proto import worker_pb2_grpc as pb_grpc
 
 GRACE_S = 20
 
@@ -29,7 +29,7 @@ def start_worker(tmp_path, *extra: str):
     config.write_text(json.dumps({"model": {"name": "tiny-random", "uri": None},
                                   "draft": {"method": "ngram"}, "role": "stable"}))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specfleet_worker.server.main", "--config", str(config), "--grpc-port", "0",
+        [sys.executable, "-m", "specfleet_worker.main", "--config", str(config), "--grpc-port", "0",
          "--http-port", "0", "--threads", "1", "--drain-seconds", str(GRACE_S), *extra],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
     lines: list[dict] = []

@@ -6,11 +6,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from specfleet_worker.engine import Engine
-from specfleet_worker.sampling import SamplingParams
-from specfleet_worker.server.config import EngineConfig
-from specfleet_worker.server.main import build_engine
-from specfleet_worker.server.testing import pb, running_worker, wait_idle
+from specfleet_engine.engine import Engine
+from specfleet_engine.sampling import SamplingParams
+from specfleet_worker.config import EngineConfig
+from specfleet_worker.main import build_engine
+from specfleet_worker.testing import pb, running_worker, wait_idle
 
 pytestmark = pytest.mark.slow
 

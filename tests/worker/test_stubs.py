@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import re
 
-from specfleet_worker.server import codegen
+from specfleet_proto import codegen
 
 # what names the generator's version, not the API: a newer grpcio-tools alone is no staleness
 VERSIONS = [re.compile(r"^GRPC_GENERATED_VERSION = .*$", re.M), re.compile(r"^# Protobuf Python Version: .*$", re.M),
@@ -28,4 +28,4 @@ def test_committed_stubs_are_current():
     for name, text in fresh.items():
         committed = (codegen.OUT / name).read_text()
         assert normalise(committed) == normalise(text), (
-            f"{name} is stale: run `python -m specfleet_worker.server.codegen` and commit the result")
+            f"{name} is stale: run `python -m specfleet_proto.codegen` and commit the result")

@@ -16,11 +16,12 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from .k_policy import AcceptanceEstimator, StepCostModel, choose_ks
+from .costs import AcceptanceEstimator, StepCostModel, choose_ks
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata
 from .model import Transformer
 from .proposers import NgramProposer, Proposal, Proposer
-from .sampling import SamplingParams, logits_to_probs, sample, verify_greedy, verify_sampling
+from .sampling import SamplingParams, logits_to_probs, sample
+from .verify import verify_greedy, verify_sampling
 
 NO_SPECULATION = "none"
 
@@ -133,7 +134,7 @@ class Engine:
         max_kv_tokens: int = 32768,
         block_size: int = 16,
         eos_token_ids: list[int] | None = None,
-        adaptive_k: bool = True,
+        k_policy: str = "adaptive",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -146,9 +147,9 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.default_k = 8
-        # adaptive_k: each sequence's k is an upper bound; the step verifies the draft lengths
-        # that maximise expected tokens per second (k_policy), down to 0 (plain decoding).
-        self.adaptive_k = adaptive_k
+        # adaptive: each sequence's k is an upper bound; the step verifies the draft lengths
+        # that maximise expected tokens per second, down to 0 (plain decoding). fixed: k itself.
+        self.adaptive_k = k_policy == "adaptive"
         self.costs = StepCostModel()
 
     def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5) -> dict[int, float]:

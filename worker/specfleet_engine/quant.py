@@ -32,7 +32,7 @@ from torch import Tensor, nn
 
 BLOCK = 32  # output channels per packed block; must match NB in csrc/int8_linear.cpp
 KERNEL_ENV = "SPECFLEET_INT8_KERNEL"  # "torch": never build or use the kernel
-_SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
+_SOURCE = Path(__file__).parent / "kernels" / "csrc" / "int8_linear.cpp"
 
 
 def quantize_per_channel(w: Tensor) -> tuple[Tensor, Tensor]:

@@ -18,8 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from .pb import worker_pb2 as pb
-from .pb import worker_pb2_grpc as pb_grpc
+from specfleet_proto import worker_pb2 as pb
+from specfleet_proto import worker_pb2_grpc as pb_grpc
 from .service import AdminServicer, GenerationServicer, Worker
 
 log = logging.getLogger("specfleet.worker")

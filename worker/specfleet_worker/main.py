@@ -99,22 +99,22 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     the batch's rows, judged by the acceptance of that kind of draft (`Engine(adaptive_k=True)`)."""
     import torch
 
-    from ..engine import Engine
-    from ..proposers import NgramProposer
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.proposers import NgramProposer
 
     if threads:
         torch.set_num_threads(threads)
     if TINY_MODEL in (cfg.model_name, cfg.model_uri):
-        from ..testing import tiny_model
+        from specfleet_engine.testing import tiny_model
 
         model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), None, {"ngram": NgramProposer()}
     else:
-        from ..factory import build_engine_parts
+        from specfleet_engine.factory import build_engine_parts
 
         dtype = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}.get(cfg.dtype, cfg.dtype)
         draft = cfg.draft_uri if cfg.draft_method == "draft-model" else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), dtype, cfg.quantization, draft, threads)
-    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, adaptive_k=True)
+    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy="adaptive")
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from ..engine import NO_SPECULATION, Engine, Sequence
-from ..sampling import SamplingParams
+from specfleet_engine.engine import NO_SPECULATION, Engine, Sequence
+from specfleet_engine.sampling import SamplingParams
 from .config import LiveConfig
 from .kcontrol import KController, KState, StepCostModel, geometric_alpha
 from .metrics import Metrics

@@ -15,10 +15,10 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from ..sampling import SamplingParams
+from specfleet_engine.sampling import SamplingParams
 from .config import AUTO, LiveConfig
-from .pb import worker_pb2 as pb
-from .pb import worker_pb2_grpc as pb_grpc
+from specfleet_proto import worker_pb2 as pb
+from specfleet_proto import worker_pb2_grpc as pb_grpc
 from .scheduler import Event, Rejected, Request, Scheduler
 from .tracing import incoming_context, request_attributes
 

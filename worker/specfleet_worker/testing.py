@@ -9,15 +9,15 @@ import contextlib
 import grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from specfleet_worker.engine import Engine
-from specfleet_worker.proposers import NgramProposer
-from specfleet_worker.server.app import WorkerServer
-from specfleet_worker.server.config import EngineConfig
-from specfleet_worker.server.main import make_worker
-from specfleet_worker.server.pb import worker_pb2 as pb
-from specfleet_worker.server.pb import worker_pb2_grpc as pb_grpc
-from specfleet_worker.server.tracing import make_tracer
-from specfleet_worker.testing import tiny_model
+from specfleet_engine.engine import Engine
+from specfleet_engine.proposers import NgramProposer
+from specfleet_worker.app import WorkerServer
+from specfleet_worker.config import EngineConfig
+from specfleet_worker.main import make_worker
+from specfleet_proto import worker_pb2 as pb
+from specfleet_proto import worker_pb2_grpc as pb_grpc
+from specfleet_worker.tracing import make_tracer
+from specfleet_engine.testing import tiny_model
 
 TINY = EngineConfig(model_name="tiny-random", k_min=0, k_max=8, k_initial=4)
 
@@ -38,7 +38,7 @@ class CharTokenizer:
 
 
 def tiny_engine(tokenizer=None, proposers=None, **kw) -> Engine:
-    kw.setdefault("adaptive_k", False)  # the scheduler's K controller owns K, as in serving
+    kw.setdefault("k_policy", "fixed")  # the scheduler's K controller owns K, as in serving
     return Engine(tiny_model(seed=0, scale=4.0), tokenizer,
                   proposers=proposers if proposers is not None else {"ngram": NgramProposer()}, **kw)
 

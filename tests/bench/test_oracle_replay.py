@@ -1,6 +1,5 @@
-"""bench/oracle_replay.py: recorded outputs replayed through the engine with an oracle model."""
+"""specfleet_bench.oracle_replay: recorded outputs replayed through the engine with an oracle model."""
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -12,10 +11,9 @@ RECORDED = ROOT / "docs" / "bench" / "smollm2-dev-greedy-outputs.jsonl"
 
 @pytest.fixture(scope="module")
 def replay_mod():
-    spec = importlib.util.spec_from_file_location("oracle_replay", ROOT / "bench" / "oracle_replay.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    from specfleet_bench import oracle_replay
+
+    return oracle_replay
 
 
 def records(category, n):

@@ -6,7 +6,7 @@ import pytest
 
 
 def specfleet(*args, timeout=600):
-    return subprocess.run([sys.executable, "-m", "specfleet_worker.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "specfleet_cli.main", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 

@@ -1,0 +1,95 @@
+"""What a SpecDecodeDeployment may ask for, named once: draft methods, K policies, precisions,
+dtypes and model URI schemes, each split into what the worker serves today and what the API
+reserves for later. The CRD's enums, the operator's checks, the worker's config, the CLI and
+the engine's proposer registry all read these tuples; tests hold the CRD to them.
+
+Torch-free on purpose: the operator, a router and the CLI import it.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class Method(str, Enum):
+    """A draft method: how the draft tokens that the target verifies are proposed."""
+
+    NGRAM = "ngram"  # prompt lookup: no parameters, no model
+    DRAFT_MODEL = "draft-model"  # a smaller model that shares the target's tokenizer
+    EAGLE = "eagle"  # a feature-level draft head (not served yet)
+    MEDUSA = "medusa"  # several next-token heads (not served yet)
+    NONE = "none"  # plain decoding
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class KPolicy(str, Enum):
+    """How many draft tokens each step verifies."""
+
+    ADAPTIVE = "adaptive"  # per-request ceiling from its acceptance window, then the cost-aware choice
+    FIXED = "fixed"  # always the request's K, clamped to the bounds
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Quantization(str, Enum):
+    NONE = "none"
+    INT8 = "int8"  # weight-only int8, per-channel scales
+    FP8 = "fp8"  # not served yet
+    FP4 = "fp4"  # not served yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Dtype(str, Enum):
+    AUTO = "auto"  # float32 on the CPU
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"  # not served yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class UriScheme(str, Enum):
+    """Where weights come from. A bare path is a local file or folder (`file`)."""
+
+    FILE = "file"
+    GGUF = "gguf"  # a .gguf file, as a path
+    HF = "hf"  # a Hugging Face repository: never fetched at run time (not served)
+    S3 = "s3"  # not served yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+METHODS: tuple[str, ...] = tuple(m.value for m in Method)
+SERVED_METHODS: tuple[str, ...] = ("ngram", "draft-model", "none")
+SPECULATIVE_METHODS: tuple[str, ...] = tuple(m for m in SERVED_METHODS if m != Method.NONE)
+
+K_POLICIES: tuple[str, ...] = tuple(p.value for p in KPolicy)
+SERVED_K_POLICIES: tuple[str, ...] = K_POLICIES
+
+QUANTIZATIONS: tuple[str, ...] = tuple(q.value for q in Quantization)
+SERVED_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
+
+DTYPES: tuple[str, ...] = tuple(d.value for d in Dtype)
+SERVED_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
+
+URI_SCHEMES: tuple[str, ...] = tuple(s.value for s in UriScheme)
+SERVED_URI_SCHEMES: tuple[str, ...] = ("file", "gguf")
+
+#: The engine's short names for a dtype (CLI flags, benchmark configs).
+DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
+
+def not_served(kind: str, value: str, served: tuple[str, ...]) -> str:
+    """The one wording for a value the API names but the worker does not serve yet.
+
+    >>> not_served("draft.method", "eagle", SERVED_METHODS)
+    "draft.method 'eagle' is not supported yet; supported: ngram, draft-model, none"
+    """
+    return f"{kind} {value!r} is not supported yet; supported: {', '.join(served)}"
