@@ -1,4 +1,4 @@
-"""The int8 weight-only CPU kernel (csrc/int8_linear.cpp) and its torch fallback in quant.py.
+"""The few-row CPU kernel (kernels/csrc/int8_linear.cpp, built by kernels/cpu_gemm.py) and its torch fallback in quant.py.
 
 The first run compiles the kernel (~15 s) into the cache; later runs load it."""
 
@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from specfleet_engine import quant
+from specfleet_engine.kernels import cpu_gemm
 from specfleet_engine.quant import (Int8WeightOnlyLinear, int8_kernel, pack_int8_weight, quantize_int8,
                                     unpack_int8_weight, weight_bytes)
 
@@ -20,12 +21,12 @@ ROWS = [1, 2, 3, 5, 8, 16, 17, 64]
 
 @pytest.fixture(scope="module")
 def ops():
-    if quant.kernel_disabled():
-        pytest.skip(f"{quant.KERNEL_ENV}=torch: the kernel is switched off in this environment")
-    if shutil.which(quant._compiler()) is None:
-        pytest.skip(f"no C++ compiler ({quant._compiler()}) to build the CPU kernel with")
+    if cpu_gemm.kernel_disabled():
+        pytest.skip(f"{cpu_gemm.KERNEL_ENV}=torch: the kernel is switched off in this environment")
+    if shutil.which(cpu_gemm._compiler()) is None:
+        pytest.skip(f"no C++ compiler ({cpu_gemm._compiler()}) to build the CPU kernel with")
     ops = int8_kernel()
-    assert ops is not None, f"a compiler is here but the kernel did not build: {quant._KernelState.error}"
+    assert ops is not None, f"a compiler is here but the kernel did not build: {cpu_gemm._KernelState.error}"
     return ops
 
 
@@ -131,8 +132,8 @@ def test_torch_fallback_matches(ops, k, n):
 
 
 def test_env_var_disables_kernel_at_construction(monkeypatch):
-    monkeypatch.setenv(quant.KERNEL_ENV, "torch")
-    monkeypatch.setattr(quant._KernelState, "warned", False)
+    monkeypatch.setenv(cpu_gemm.KERNEL_ENV, "torch")
+    monkeypatch.setattr(cpu_gemm._KernelState, "warned", False)
     with pytest.warns(RuntimeWarning, match="SPECFLEET_INT8_KERNEL=torch"):
         q = Int8WeightOnlyLinear(nn.Linear(64, 48))
     assert q.weight is not None and q.weight_packed is None
@@ -142,30 +143,30 @@ def test_env_var_disables_kernel_at_construction(monkeypatch):
 
 def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
     for attr, value in [("tried", False), ("ops", None), ("error", None), ("warned", False)]:
-        monkeypatch.setattr(quant._KernelState, attr, value)
+        monkeypatch.setattr(cpu_gemm._KernelState, attr, value)
     monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path))
     monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
-    monkeypatch.delenv(quant.KERNEL_ENV, raising=False)
+    monkeypatch.delenv(cpu_gemm.KERNEL_ENV, raising=False)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = quantize_int8(nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 16)))
         y = model(torch.randn(4, 64))
     assert y.shape == (4, 16) and torch.isfinite(y).all()
     assert [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)] == [
-        f"int8 CPU kernel unavailable ({quant._KernelState.error}); falling back to torch's ops "
+        f"int8 CPU kernel unavailable ({cpu_gemm._KernelState.error}); falling back to torch's ops "
         "(int8: torch._weight_int8pack_mm, fp32: MKL's GEMM)"]
-    assert "no C++ compiler" in quant._KernelState.error
+    assert "no C++ compiler" in cpu_gemm._KernelState.error
     with pytest.raises(RuntimeError, match="unavailable"):
         Int8WeightOnlyLinear(nn.Linear(8, 8), backend="kernel")
 
 
 def test_library_name_tracks_cpu_and_source(monkeypatch):
-    path = quant.kernel_library_path()
-    monkeypatch.setattr(quant, "_cpu_signature", lambda: "some other CPU")
-    assert quant.kernel_library_path() != path
+    path = cpu_gemm.kernel_library_path()
+    monkeypatch.setattr(cpu_gemm, "_cpu_signature", lambda: "some other CPU")
+    assert cpu_gemm.kernel_library_path() != path
     monkeypatch.undo()
     monkeypatch.setenv("CXX", "clang++")
-    assert quant.kernel_library_path() != path
+    assert cpu_gemm.kernel_library_path() != path
 
 
 def test_weight_bytes_counts_int8(ops):
@@ -183,7 +184,7 @@ def test_weight_bytes_counts_int8(ops):
 
 def test_built_for_this_cpu(ops):
     """-march=native took effect: the AVX-512 path is compiled in exactly where the CPU has it."""
-    assert ops.has_avx512() == (" avx512f " in f" {quant._cpu_signature().split('|')[-1]} ")
+    assert ops.has_avx512() == (" avx512f " in f" {cpu_gemm._cpu_signature().split('|')[-1]} ")
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])

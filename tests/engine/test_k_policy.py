@@ -1,18 +1,48 @@
+"""K policies: the expected-tokens arithmetic, the cost-aware choice over a batch, the adaptive
+ceiling (alpha drives K, a larger batch shrinks it, hysteresis, bounds bind at once, K = 0
+probes), the fixed policy, and K_min honoured by an adaptive engine."""
+from __future__ import annotations
+
 import doctest
+import random
+from types import SimpleNamespace
 
 import pytest
 
-from specfleet_engine import costs as k_policy
-from specfleet_engine.costs import AcceptanceEstimator, StepCostModel, choose_ks, expected_tokens
+from specfleet_engine import k_policies
+from specfleet_engine.costs import StepCostModel
+from specfleet_engine.k_policies import AdaptivePolicy, FixedPolicy, best_k, choose_ks, expected_tokens, make_policy
+from specfleet_engine.k_policies import adaptive, base
+
+
+def linear_costs(a: float, b: float) -> StepCostModel:
+    """A calibrated curve t(n) = a + b n up to 200 rows."""
+    c = StepCostModel()
+    c.set_curve({n: a + b * n for n in range(1, 201)})
+    return c
+
+
+def seq(k: int = 4, k_min: int = 0, k_max: int = 8):
+    return SimpleNamespace(k=k, k_min=k_min, k_max=k_max, kstate=None)
 
 
 def test_docstring_examples():
-    assert doctest.testmod(k_policy).failed == 0
+    for mod in (k_policies, base, adaptive):
+        assert doctest.testmod(mod).failed == 0
 
 
-def test_expected_tokens_is_the_geometric_sum():
-    assert expected_tokens(1.0, 4) == 5
-    assert expected_tokens(0.0, 4) == 1
+def test_every_api_policy_has_an_implementation():
+    from specfleet_api.enums import K_POLICIES
+
+    costs = linear_costs(1.0, 0.1)
+    assert [make_policy(name, costs).name for name in K_POLICIES] == list(K_POLICIES)
+    with pytest.raises(ValueError, match="kPolicy must be one of"):
+        make_policy("confidence", costs)
+
+
+def test_expected_tokens_is_the_geometric_series():
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(0.0, 8) == 1.0 and expected_tokens(1.0, 3) == 4.0
 
 
 def test_a_bigger_batch_drafts_less():
@@ -29,50 +59,100 @@ def test_low_acceptance_turns_speculation_off_and_high_turns_it_on():
     assert choose_ks([0.9], [8], cost)[0] >= 3
 
 
-def test_acceptance_estimator_tracks_and_recovers():
-    est = AcceptanceEstimator(prior=0.5)
-    for _ in range(10):
-        est.update(4, 0)
-    low = est.alpha
-    assert low < 0.1
-    for _ in range(200):
-        est.update(0, 0)
-    assert low < est.alpha <= 0.5
-    for _ in range(10):
-        est.update(4, 4)
-    assert est.alpha > 0.9
+def test_best_k_grows_with_alpha_and_shrinks_to_zero_as_the_batch_grows():
+    cost = linear_costs(0.02, 0.001)  # a 20-token step costs twice a 1-token one
+    ks_by_alpha = [best_k(alpha, 1, 0, 8, cost)[0] for alpha in (0.1, 0.5, 0.8, 0.95)]
+    assert ks_by_alpha == sorted(ks_by_alpha) and ks_by_alpha[0] <= 1 and ks_by_alpha[-1] >= 5
+    ks_by_batch = [best_k(0.7, batch, 0, 8, cost)[0] for batch in (1, 4, 16, 64)]
+    assert ks_by_batch == sorted(ks_by_batch, reverse=True) and ks_by_batch[0] >= 3 and ks_by_batch[-1] == 0
 
 
-def test_cost_model_interpolates_and_extrapolates():
-    c = StepCostModel()
-    c.set_curve({1: 1.0, 3: 2.0})
-    assert c(2) == 1.5
-    assert c(5) == 3.0
+def run(policy: AdaptivePolicy, alpha: float, steps: int, batch: int = 1, k_min: int = 0, k_max: int = 8,
+        seed: int = 0) -> list[int]:
+    """A request whose draft tokens are each accepted with chance alpha; K (the ceiling) per step."""
+    rng = random.Random(seed)
+    s = seq(4, k_min, k_max)
+    policy.start(s)
+    ks = []
+    for _ in range(steps):
+        k = policy.ceiling(s, batch)
+        ks.append(k)
+        accepted = 0
+        while accepted < k and rng.random() < alpha:
+            accepted += 1
+        policy.observe(s, 0, k, accepted)
+    return ks
 
 
-def test_contention_moves_the_cost_level_but_not_the_shape_that_k_is_chosen_by():
-    c = StepCostModel()
-    c.set_curve({1: 1.0, 2: 1.05, 3: 1.1, 4: 1.15, 5: 1.2})
-    shape = [c(r) / c(1) for r in range(1, 6)]
-    alpha_choice = choose_ks([0.6], [4], c)
-    for _ in range(20):  # multi-row steps that hit bursts of load, twice as slow as calibrated
-        c.observe(4, 2.3)
-    assert c.level > 1.5
-    assert [c(r) / c(1) for r in range(1, 6)] == pytest.approx(shape)
-    assert choose_ks([0.6], [4], c) == alpha_choice
-    c.observe(1, 1e6)  # one absurd sample is clipped: the level moves by at most clip ** smoothing
-    assert c.level < 2.3 * c.clip ** c.smoothing
+def test_the_ceiling_climbs_on_high_acceptance_and_falls_on_low():
+    cost = linear_costs(0.02, 0.001)
+    assert run(AdaptivePolicy(cost), 0.9, 200)[-1] >= 6
+    low = run(AdaptivePolicy(cost), 0.02, 200)
+    assert max(low[-20:]) <= 1
 
 
-def test_calibration_keeps_the_shape_non_decreasing():
-    c = StepCostModel()
-    c.set_curve({1: 1.0, 2: 1.2, 3: 1.1, 4: 1.3})
-    values = [c(r) for r in range(1, 5)]
-    assert values == sorted(values)
-    assert values[1] == values[2] == pytest.approx(1.15)
+def test_k_changes_one_step_at_a_time_and_rarely():
+    ks = run(AdaptivePolicy(linear_costs(0.02, 0.001)), 0.6, 400)
+    changes = sum(1 for a, b in zip(ks, ks[1:]) if a != b)
+    assert all(abs(a - b) <= 1 for a, b in zip(ks, ks[1:]))
+    assert changes <= 400 / 4 / 2  # hold = 4 steps between changes, and most holds end without one
 
 
-def test_k_floor_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
+def test_bounds_bind_at_once_and_a_fixed_policy_stays_put():
+    p = AdaptivePolicy(linear_costs(0.02, 0.001))
+    s = seq(6)
+    p.start(s)
+    s.k_max = 2
+    assert p.ceiling(s, 1) == 2  # K_max lowered under the current K
+    s.k_min, s.k_max = 3, 5
+    assert p.ceiling(s, 1) == 3
+    fixed = FixedPolicy()
+    s = seq(4)
+    fixed.start(s)
+    for _ in range(50):
+        assert fixed.draft_lengths([s], [8], lambda r: float(r), False, 64) == [4]
+        assert fixed.verify_lengths([s], [4], [0], lambda r: float(r), True) == [4]
+        fixed.observe(s, 0, 4, 0)
+    assert fixed.draft_lengths([s], [2], lambda r: 1.0, True, 1) == [2]  # never past the room left
+
+
+def test_at_k_zero_the_ceiling_probes_to_re_measure_alpha():
+    p = AdaptivePolicy(linear_costs(0.02, 0.005), probe_every=10)  # a draft token costs a quarter step
+    ks = run(p, 0.0, 300)
+    assert 0 in ks and ks.count(1) >= 5  # it dropped to 0 and came back up to look, several times
+
+
+def test_a_prior_from_the_prompt_types_history_sets_the_first_k():
+    p = AdaptivePolicy(linear_costs(0.02, 0.002))
+
+    def first(prior=None, **bounds):
+        s = seq(4, **bounds)
+        p.start(s, prior)
+        return s.k
+
+    assert first() == 4  # no history: kInitial
+    assert first(0.02) == 0  # this prompt type's drafts are rejected: do not draft
+    assert first(0.95) >= 6
+    assert first(0.95, k_max=3) == 3 and first(k_min=5) == 5
+
+
+def test_a_cheap_draft_is_trimmed_by_the_acceptance_of_its_own_kind():
+    """n-gram drafts from long matches are accepted, from short ones not: trimmed apart."""
+    p = AdaptivePolicy(linear_costs(1.0, 0.1))
+    s = seq(8)
+    p.start(s)
+    for _ in range(30):
+        p.observe(s, 4, 8, 8)  # key 4: every token accepted
+        p.observe(s, 1, 8, 0)  # key 1: none
+    cost = linear_costs(1.0, 0.1)
+    assert p.verify_lengths([s], [8], [4], cost, True) == [8]
+    assert p.verify_lengths([s], [8], [1], cost, True) == [0]
+    assert p.verify_lengths([s], [8], [1], cost, False) == [8]  # a costly draft was sized before
+    s.k_min = 2
+    assert p.verify_lengths([s], [8], [1], cost, True) == [2]  # never under K_min
+
+
+def test_k_min_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
     from specfleet_engine.engine import Engine
     from specfleet_engine.proposers import Proposal
     from specfleet_engine.sampling import SamplingParams
@@ -95,14 +175,13 @@ def test_k_floor_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     alone = engine.generate([5, 6, 7, 8], params, "count", 6)
     assert alone.stats.num_draft_tokens == 0, "drafts never pay at this cost: plain decoding"
-    seq = engine.add([5, 6, 7, 8], params, "count", 6)
-    seq.k_floor = 2
+    s = engine.add([5, 6, 7, 8], params, "count", 6, k_min=2)
     engine.step()  # the prefill
     steps = 0
-    while not seq.finished:
-        room = params.max_tokens - len(seq.output) - 1  # drafts never run past max_tokens
+    while not s.finished:
+        room = params.max_tokens - len(s.output) - 1  # drafts never run past max_tokens
         (out,) = engine.step()
         assert out.stats.num_draft_tokens == min(2, room)
         steps += 1
     assert steps > 3
-    assert seq.output == alone.output
+    assert s.output == alone.output

@@ -14,16 +14,18 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+from specfleet_api.enums import Method
 from torch import Tensor
 
-from .costs import AcceptanceEstimator, StepCostModel, choose_ks
+from .costs import StepCostModel
+from .k_policies import KPolicy, make_policy
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata
 from .model import Transformer
 from .proposers import NgramProposer, Proposal, Proposer
 from .sampling import SamplingParams, logits_to_probs, sample
 from .verify import verify_greedy, verify_sampling
 
-NO_SPECULATION = "none"
+NO_SPECULATION = Method.NONE.value
 
 
 @dataclass
@@ -75,15 +77,18 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt: list[int], params: SamplingParams, method: str, k: int,
-                 block_table: BlockTable, request_id: str | None = None):
+                 block_table: BlockTable, request_id: str | None = None, k_min: int = 0, k_max: int | None = None):
         self.seq_id = next(_ids)
         self.request_id = request_id or f"seq-{self.seq_id}"
         self.tokens = list(prompt)
         self.prompt_len = len(prompt)
         self.params = params
         self.method = method
-        self.k = k  # the most draft tokens a step may verify
-        self.k_floor = 0  # the fewest it verifies when a draft is there (the K_min bound)
+        self.k = k  # the most draft tokens a step may verify now (the K policy moves it)
+        self.k_min = k_min  # bounds the policy keeps k within; a step verifies at least k_min
+        self.k_max = k if k_max is None else k_max  # draft tokens when a draft is there
+        self.kstate = None  # the K policy's own state for this sequence
+        self.last_key = 0  # the kind of the last draft (Proposal.key)
         self.block_table = block_table
         self.generator = None
         if not params.greedy:
@@ -93,17 +98,7 @@ class Sequence:
         self.finish_reason: str | None = None
         self.text: str | None = None
         self.stats = SequenceStats()
-        self.acceptance: dict[int, AcceptanceEstimator] = {}  # by Proposal.key
-        self.last_key = 0
-        self.arrival = time.perf_counter()
-        self.first_token_time: float | None = None
         self.prefilled = False
-
-    def acceptance_for(self, key: int) -> AcceptanceEstimator:
-        est = self.acceptance.get(key)
-        if est is None:
-            est = self.acceptance[key] = AcceptanceEstimator()
-        return est
 
     @property
     def output(self) -> list[int]:
@@ -115,6 +110,19 @@ class Sequence:
 
     def token_array(self) -> np.ndarray:
         return np.asarray(self.tokens, dtype=np.int64)
+
+
+@dataclass
+class StepTiming:
+    """Where one `Engine.step` spent its time, in seconds (what the worker's speedup gauge prices)."""
+
+    prefill: float = 0.0  # the prefill forwards and their first tokens
+    decode: float = 0.0  # the decoding part: proposing, the verify forward, verification
+    forward: float = 0.0  # of which the verify (or plain decoding) forward
+    propose: float = 0.0  # of which proposing
+    decode_rows: int = 0  # rows in that forward
+    decode_seqs: int = 0  # sequences in it
+    emitted: int = 0  # tokens the decoding part appended
 
 
 @dataclass
@@ -134,7 +142,7 @@ class Engine:
         max_kv_tokens: int = 32768,
         block_size: int = 16,
         eos_token_ids: list[int] | None = None,
-        k_policy: str = "adaptive",
+        k_policy: str | KPolicy = "adaptive",
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -147,10 +155,9 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self.default_k = 8
-        # adaptive: each sequence's k is an upper bound; the step verifies the draft lengths
-        # that maximise expected tokens per second, down to 0 (plain decoding). fixed: k itself.
-        self.adaptive_k = k_policy == "adaptive"
         self.costs = StepCostModel()
+        self.k_policy: KPolicy = make_policy(k_policy, self.costs) if isinstance(k_policy, str) else k_policy
+        self.last_timing = StepTiming()
 
     def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5) -> dict[int, float]:
         """Measures the target forward's cost by number of new-token rows and sets the cost curve.
@@ -176,7 +183,10 @@ class Engine:
     # -- requests -----------------------------------------------------------------------------
 
     def add(self, prompt: list[int], params: SamplingParams, method: str = "ngram", k: int = 4,
-            request_id: str | None = None) -> Sequence:
+            request_id: str | None = None, *, k_min: int = 0, k_max: int | None = None,
+            prior: float | None = None, batch: int = 1) -> Sequence:
+        """Queues a request. k: its first K (the K policy moves it within [k_min, k_max], k_max
+        defaulting to k); prior: the acceptance its kind of request has shown, if known."""
         if not prompt:
             raise ValueError("prompt must hold at least one token")
         if len(prompt) >= self.max_len:
@@ -185,7 +195,11 @@ class Engine:
             raise ValueError(f"unknown speculation method {method!r}; have {sorted(self.proposers) + [NO_SPECULATION]}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer")
-        seq = Sequence(prompt, params, method, k, BlockTable(self.cache), request_id)
+        if method == NO_SPECULATION:
+            k = k_min = k_max = 0
+        seq = Sequence(prompt, params, method, k, BlockTable(self.cache), request_id, k_min, k_max)
+        if method != NO_SPECULATION:
+            self.k_policy.start(seq, prior, batch)
         self.waiting.append(seq)
         return seq
 
@@ -209,12 +223,17 @@ class Engine:
     def step(self) -> list[StepOutput]:
         outputs: list[StepOutput] = []
         decoding = [s for s in self.running if not s.finished]
+        self.last_timing = timing = StepTiming()
         if self.waiting:
             new, self.waiting = self.waiting, []
+            t = time.perf_counter()
             outputs += self._prefill(new)
+            timing.prefill = time.perf_counter() - t
             self.running += [s for s in new if not s.finished]
         if decoding:
-            outputs += self._decode(decoding)
+            t = time.perf_counter()
+            outputs += self._decode(decoding, timing)
+            timing.decode = time.perf_counter() - t
         return outputs
 
     def _forward(self, seqs: list[Sequence], inputs: list[list[int]], logits_rows: str) -> Tensor:
@@ -232,55 +251,57 @@ class Engine:
             seq.prefilled = True
             token = int(sample(row[None], seq.params, seq.generator))
             emitted = self._emit(seq, [token], row[None])
-            seq.first_token_time = time.perf_counter()
             outs.append(StepOutput(seq, emitted, None))
         return outs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
+        """Each sequence's draft, as long as its K policy has it verify (possibly none)."""
         proposals: dict[int, Proposal] = {}
         by_method: dict[str, list[Sequence]] = {}
         for seq in seqs:
             by_method.setdefault(seq.method, []).append(seq)
         for method, group in by_method.items():
-            # never draft past the context or past max_tokens
-            ks = [max(0, min(s.k, self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
-                  if method != NO_SPECULATION else 0 for s in group]
-            proposer = self.proposers.get(method)
+            if method == NO_SPECULATION:
+                for s in group:
+                    proposals[s.seq_id] = Proposal([], None)
+                continue
+            proposer = self.proposers[method]
+            cheap = getattr(proposer, "cheap", False)
             others = len(seqs) - len(group)  # rows the rest of the batch adds
 
             def cost(rows):
                 return self.costs(rows + others)
 
-            cheap = getattr(proposer, "cheap", False)
-            if self.adaptive_k and any(ks) and not cheap:
-                chosen = choose_ks([s.acceptance_for(0).alpha for s in group], ks, cost)
-                ks = [max(c, min(s.k_floor, k)) for s, c, k in zip(group, chosen, ks)]
-            if method == NO_SPECULATION or not any(ks):
-                results = [Proposal([], None) for _ in group]
-            else:
+            # never draft past the context or past max_tokens
+            room = [max(0, min(self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
+                    for s in group]
+            ks = self.k_policy.draft_lengths(group, room, cost, cheap, len(seqs))
+            results = [Proposal([], None) for _ in group]
+            if any(ks):
                 try:
                     results = proposer.propose(group, ks)
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
-                    results = [Proposal([], None) for _ in group]
-                if self.adaptive_k and cheap:
-                    # the draft is known before choosing: judge it by its own kind's acceptance
-                    alphas = [s.acceptance_for(p.key).alpha for s, p in zip(group, results)]
-                    drafted = [len(p.draft_tokens) for p in results]
-                    chosen = choose_ks(alphas, drafted, cost)
-                    results = [p.trimmed(max(c, min(s.k_floor, n))) for s, p, c, n in zip(group, results, chosen, drafted)]
+                drafted = [len(p.draft_tokens) for p in results]
+                keep = self.k_policy.verify_lengths(group, drafted, [p.key for p in results], cost, cheap)
+                results = [p if n == len(p.draft_tokens) else p.trimmed(n) for p, n in zip(results, keep)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p
                 s.last_key = p.key
         return [proposals[s.seq_id] for s in seqs]
 
-    def _decode(self, seqs: list[Sequence]) -> list[StepOutput]:
+    def _decode(self, seqs: list[Sequence], timing: StepTiming) -> list[StepOutput]:
+        t = time.perf_counter()
         proposals = self._propose(seqs)
+        timing.propose = time.perf_counter() - t
         inputs = [[s.tokens[-1]] + p.draft_tokens for s, p in zip(seqs, proposals)]
+        rows_total = sum(map(len, inputs))
         t = time.perf_counter()
         logits = self._forward(seqs, inputs, "all")  # [sum(1 + k_i), V]
-        self.costs.observe(sum(map(len, inputs)), time.perf_counter() - t)
+        timing.forward = time.perf_counter() - t
+        timing.decode_rows, timing.decode_seqs = rows_total, len(seqs)
+        self.costs.observe(rows_total, timing.forward)
         outs, offset = [], 0
         for seq, prop in zip(seqs, proposals):
             k = len(prop.draft_tokens)
@@ -294,10 +315,11 @@ class Engine:
                 result = verify_sampling(logits_to_probs(rows, seq.params), draft, prop.draft_probs, seq.generator)
             seq.block_table.truncate(context + result.num_accepted)
             emitted = self._emit(seq, result.tokens, rows)
+            timing.emitted += len(emitted)
             stats = StepStats(seq.method if k else NO_SPECULATION, k, result.num_accepted, result.bonus, len(emitted))
             seq.stats.add(stats)
             if seq.method != NO_SPECULATION:
-                seq.acceptance_for(seq.last_key).update(k, result.num_accepted)
+                self.k_policy.observe(seq, seq.last_key, k, result.num_accepted)
             if not seq.finished and seq.method in self.proposers:
                 self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
             outs.append(StepOutput(seq, emitted, stats))
@@ -338,9 +360,9 @@ class Engine:
     # -- convenience --------------------------------------------------------------------------
 
     def generate(self, prompt: list[int], params: SamplingParams, method: str = "ngram", k: int = 4,
-                 request_id: str | None = None) -> Sequence:
-        """Runs one request alone to completion."""
-        seq = self.add(prompt, params, method, k, request_id)
+                 request_id: str | None = None, **kw) -> Sequence:
+        """Runs one request alone to completion (kw: `add`'s bounds and prior)."""
+        seq = self.add(prompt, params, method, k, request_id, **kw)
         while not seq.finished:
             self.step()
         return seq

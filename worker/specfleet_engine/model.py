@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .quant import Int8WeightOnlyLinear, PackedLinear, _KernelState, replace_linears
+from .kernels.cpu_gemm import _KernelState
+from .quant import Int8WeightOnlyLinear, PackedLinear, replace_linears
 
 
 @dataclass
@@ -180,13 +181,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor | None) -> Tensor:
 
 
 class RMSNorm(nn.Module):
+    """An RMSNorm's weight and epsilon. Holds no forward: `Block` applies it through `rms_norm`,
+    without nn.Module's call machinery, so there is one place the math lives."""
+
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return rms_norm(x, self.weight, self.eps)
 
 
 def linear(layer: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
@@ -284,13 +285,38 @@ class AttentionMetadata:
     context_slots: list[Tensor]
     masks: list[Tensor | None]
     context_starts: list[int | None] | None = None
-    biases: list[Tensor | None] | None = None  # filled by Transformer.forward from masks
-    slot_start: int | None = None  # filled by Transformer.forward: the first slot when a long run
-    #                                of new tokens goes to consecutive slots (written as one copy)
 
     @property
     def num_seqs(self) -> int:
         return len(self.cu_seqlens) - 1
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """What `Transformer.forward` derives from the metadata once for all its layers.
+
+    biases:     per sequence, the additive attention bias (or prefill mask), None when plain causal
+    slot_start: the first slot when a long run of new tokens goes to consecutive slots (written
+                as one copy), else None
+    """
+
+    biases: list[Tensor | None]
+    slot_start: int | None
+
+
+def plan_attention(meta: AttentionMetadata, args: ModelArgs) -> AttentionPlan:
+    slot_start = None
+    sm = meta.slot_mapping
+    if sm.shape[0] >= PREFILL_ROWS and bool((sm[1:] - sm[:-1] == 1).all()):
+        slot_start = int(sm[0])
+    biases = []
+    for b in range(meta.num_seqs):
+        n_q, S = meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0]
+        if n_q >= PREFILL_ROWS:
+            biases.append(prefill_mask(n_q, S, meta.masks[b], args.sliding_window))
+        else:
+            biases.append(attention_bias(n_q, S, args.n_heads // args.n_kv_heads, meta.masks[b], args.sliding_window))
+    return AttentionPlan(biases, slot_start)
 
 
 class Attention(nn.Module):
@@ -302,7 +328,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(q, args.dim, bias=False)
         self.sliding_window = args.sliding_window
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor | None, meta: AttentionMetadata,
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor | None, meta: AttentionMetadata, plan: AttentionPlan,
                 kv: tuple[Tensor, Tensor], residual: Tensor | None = None) -> Tensor:
         # x: [T, D]; kv: ([Hkv, slots, hd], [Hkv, slots, hd]) of this layer; returns residual + attention(x)
         T = x.shape[0]
@@ -312,9 +338,9 @@ class Attention(nn.Module):
         q, k = qk[:, :H], qk[:, H:]
         v = qkv[:, (H + Hkv) * hd:].view(T, Hkv, hd)
         k_cache, v_cache = kv  # [Hkv, slots, hd]
-        if meta.slot_start is not None:  # a prefill into fresh blocks: one strided copy
-            k_cache.narrow(1, meta.slot_start, T).copy_(k.transpose(0, 1))
-            v_cache.narrow(1, meta.slot_start, T).copy_(v.transpose(0, 1))
+        if plan.slot_start is not None:  # a prefill into fresh blocks: one strided copy
+            k_cache.narrow(1, plan.slot_start, T).copy_(k.transpose(0, 1))
+            v_cache.narrow(1, plan.slot_start, T).copy_(v.transpose(0, 1))
         else:
             k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
             v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
@@ -333,12 +359,12 @@ class Attention(nn.Module):
                 kb, vb = k_cache.index_select(1, slots), v_cache.index_select(1, slots)
             kb, vb = kb.to(q.dtype), vb.to(q.dtype)
             if n_q >= PREFILL_ROWS:
-                out.append(prefill_attention(q[lo:hi], kb, vb, meta.biases[b], self.scale))
+                out.append(prefill_attention(q[lo:hi], kb, vb, plan.biases[b], self.scale))
                 continue
             # grouped-query attention without repeating K/V: the query heads that share a KV
             # head become extra query rows of it. [n_q, H, hd] -> [Hkv, G * n_q, hd]
             qb = q[lo:hi].reshape(n_q, Hkv, group, hd).permute(1, 2, 0, 3).reshape(Hkv, group * n_q, hd)
-            o = attend(qb, kb, vb, meta.biases[b] if meta.biases else None, self.scale)  # [Hkv, G * n_q, hd]
+            o = attend(qb, kb, vb, plan.biases[b], self.scale)  # [Hkv, G * n_q, hd]
             out.append(o.view(Hkv, group, n_q, hd).permute(2, 0, 1, 3).reshape(n_q, H * hd))
         return linear(self.wo, out[0] if len(out) == 1 else torch.cat(out), residual)
 
@@ -401,14 +427,13 @@ def attention_bias(n_q: int, S: int, group: int, mask: Tensor | None, sliding_wi
 
 
 class FeedForward(nn.Module):
+    """SwiGLU's weights: w2(silu(gate) * up) with gate and up from one fused w13. Holds no
+    forward: `Block.forward` applies it (one place the math lives)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate and up, fused
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        gate, up = self.w13(x).chunk(2, dim=-1)
-        return self.w2(F.silu(gate) * up)
 
 
 class Block(nn.Module):
@@ -419,11 +444,11 @@ class Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, x, cos, sin, meta, kv):
+    def forward(self, x, cos, sin, meta, plan, kv):
         # The norms and the feed-forward are inlined: at one token a step, a 135M model spends
         # as long in Python's module calls as in some of its matmuls.
         attn_norm, ffn_norm, ff = self.attention_norm, self.ffn_norm, self.feed_forward
-        h = self.attention(rms_norm(x, attn_norm.weight, attn_norm.eps), cos, sin, meta, kv, residual=x)
+        h = self.attention(rms_norm(x, attn_norm.weight, attn_norm.eps), cos, sin, meta, plan, kv, residual=x)
         gate, up = linear(ff.w13, rms_norm(h, ffn_norm.weight, ffn_norm.eps)).chunk(2, dim=-1)
         return linear(ff.w2, F.silu(gate).mul_(up), residual=h)
 
@@ -456,25 +481,14 @@ class Transformer(nn.Module):
     ) -> Tensor:
         # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32
         x = self.tok_embeddings(tokens)
-        a = self.args
-        meta.slot_start = None
-        sm = meta.slot_mapping
-        if sm.shape[0] >= PREFILL_ROWS and bool((sm[1:] - sm[:-1] == 1).all()):
-            meta.slot_start = int(sm[0])
-        meta.biases = []
-        for b in range(meta.num_seqs):
-            n_q, S = meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0]
-            if n_q >= PREFILL_ROWS:
-                meta.biases.append(prefill_mask(n_q, S, meta.masks[b], a.sliding_window))
-            else:
-                meta.biases.append(attention_bias(n_q, S, a.n_heads // a.n_kv_heads, meta.masks[b], a.sliding_window))
+        plan = plan_attention(meta, self.args)
         if self.rope_cis is not None:
             cos, sin = self.rope_cis.index_select(0, meta.positions), None
         else:
             cos = self.rope_cos.index_select(0, meta.positions).to(x.dtype)
             sin = self.rope_sin.index_select(0, meta.positions).to(x.dtype)
         for layer, kv in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, meta, kv)
+            x = layer(x, cos, sin, meta, plan, kv)
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
         return linear(self.output, rms_norm(x, self.norm.weight, self.norm.eps)).float()

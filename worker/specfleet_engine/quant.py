@@ -5,34 +5,20 @@ inside one fused matmul that reads int8 and never materialises a dequantized cop
 torch's dynamic quantization, activations are not rounded to int8, which is what keeps greedy
 outputs close to fp32.
 
-On the CPU the matmul is our own kernel (csrc/int8_linear.cpp): fp32 activations, fp32
-accumulation, every weight byte read once for all the rows of a decoding or verification step
-(M = 1..K+1), so verifying a draft costs about what decoding one token does. It is compiled
-on first use with -O3 -march=native into a per-CPU cache; where that cannot be done (no
-compiler, or SPECFLEET_INT8_KERNEL=torch) the layer falls back, with one warning, to
+On the CPU the matmul is our own kernel (kernels/cpu_gemm.py): fp32 activations, fp32
+accumulation, every weight byte read once for all the rows of a step. Where it cannot be built
+(no compiler, or SPECFLEET_INT8_KERNEL=torch) the layer falls back, with one warning, to
 `torch._weight_int8pack_mm` on bf16 activations.
 """
 
 from __future__ import annotations
 
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-import threading
-import warnings
-from pathlib import Path
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-BLOCK = 32  # output channels per packed block; must match NB in csrc/int8_linear.cpp
-KERNEL_ENV = "SPECFLEET_INT8_KERNEL"  # "torch": never build or use the kernel
-_SOURCE = Path(__file__).parent / "kernels" / "csrc" / "int8_linear.cpp"
+from .kernels.cpu_gemm import (BLOCK, KERNEL_ENV, _KernelState, int8_kernel, kernel_disabled,  # noqa: F401
+                               kernel_library_path, pack_int8_weight, unpack_int8_weight)
 
 
 def quantize_per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
@@ -41,165 +27,6 @@ def quantize_per_channel(w: Tensor) -> tuple[Tensor, Tensor]:
     scales = w.abs().amax(dim=1).clamp_min(1e-8) / 127.0
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     return q, scales
-
-
-def pack_int8_weight(q: Tensor) -> Tensor:
-    """int8 [N, K] -> the kernel's layout, int8 [ceil(N / 32), K, 32]: block b holds output
-    channels 32b..32b+31, their 32 weights for one k side by side (zeros past N)."""
-    n, k = q.shape
-    n_pad = -(-n // BLOCK) * BLOCK
-    if n_pad != n:
-        q = torch.cat([q, q.new_zeros(n_pad - n, k)])
-    return q.reshape(n_pad // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
-
-
-def unpack_int8_weight(packed: Tensor, n: int) -> Tensor:
-    """The inverse of `pack_int8_weight`: int8 [N, K]."""
-    blocks, k, _ = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * BLOCK, k)[:n]
-
-
-# ------------------------------------------------------------------------------------------
-# Building and loading the kernel
-
-
-class _KernelState:
-    lock = threading.Lock()
-    tried = False
-    ops = None  # torch.ops.specfleet_int8 once loaded
-    linear = None  # its linear op, the cheapest callable form of it
-    linear_f32 = None  # the same for fp32 weights
-    error: str | None = None
-    warned = False
-
-
-def _cpu_signature() -> str:
-    """What -march=native compiles for: the CPU model and its feature flags."""
-    try:
-        model, flags = "", ""
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu model", "Processor") and not model:
-                    model = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = " ".join(sorted(value.split()))
-                if model and flags:
-                    break
-        if flags:
-            return f"{platform.machine()}|{model}|{flags}"
-    except OSError:
-        pass
-    return f"{platform.machine()}|{platform.processor()}|{platform.platform()}"
-
-
-def _compiler() -> str:
-    return os.environ.get("CXX") or "c++"
-
-
-def _build_command(source: Path, out: Path) -> list[str]:
-    from torch.utils import cpp_extension
-
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    cmd = [_compiler(), "-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared",
-           "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
-    cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(source), "-o", str(out)]
-    for p in cpp_extension.library_paths():
-        cmd += [f"-L{p}", f"-Wl,-rpath,{p}"]
-    return cmd + ["-lc10", "-ltorch_cpu"]
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SPECFLEET_CACHE")
-    if not root:
-        root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specfleet")
-    return Path(root) / "torch_extensions"
-
-
-def kernel_library_path(cache_dir: Path | None = None) -> Path:
-    """Where this source, built for this CPU, torch and these flags, lives in the cache."""
-    source = _SOURCE.read_bytes()
-    h = hashlib.sha256()
-    for part in (source, " ".join(_build_command(Path("src.cpp"), Path("out.so"))).encode(),
-                 _cpu_signature().encode(), torch.__version__.encode(), sys.platform.encode()):
-        h.update(part)
-        h.update(b"\0")
-    return (cache_dir or _cache_dir()) / f"specfleet_int8_{h.hexdigest()[:20]}.so"
-
-
-def _build(so: Path) -> None:
-    import fcntl  # POSIX only: elsewhere the ImportError becomes the fallback's warning
-
-    if shutil.which(_compiler()) is None:
-        raise RuntimeError(f"no C++ compiler ({_compiler()!r} not found; set CXX)")
-    so.parent.mkdir(parents=True, exist_ok=True)
-    with open(so.with_suffix(".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released if we die, unlike a lock file's existence
-        if so.exists():  # another process built it while we waited
-            return
-        print(f"specfleet: compiling the int8 CPU kernel (once per CPU and torch version, ~15 s) into {so.parent}",
-              file=sys.stderr, flush=True)
-        tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp.so")
-        try:
-            r = subprocess.run(_build_command(_SOURCE, tmp), capture_output=True, text=True)
-            if r.returncode != 0:
-                raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{(r.stderr or r.stdout)[-3000:]}")
-            os.replace(tmp, so)  # atomic: a reader sees no library or a whole one
-        finally:
-            tmp.unlink(missing_ok=True)
-
-
-def _load_kernel():
-    so = kernel_library_path()
-    if not so.exists():
-        try:
-            _build(so)
-        except OSError:  # a read-only or missing home: build under the temp dir instead
-            so = kernel_library_path(Path(tempfile.gettempdir()) / f"specfleet-{os.getuid()}" / "torch_extensions")
-            if not so.exists():
-                _build(so)
-    torch.ops.load_library(str(so))
-    return torch.ops.specfleet_int8
-
-
-def _warn_fallback(reason: str) -> None:
-    if not _KernelState.warned:
-        _KernelState.warned = True
-        warnings.warn(f"int8 CPU kernel unavailable ({reason}); falling back to torch's ops "
-                      "(int8: torch._weight_int8pack_mm, fp32: MKL's GEMM)",
-                      RuntimeWarning, stacklevel=3)
-
-
-def kernel_disabled() -> bool:
-    return os.environ.get(KERNEL_ENV, "").strip().lower() == "torch"
-
-
-def int8_kernel():
-    """torch.ops.specfleet_int8 (building it on the first call), or None where it cannot be had."""
-    if kernel_disabled():
-        _warn_fallback(f"{KERNEL_ENV}=torch")
-        return None
-    if not _KernelState.tried:
-        with _KernelState.lock:
-            if not _KernelState.tried:
-                try:
-                    ops = _load_kernel()
-                    overload = ops.linear.default
-                    _KernelState.linear = getattr(overload, "_op", overload)  # skips a Python wrapper
-                    overload = ops.linear_f32.default
-                    _KernelState.linear_f32 = getattr(overload, "_op", overload)
-                    _KernelState.ops = ops
-                except Exception as e:  # noqa: BLE001 - any failure means: use torch's op
-                    _KernelState.error = f"{type(e).__name__}: {e}"
-                _KernelState.tried = True
-    if _KernelState.ops is None:
-        _warn_fallback(_KernelState.error or "not built")
-    return _KernelState.ops
-
-
-# ------------------------------------------------------------------------------------------
 
 
 class Int8WeightOnlyLinear(nn.Module):

@@ -25,10 +25,10 @@ def snapshot(worker) -> dict[str, str]:
     sch, m = worker.scheduler, worker.scheduler.metrics
     return {
         "model": worker.model_name, "role": worker.role, "quantization": worker.quantization,
-        "acceptance_rate": f"{m.window.acceptance_rate:.6f}",
-        "mean_accepted_length": f"{m.window.mean_accepted_length:.6f}",
+        "acceptance_rate": f"{m.window.rate:.6f}",
+        "mean_accepted_length": f"{m.window.tau:.6f}",
         "speedup_ratio": f"{sch.speedup_ratio():.6f}",
-        "acceptance_rate_by_prompt_type": json.dumps({t: round(w.acceptance_rate, 6)
+        "acceptance_rate_by_prompt_type": json.dumps({t: round(w.rate, 6)
                                                       for t, w in list(m.window_by_type.items())}),
         "requests_total": str(sch.requests_total), "queue_depth": str(sch.queue_depth()),
         "running": str(sch.running()), "updated": f"{time.time():.3f}",

@@ -8,44 +8,17 @@ relies on that). Each server owns its registry: two servers in one process do no
 
 from __future__ import annotations
 
-from collections import deque
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from specfleet_engine.acceptance import Acceptance, window
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5)
 K_BUCKETS = tuple(range(0, 17))
 
 
-class WindowRate:
-    """accepted / drafted and tokens per step over the last `size` decoding steps.
-
-    Running sums, so that readers on other threads (scrapes, Admin.GetStats) read two numbers
-    instead of iterating a deque the scheduler thread is appending to."""
-
-    def __init__(self, size: int = 512):
-        self.steps: deque[tuple[int, int]] = deque(maxlen=size)  # (drafted, accepted)
-        self.drafted = self.accepted = 0
-
-    def add(self, drafted: int, accepted: int) -> None:
-        if len(self.steps) == self.steps.maxlen:
-            old_d, old_a = self.steps[0]
-            self.drafted -= old_d
-            self.accepted -= old_a
-        self.steps.append((drafted, accepted))
-        self.drafted += drafted
-        self.accepted += accepted
-
-    @property
-    def acceptance_rate(self) -> float:
-        drafted, accepted = self.drafted, self.accepted
-        return accepted / drafted if drafted else 0.0
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """tau over the window: (accepted + 1) per target forward, as SequenceStats counts it."""
-        n = len(self.steps)
-        return self.accepted / n + 1.0 if n else 0.0
+def new_window() -> Acceptance:
+    """The gauges' window: about the last 512 decoding steps, no prior (an empty window reads 0)."""
+    return window(512, weight=0.0, recover=0.0)
 
 
 class Metrics:
@@ -64,8 +37,13 @@ class Metrics:
         self.tree_branch_factor = Gauge("spec_decode_tree_branch_factor",
                                         "Draft tree branching (1: a chain)", m, registry=r)
         self.speedup = Gauge("spec_decode_total_speedup_ratio",
-                             "Estimated decode speed-up over plain decoding, from measured step costs",
-                             ["model", "quantization"], registry=r)
+                             "Estimated speed-up over plain decoding over recent steps, priced by the engine's "
+                             "calibrated step costs", ["model", "quantization"], registry=r)
+        self.busy_seconds = Counter("spec_decode_busy_seconds", "Seconds the engine spent stepping", m, registry=r)
+        self.plain_equivalent_seconds = Counter(
+            "spec_decode_plain_equivalent_seconds",
+            "Seconds plain decoding would have spent on the same steps (rate over busy rate: the speed-up)",
+            m, registry=r)
 
         # vLLM-compatible counters
         self.num_drafts = Counter("spec_decode_num_drafts", "Verify steps with at least one draft token",
@@ -101,12 +79,12 @@ class Metrics:
         self.kv_blocks_total = Gauge("spec_decode_kv_blocks_total", "KV cache blocks in all", m, registry=r)
 
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_errors": 0}
-        self.window = WindowRate()
-        self.window_by_type: dict[str, WindowRate] = {}
+        self.window = new_window()
+        self.window_by_type: dict[str, Acceptance] = {}
         self.speedup.labels(model, quantization).set(1.0)
         self.avg_accepted_tokens.labels(model).set(0.0)
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.draft_failures, self.failed,
-                  self.prompt_tokens, self.generation_tokens):
+                  self.prompt_tokens, self.generation_tokens, self.busy_seconds, self.plain_equivalent_seconds):
             c.labels(model)  # exported at 0 from the start, so rate() works from the first scrape
 
     def step(self, prompt_type: str, k: int, drafted: int, accepted: int, emitted: int) -> None:
@@ -114,7 +92,7 @@ class Metrics:
         m = self.model
         self.draft_k.labels(m).observe(k)
         self.generation_tokens.labels(m).inc(emitted)
-        self.window.add(drafted, accepted)
+        self.window.observe(drafted, accepted)
         if drafted:
             self.totals["num_drafts"] += 1
             self.totals["num_draft_tokens"] += drafted
@@ -124,10 +102,17 @@ class Metrics:
             self.num_accepted_tokens.labels(m).inc(accepted)
             for pos in range(accepted):
                 self.accepted_per_pos.labels(m, str(pos)).inc()
-            w = self.window_by_type.setdefault(prompt_type, WindowRate())
-            w.add(drafted, accepted)
-            self.acceptance_rate.labels(m, prompt_type).set(w.acceptance_rate)
-        self.avg_accepted_tokens.labels(m).set(self.window.mean_accepted_length)
+            w = self.window_by_type.get(prompt_type)
+            if w is None:
+                w = self.window_by_type[prompt_type] = new_window()
+            w.observe(drafted, accepted)
+            self.acceptance_rate.labels(m, prompt_type).set(w.rate)
+        self.avg_accepted_tokens.labels(m).set(self.window.tau)
+
+    def busy(self, plain_s: float, actual_s: float) -> None:
+        """One engine step: its seconds, and what plain decoding would have taken."""
+        self.busy_seconds.labels(self.model).inc(actual_s)
+        self.plain_equivalent_seconds.labels(self.model).inc(plain_s)
 
     def draft_error(self, n: int) -> None:
         self.totals["draft_errors"] += n

@@ -4,9 +4,14 @@ gRPC handlers `submit` a `Request` and read its `events` queue; the thread admit
 into the running batch at step boundaries (bounded by batch size and by KV blocks reserved for
 each request's worst case, so a step never runs out of blocks), applies cancellations and
 deadlines (the sequence's KV blocks are freed before the next step), sets each request's K from
-the controller and the live settings, runs `engine.step()`, and routes the new tokens back.
+the live bounds (the engine's K policy chooses K within them), runs `engine.step()`, and
+routes the new tokens back.
 Admission is decided in `submit`, under the lock: beyond `max_batch_size + max_queue` requests
-in the worker, RESOURCE_EXHAUSTED at once.
+in the worker, an `OVERLOADED` refusal at once.
+
+It knows nothing of gRPC or OpenTelemetry: refusals carry a `Refusal` kind that the service maps
+to a status code, and a request's `on_finish` hook (the service ends its span there) is called
+once when it leaves, on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -16,28 +21,39 @@ import queue
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
+from enum import Enum
 
-import grpc
-
+from specfleet_engine.acceptance import Acceptance, window
 from specfleet_engine.engine import NO_SPECULATION, Engine, Sequence
 from specfleet_engine.sampling import SamplingParams
+
 from .config import LiveConfig
-from .kcontrol import KController, KState, StepCostModel, geometric_alpha
 from .metrics import Metrics
-from .tracing import result_attributes
 
 log = logging.getLogger("specfleet.worker")
 
 MAX_K = 32  # the most K the live settings accept: KV reservations leave room for it
 
 
-class Rejected(Exception):
-    """A request refused before or while running; `code` is the gRPC status to answer with."""
+class Refusal(Enum):
+    """Why a request was refused or failed; the service maps each to its transport's status."""
 
-    def __init__(self, code: grpc.StatusCode, message: str):
+    INVALID = "invalid"  # the request cannot be served as asked
+    OVERLOADED = "overloaded"  # the worker is full: retry later or elsewhere
+    UNAVAILABLE = "unavailable"  # the worker is shutting down or stopped
+    CANCELLED = "cancelled"  # the caller went away before it ran
+    DEADLINE = "deadline"  # the caller's deadline passed
+    FAILED = "failed"  # the engine failed while running it
+
+
+class Rejected(Exception):
+    """A request refused before or while running; `kind` says why."""
+
+    def __init__(self, kind: Refusal, message: str):
         super().__init__(message)
-        self.code, self.message = code, message
+        self.kind, self.message = kind, message
 
 
 @dataclass
@@ -50,11 +66,13 @@ class Event:
 
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, method: str,
-                 prompt_type: str, k_initial: int, deadline: float | None = None, span=None):
+                 prompt_type: str, k_initial: int, deadline: float | None = None,
+                 on_finish: Callable[[Request, Rejected | None], None] | None = None):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
-        self.method, self.prompt_type, self.deadline, self.span = method, prompt_type, deadline, span
+        self.method, self.prompt_type, self.deadline = method, prompt_type, deadline
+        self.k_initial = k_initial
+        self.on_finish = on_finish  # called once, on the scheduler thread, when the request leaves
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
-        self.kstate = KState(k_initial)
         self.k_sum = self.k_steps = 0
         self.seq: Sequence | None = None
         self.cancelled = False
@@ -72,16 +90,14 @@ class Scheduler:
                  max_queue: int = 64, idle_wait_s: float = 0.5):
         self.engine, self.live, self.metrics = engine, live, metrics
         self.max_batch_size, self.max_queue, self.idle_wait_s = max_batch_size, max_queue, idle_wait_s
-        self.cost = StepCostModel()
-        self.controller = KController(self.cost)
         self._cond = threading.Condition()
         self._pending: deque[Request] = deque()
         self._active: list[Request] = []  # the running batch; only the scheduler thread touches it
         self._count = 0  # pending + running, under the lock: what admission counts
         self._reserved = 0  # KV blocks reserved by the running batch
-        self._by_type: dict[str, deque] = {}  # prompt type -> its last verify steps (accepted, drafted)
-        self._speedup_window: deque[tuple[float, float]] = deque(maxlen=256)  # (plain-equivalent s, actual s)
-        self._speedup_sums = (0.0, 0.0)  # the window's sums, one tuple so other threads read it whole
+        # prompt type -> acceptance over its recent verify steps: a new request's prior
+        self._by_type: dict[str, Acceptance] = {}
+        self.speedup = SpeedupMeter()
         self.draining = False
         self._stopped = False
         self.fatal: BaseException | None = None
@@ -110,11 +126,11 @@ class Scheduler:
         with self._cond:
             if self.draining or self._stopped or not self.alive:
                 self.count_rejection("draining")
-                raise Rejected(grpc.StatusCode.UNAVAILABLE, "the worker is shutting down; send the request elsewhere")
+                raise Rejected(Refusal.UNAVAILABLE, "the worker is shutting down; send the request elsewhere")
             limit = self.max_batch_size + self.max_queue
             if self._count >= limit:
                 self.count_rejection("overload")
-                raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                raise Rejected(Refusal.OVERLOADED,
                                f"the worker is full: {self._count} requests running or queued, the limit is {limit}")
             self._count += 1
             self._pending.append(req)
@@ -157,8 +173,7 @@ class Scheduler:
             self.thread.join(timeout_s)
 
     def speedup_ratio(self) -> float:
-        plain, actual = self._speedup_sums
-        return plain / actual if actual > 0 else 1.0
+        return self.speedup.ratio()
 
     def count_rejection(self, reason: str) -> None:
         self.rejected_total += 1
@@ -174,7 +189,7 @@ class Scheduler:
             self.fatal = e
             log.exception("scheduler thread died")
         finally:
-            self._fail_all(Rejected(grpc.StatusCode.UNAVAILABLE, "the worker stopped before the request finished"))
+            self._fail_all(Rejected(Refusal.UNAVAILABLE, "the worker stopped before the request finished"))
 
     def _iterate(self) -> bool:
         admit: list[Request] = []
@@ -195,22 +210,20 @@ class Scheduler:
                 admit.append(req)
             if self._pending and not self._active and not admit:  # could never fit (the service checks first)
                 req = self._pending.popleft()
-                self._finish_unstarted(req, Rejected(grpc.StatusCode.INVALID_ARGUMENT,
+                self._finish_unstarted(req, Rejected(Refusal.INVALID,
                                                      f"max_tokens: the request needs {req.reserved_blocks} KV blocks, "
                                                      f"the cache holds {capacity}"))
             self.metrics.queue_depth.labels(self.metrics.model).set(len(self._pending))
         now = time.monotonic()
         for req in [r for r in self._active if r.cancelled or (r.deadline is not None and now > r.deadline)]:
             self.engine.abort(req.seq)  # frees its KV blocks now
-            self._finish(req)
+            self._finish(req, None if req.cancelled else Rejected(Refusal.DEADLINE, "the request's deadline passed"))
         for req in admit:
             self._start(req)
         if not self._active:
             self._publish_gauges()
             return True
-        self._set_ks()
-        prefill = bool(self.engine.waiting)
-        batch = sum(1 for r in self._active if r.seq.prefilled)
+        self._set_bounds()
         t0 = time.perf_counter()
         try:
             outputs = self.engine.step()
@@ -223,45 +236,41 @@ class Scheduler:
                     log.exception("abort after a failed step failed", extra={"request_id": req.request_id})
                 self.failed_total += 1
                 self.metrics.failed.labels(self.metrics.model).inc()
-                self._finish(req, Rejected(grpc.StatusCode.INTERNAL, f"the engine failed: {type(e).__name__}: {e}"))
+                self._finish(req, Rejected(Refusal.FAILED, f"the engine failed: {type(e).__name__}: {e}"))
             return True
-        elapsed = time.perf_counter() - t0
-        self._route(outputs, elapsed, measure=not prefill and batch > 0)
+        plain, actual = self.speedup.observe(self.engine, time.perf_counter() - t0)
+        self.metrics.busy(plain, actual)
+        self._route(outputs)
         self._publish_gauges()
         return True
 
     def _start(self, req: Request) -> None:
         s = self.live.settings
         history = self._by_type.get(req.prompt_type)
-        if req.method != NO_SPECULATION and s.k_policy == "adaptive" and history and len(history) >= 16:
-            batch = len(self._active) + 1
-            req.kstate = self.controller.start(s.k_initial, geometric_alpha(history, self.controller.prior),
-                                               batch, s.k_min, s.k_max)
+        prior = history.alpha if history is not None and history.steps >= 16 else None
         try:
-            req.seq = self.engine.add(req.prompt_ids, req.params, req.method, req.kstate.k, req.request_id)
+            req.seq = self.engine.add(req.prompt_ids, req.params, req.method, req.k_initial, req.request_id,
+                                      k_min=s.k_min, k_max=s.k_max, prior=prior, batch=len(self._active) + 1)
         except ValueError as e:  # the service validates first; this is the engine's last word
             with self._cond:
                 self._reserved -= req.reserved_blocks
-            self._finish_unstarted(req, Rejected(grpc.StatusCode.INVALID_ARGUMENT, str(e)))
+            self._finish_unstarted(req, Rejected(Refusal.INVALID, str(e)))
             return
         self._active.append(req)
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(req.prompt_ids))
 
-    def _set_ks(self) -> None:
+    def _set_bounds(self) -> None:
+        """The live K bounds, applied to every running request (the K policy keeps K within)."""
         s = self.live.settings
-        decoding = [r for r in self._active if r.seq.prefilled]
-        for req in decoding:
+        for req in self._active:
+            seq = req.seq
             if req.method == NO_SPECULATION or not s.speculation_enabled:
-                req.seq.k = req.seq.k_floor = 0
+                seq.k_min = seq.k_max = 0
             else:
-                req.seq.k = self.controller.choose(req.kstate, len(decoding), s.k_min, s.k_max,
-                                                   adaptive=s.k_policy == "adaptive")
-                # an adaptive engine verifies, of each draft, the prefix that pays; never under K_min
-                req.seq.k_floor = s.k_min if s.k_policy == "adaptive" else req.seq.k
+                seq.k_min, seq.k_max = s.k_min, s.k_max
 
-    def _route(self, outputs, elapsed: float, measure: bool) -> None:
+    def _route(self, outputs) -> None:
         by_id = {r.seq.seq_id: r for r in self._active}
-        tokens_in_forward = emitted = decoded = 0
         now = time.perf_counter()
         for out in outputs:
             req = by_id.get(out.seq.seq_id)
@@ -274,13 +283,9 @@ class Scheduler:
                 st = out.stats
                 req.k_sum += seq.k
                 req.k_steps += 1
-                tokens_in_forward += 1 + st.num_draft_tokens
-                emitted += st.num_emitted
-                decoded += 1
-                self.controller.observe(req.kstate, st.num_draft_tokens, st.num_accepted)
                 if st.num_draft_tokens:
-                    self._by_type.setdefault(req.prompt_type, deque(maxlen=256)).append(
-                        (st.num_accepted, st.num_draft_tokens))
+                    self._by_type.setdefault(req.prompt_type, window(256, weight=1.0, recover=0.0)).observe(
+                        st.num_draft_tokens, st.num_accepted)
                 self.metrics.step(req.prompt_type, seq.k, st.num_draft_tokens, st.num_accepted, st.num_emitted)
             errors = seq.stats.draft_errors - req._draft_errors
             if errors:
@@ -292,16 +297,6 @@ class Scheduler:
                 self._finish(req, tokens=list(out.new_tokens), logprobs=lps)
             elif out.new_tokens:
                 req.events.put(Event("tokens", list(out.new_tokens), lps))
-        if measure and decoded:
-            self.cost.observe(tokens_in_forward, elapsed)
-            # what plain decoding would have taken for these tokens, at the fitted cost of a B-token step
-            sample = (emitted * self.cost.cost(decoded) / decoded, elapsed)
-            plain, actual = self._speedup_sums
-            if len(self._speedup_window) == self._speedup_window.maxlen:
-                old_plain, old_actual = self._speedup_window[0]
-                plain, actual = plain - old_plain, actual - old_actual
-            self._speedup_window.append(sample)
-            self._speedup_sums = (plain + sample[0], actual + sample[1])
 
     def _finish(self, req: Request, error: Rejected | None = None, tokens: list[int] | None = None,
                 logprobs: list[float] | None = None) -> None:
@@ -320,11 +315,11 @@ class Scheduler:
                 m.ttft.labels(model).observe(req.first_token_at - req.arrival)
                 if len(seq.output) > 1:
                     m.tpot.labels(model).observe((req.finished_at - req.first_token_at) / (len(seq.output) - 1))
-        self._end_span(req, error)
+        self._hook(req, error)
         s = seq.stats
         log.info("request finished" if error is None else "request failed", extra={
             "request_id": req.request_id, "finish_reason": seq.finish_reason, "prompt_tokens": seq.prompt_len,
-            "output_tokens": len(seq.output), "method": req.method, "k": req.kstate.k,
+            "output_tokens": len(seq.output), "method": req.method, "k": seq.k,
             "acceptance_rate": round(s.acceptance_rate, 4), "mean_accepted_length": round(s.mean_accepted_length, 4),
             "draft_errors": s.draft_errors, "latency_s": round(req.finished_at - req.arrival, 6),
             **({"error": error.message} if error else {})})
@@ -339,26 +334,21 @@ class Scheduler:
         """A request that leaves before it ran (cancelled in the queue, or refused by the engine)."""
         req.finished_at = time.perf_counter()
         if error is None:
-            error = Rejected(grpc.StatusCode.CANCELLED, "cancelled while queued")
-        if req.span is not None:
-            req.span.set_attribute("error.type", error.code.name)
-            req.span.end()
+            error = Rejected(Refusal.CANCELLED, "cancelled while queued")
+        self._hook(req, error)
         req.events.put(Event("error", error=error))
         with self._cond:
             req.done = True
             self._count -= 1
             self._cond.notify_all()
 
-    def _end_span(self, req: Request, error: Rejected | None) -> None:
-        if req.span is None:
-            return
-        req.span.set_attributes(result_attributes(req))
-        if error is not None:
-            from opentelemetry.trace import Status, StatusCode
-
-            req.span.set_attribute("error.type", error.code.name)
-            req.span.set_status(Status(StatusCode.ERROR, error.message))
-        req.span.end()
+    @staticmethod
+    def _hook(req: Request, error: Rejected | None) -> None:
+        if req.on_finish is not None:
+            try:
+                req.on_finish(req, error)
+            except Exception:  # noqa: BLE001 - a hook's failure must not fail the request
+                log.exception("on_finish hook failed", extra={"request_id": req.request_id})
 
     def _fail_all(self, error: Rejected) -> None:
         for req in list(self._active):
@@ -377,3 +367,47 @@ class Scheduler:
         m.running.labels(model).set(len(self._active))
         m.kv_blocks_used.labels(model).set(self.engine.cache.allocator.num_used)
         m.speedup.labels(model, m.quantization).set(self.speedup_ratio())
+
+
+class SpeedupMeter:
+    """Speculation's speed-up over plain decoding, priced by the engine's one step-cost model.
+
+    For each step: its wall time, and what plain decoding would have taken for the same work.
+    Prefills and the time around the engine count the same in both. The decoding part is
+    re-priced: plain decoding emits one token per sequence per step, so the E tokens that B
+    sequences emitted would have taken E / B plain steps, each costing the calibrated forward
+    over B rows plus the step's own work outside its forward and proposing (sampling,
+    bookkeeping). The gauge is the ratio over a window of recent steps; the two running totals
+    are exported too, so rate(plain) / rate(actual) gives it over any window.
+    """
+
+    def __init__(self, size: int = 512):
+        self.window: deque[tuple[float, float]] = deque(maxlen=size)
+        self._sums = (0.0, 0.0)  # the window's (plain, actual); one tuple so other threads read it whole
+        self.total_plain = self.total_actual = 0.0
+
+    def observe(self, engine: Engine, elapsed: float) -> tuple[float, float]:
+        """(plain-decoding seconds, actual seconds) of the step that just ran."""
+        t = engine.last_timing
+        plain = elapsed
+        if t.decode_seqs:
+            outside = max(t.decode - t.forward - t.propose, 0.0)  # verification and bookkeeping
+            plain_step = engine.costs(t.decode_seqs) + outside
+            plain += t.emitted * plain_step / t.decode_seqs - t.decode
+        plain = max(plain, 0.0)
+        self.add(plain, elapsed)
+        return plain, elapsed
+
+    def add(self, plain: float, actual: float) -> None:
+        p, a = self._sums
+        if len(self.window) == self.window.maxlen:
+            old_p, old_a = self.window[0]
+            p, a = p - old_p, a - old_a
+        self.window.append((plain, actual))
+        self._sums = (p + plain, a + actual)
+        self.total_plain += plain
+        self.total_actual += actual
+
+    def ratio(self) -> float:
+        plain, actual = self._sums
+        return plain / actual if actual > 0 else 1.0

@@ -19,8 +19,8 @@ from specfleet_engine.sampling import SamplingParams
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
-from .scheduler import Event, Rejected, Request, Scheduler
-from .tracing import incoming_context, request_attributes
+from .scheduler import Event, Refusal, Rejected, Request, Scheduler
+from .tracing import incoming_context, request_attributes, result_attributes
 
 log = logging.getLogger("specfleet.worker")
 
@@ -29,6 +29,26 @@ MAX_REQUEST_ID = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 MAX_PROMPT_TYPE = 64
+
+
+STATUS = {
+    Refusal.INVALID: grpc.StatusCode.INVALID_ARGUMENT,
+    Refusal.OVERLOADED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    Refusal.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    Refusal.CANCELLED: grpc.StatusCode.CANCELLED,
+    Refusal.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
+    Refusal.FAILED: grpc.StatusCode.INTERNAL,
+}
+
+
+def end_span(span: trace.Span, req: Request, error: Rejected | None) -> None:
+    """The request's span, closed with its results (or its error) when it leaves the scheduler."""
+    if req.seq is not None:
+        span.set_attributes(result_attributes(req))
+    if error is not None:
+        span.set_attribute("error.type", STATUS[error.kind].name)
+        span.set_status(trace.Status(trace.StatusCode.ERROR, error.message))
+    span.end()
 
 
 class Invalid(ValueError):
@@ -135,19 +155,19 @@ class Worker:
         span = self.tracer.start_span(f"text_completion {self.model_name}", kind=trace.SpanKind.SERVER,
                                       context=incoming_context(context.invocation_metadata()),
                                       attributes=request_attributes(self.model_name, req))
-        req.span = span
+        req.on_finish = lambda r, error: end_span(span, r, error)
         try:
             self.scheduler.submit(req)
         except Rejected as e:
-            span.set_attribute("error.type", e.code.name)
+            span.set_attribute("error.type", STATUS[e.kind].name)
             span.end()
-            context.abort(e.code, e.message)
+            context.abort(STATUS[e.kind], e.message)
         if not context.add_callback(lambda: self.scheduler.cancel(req)):
             self.scheduler.cancel(req)  # the RPC ended before the callback could be registered
         while True:
             ev: Event = req.events.get()
             if ev.kind == "error":
-                context.abort(ev.error.code, ev.error.message)
+                context.abort(STATUS[ev.error.kind], ev.error.message)
             yield req, ev
             if ev.kind == "done":
                 return
@@ -158,7 +178,7 @@ class Worker:
             method=req.method, num_steps=s.num_steps, num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
             acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
-            draft_errors=s.draft_errors, final_k=req.kstate.k if req.method != "none" else 0)
+            draft_errors=s.draft_errors, final_k=seq.k if req.method != "none" else 0)
 
 
 class TextStream:
@@ -274,7 +294,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             kv_blocks_total=w.engine.cache.allocator.num_blocks, requests_total=sch.requests_total,
             rejected_total=sch.rejected_total, failed_total=sch.failed_total, num_drafts=m.totals["num_drafts"],
             num_draft_tokens=m.totals["num_draft_tokens"], num_accepted_tokens=m.totals["num_accepted_tokens"],
-            acceptance_rate=m.window.acceptance_rate, mean_accepted_length=m.window.mean_accepted_length,
+            acceptance_rate=m.window.rate, mean_accepted_length=m.window.tau,
             speedup_ratio=sch.speedup_ratio(),
-            acceptance_rate_by_prompt_type={t: wr.acceptance_rate for t, wr in list(m.window_by_type.items())},
+            acceptance_rate_by_prompt_type={t: wr.rate for t, wr in list(m.window_by_type.items())},
             ready=self.holder.ready, draining=sch.draining, draft_errors=m.totals["draft_errors"])

@@ -64,7 +64,7 @@ def result_attributes(req) -> dict:
         "gen_ai.response.finish_reasons": [seq.finish_reason or "abort"],
         "gen_ai.usage.input_tokens": seq.prompt_len,
         "gen_ai.usage.output_tokens": len(seq.output),
-        "specfleet.speculation.k": req.kstate.k,
+        "specfleet.speculation.k": seq.k,
         "specfleet.speculation.k_mean": req.k_sum / max(req.k_steps, 1),
         "specfleet.speculation.draft_tokens": s.num_draft_tokens,
         "specfleet.speculation.accepted_tokens": s.num_accepted_tokens,

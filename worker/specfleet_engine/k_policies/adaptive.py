@@ -1,0 +1,105 @@
+"""`kPolicy: adaptive` (the default): a per-sequence K ceiling from its recent acceptance, then,
+within it, the draft lengths that maximise the batch's expected tokens per second.
+
+Two parts, composed:
+- **The ceiling** (one per sequence) follows a window of about `window` verify steps: alpha is
+  the geometric estimate (each accepted token a success, each step that stopped short a failure)
+  and the ceiling walks one step at a time toward `best_k` for the current batch, at most every
+  `hold` steps and only for a gain above `margin` (hysteresis). At 0 it drafts one token every
+  `probe_every` idle steps, so alpha can recover.
+- **The cost-aware choice** (`choose_ks`, over the whole batch): a proposer whose drafts cost
+  something (a draft model) is told how many tokens to draft, judged by the sequence's acceptance;
+  a cheap one (n-gram) drafts up to the ceiling and its draft is trimmed after, judged by the
+  acceptance of that kind of draft (`Proposal.key`: the n-gram match length). Never below `k_min`.
+As the batch grows, verify rows cost more and both parts fall to 0: plain decoding, never slower.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..acceptance import Acceptance
+from .base import Cost, best_k, choose_ks
+
+
+@dataclass
+class AdaptiveState:
+    """One sequence's policy state."""
+
+    window: Acceptance  # for the ceiling
+    by_key: dict[int, Acceptance] = field(default_factory=dict)  # for the cost-aware choice
+    since_change: int = 0
+    idle_steps: int = 0
+
+    def acceptance(self, key: int) -> Acceptance:
+        est = self.by_key.get(key)
+        if est is None:
+            est = self.by_key[key] = Acceptance()
+        return est
+
+
+class AdaptivePolicy:
+    name = "adaptive"
+
+    def __init__(self, costs: Cost, *, window: int = 16, hold: int = 4, margin: float = 0.03,
+                 probe_every: int = 32, prior: float = 0.5):
+        self.costs = costs  # the engine's StepCostModel: seconds by rows
+        self.window, self.hold, self.margin, self.probe_every, self.prior = window, hold, margin, probe_every, prior
+
+    def _window(self, prior: float) -> Acceptance:
+        return Acceptance(prior=prior, weight=1.0, decay=1.0 - 1.0 / self.window, recover=0.0)
+
+    def start(self, seq, prior: float | None = None, batch: int = 1) -> None:
+        """With a prior alpha (what recent requests of the same kind saw), the first ceiling is
+        already the best K for it: short requests would otherwise spend much of their life walking
+        K to where it belongs."""
+        if prior is None:
+            seq.k = min(max(seq.k, seq.k_min), seq.k_max)
+            seq.kstate = AdaptiveState(self._window(self.prior))
+        else:
+            seq.k = best_k(prior, batch, seq.k_min, seq.k_max, self.costs)[0]
+            seq.kstate = AdaptiveState(self._window(prior))
+
+    def ceiling(self, seq, batch: int) -> int:
+        st: AdaptiveState = seq.kstate
+        k_min, k_max = seq.k_min, seq.k_max
+        if seq.k < k_min or seq.k > k_max:  # the bounds moved: obey at once
+            seq.k, st.since_change = min(max(seq.k, k_min), k_max), 0
+            return seq.k
+        if st.since_change < self.hold:
+            return seq.k
+        target, rates = best_k(st.window.alpha, batch, k_min, k_max, self.costs)
+        now = rates[seq.k - k_min]
+        step = (target > seq.k) - (target < seq.k)
+        if step and rates[target - k_min] > now * (1 + self.margin):
+            seq.k += step
+            st.since_change = 0
+        elif seq.k == 0 and k_max > 0 and st.idle_steps >= self.probe_every:
+            # K = 0 drafts nothing, so alpha cannot move: draft one token now and then to re-measure
+            st.window = self._window(self.prior)
+            seq.k, st.since_change, st.idle_steps = 1, 0, 0
+        return seq.k
+
+    def draft_lengths(self, seqs: list, room: list[int], cost: Cost, cheap: bool, batch: int) -> list[int]:
+        caps = [min(self.ceiling(s, batch), r) for s, r in zip(seqs, room)]
+        if cheap or not any(caps):
+            return caps
+        chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
+        return [max(c, min(s.k_min, k)) for s, c, k in zip(seqs, chosen, caps)]
+
+    def verify_lengths(self, seqs: list, drafted: list[int], keys: list[int], cost: Cost, cheap: bool) -> list[int]:
+        if not cheap or not any(drafted):
+            return list(drafted)
+        alphas = [s.kstate.acceptance(key).alpha for s, key in zip(seqs, keys)]
+        chosen = choose_ks(alphas, drafted, cost)
+        return [max(c, min(s.k_min, n)) for s, c, n in zip(seqs, chosen, drafted)]
+
+    def observe(self, seq, key: int, drafted: int, accepted: int) -> None:
+        st: AdaptiveState = seq.kstate
+        st.since_change += 1
+        st.acceptance(key).observe(drafted, accepted)
+        if drafted:
+            st.window.observe(drafted, accepted)
+            st.idle_steps = 0
+        else:
+            st.idle_steps += 1
