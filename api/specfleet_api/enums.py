@@ -84,12 +84,38 @@ SERVED_URI_SCHEMES: tuple[str, ...] = ("file", "gguf")
 
 #: The engine's short names for a dtype (CLI flags, benchmark configs).
 DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+#: What a command line may pass for a dtype: the served names and their short names.
+DTYPE_CHOICES: tuple[str, ...] = SERVED_DTYPES + tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES)
+
+#: Branching factors of a draft tree: 1 is a chain, the only shape served so far.
+SERVED_TREE_BRANCHING: tuple[int, ...] = (1,)
 
 
-def not_served(kind: str, value: str, served: tuple[str, ...]) -> str:
+def not_served(kind: str, value: object, served: tuple[object, ...]) -> str:
     """The one wording for a value the API names but the worker does not serve yet.
 
     >>> not_served("draft.method", "eagle", SERVED_METHODS)
     "draft.method 'eagle' is not supported yet; supported: ngram, draft-model, none"
+    >>> not_served("speculation.tree.branching", 3, SERVED_TREE_BRANCHING)
+    'speculation.tree.branching 3 is not supported yet; supported: 1'
     """
-    return f"{kind} {value!r} is not supported yet; supported: {', '.join(served)}"
+    return f"{kind} {value!r} is not supported yet; supported: {', '.join(map(str, served))}"
+
+
+def resolve_dtype(value: str) -> str:
+    """The served dtype a worker computes in for an API name or a short name; `auto` is float32,
+    the CPU's. ValueError says what was wrong.
+
+    >>> resolve_dtype("bf16"), resolve_dtype("auto")
+    ('bfloat16', 'float32')
+    >>> resolve_dtype("fp16")
+    Traceback (most recent call last):
+    ...
+    ValueError: dtype 'fp16' is not supported yet; supported: auto, float32, bfloat16
+    """
+    name = DTYPE_ALIASES.get(value, value)
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {value!r}")
+    if name not in SERVED_DTYPES:
+        raise ValueError(not_served("dtype", value, SERVED_DTYPES))
+    return Dtype.FLOAT32.value if name == Dtype.AUTO else name

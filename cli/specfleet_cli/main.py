@@ -1,13 +1,16 @@
 """The `specfleet` command line: one entry point with a subcommand per job.
 
-Heavy imports (torch, transformers, kopf) happen inside each subcommand, so `--help` is instant
-and the operator's subcommand never loads torch.
+A thin dispatcher: the engine, the benchmarks and the operator are imported only by the
+subcommand that needs them, so `--help` is instant and never loads torch (a test holds it to that);
+the choices it offers come from specfleet_api.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+
+from specfleet_api.enums import DTYPE_CHOICES, SERVED_METHODS, SERVED_QUANTIZATIONS, Method
 
 DESCRIPTION = """\
 specfleet: lossless speculative decoding, managed as a self-correcting fleet.
@@ -19,8 +22,8 @@ Run `specfleet demo` for the local default: the benchmark on SmolLM2-135M-Instru
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m",
                    help="a .gguf file, a Hugging Face checkpoint folder (safetensors), or smollm2-135m (default)")
-    p.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32", help="activation and weight dtype")
-    p.add_argument("--quantization", choices=["none", "int8"], default="none",
+    p.add_argument("--dtype", choices=DTYPE_CHOICES, default="fp32", help="activation and weight dtype")
+    p.add_argument("--quantization", choices=SERVED_QUANTIZATIONS, default="none",
                    help="int8: weight-only int8 with per-channel scales")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
@@ -36,6 +39,8 @@ def main(argv: list[str] | None = None) -> int:
         from specfleet_operator.main import run as operator_main
 
         return operator_main(argv[1:])
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="specfleet", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -47,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("generate", help="generate text for one prompt, with or without speculation")
     _add_engine_args(p)
     p.add_argument("prompt", help="the user message (the chat template is applied)")
-    p.add_argument("--method", choices=["ngram", "draft-model", "none"], default="ngram")
+    p.add_argument("--method", choices=SERVED_METHODS, default=Method.NGRAM.value)
     p.add_argument("--draft-model", default=None, help="draft model for --method draft-model")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -56,11 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
 
-    p = sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category")
-    from specfleet_bench.spec_bench import add_bench_args
-
-    add_bench_args(p)
-
+    sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category; "
+                                 "`specfleet bench --help` lists its flags", add_help=False)
     sub.add_parser("serve", help="run the gRPC worker; `specfleet serve --help` lists its flags", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator; `specfleet operator --help` lists its flags",
                    add_help=False)
@@ -76,14 +78,24 @@ def main(argv: list[str] | None = None) -> int:
             return run_demo(args.per_category, args.max_tokens)
         if args.command == "generate":
             return _generate(args)
-        if args.command == "bench":
-            from specfleet_bench.spec_bench import run_bench
-
-            return run_bench(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specfleet {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
+
+
+def _bench(argv: list[str]) -> int:
+    from specfleet_bench.spec_bench import add_bench_args, run_bench
+
+    parser = argparse.ArgumentParser(prog="specfleet bench",
+                                     description="Spec-Bench: tokens/s, speedup, tau and alpha by category")
+    add_bench_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run_bench(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specfleet bench: error: {e}", file=sys.stderr)
+        return 2
 
 
 def _generate(args) -> int:

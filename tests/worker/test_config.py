@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from specfleet_api import enums
+from specfleet_api.engine_config import UNSUPPORTED
 from specfleet_worker.config import EngineConfig, LiveConfig
+from specfleet_worker.main import main as serve_main
 from specfleet_worker.main import parse_args, watch_control_file
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,14 +33,14 @@ def test_the_operators_engine_json_parses():
     from specfleet_operator.manifests import engine_config
 
     spec = {"model": {"name": "m", "uri": "gguf://m.gguf"}, "draft": {"method": "ngram"},
-            "speculation": {"kMin": 1, "kMax": 6, "kInitial": 3, "kPolicy": "fixed", "tree": {"branching": 2, "depth": 3}},
-            "quantization": "int8", "dtype": "bf16"}
+            "speculation": {"kMin": 1, "kMax": 6, "kInitial": 3, "kPolicy": "fixed", "tree": {"branching": 1, "depth": 3}},
+            "quantization": "int8", "dtype": "bfloat16"}
     try:
         raw = engine_config(spec, "canary")
     except (KeyError, TypeError) as e:  # the operator defaults specs first; say so rather than guess
         pytest.fail(f"engine_config needs a defaulted spec: {e}")
     cfg = EngineConfig.from_dict(raw)
-    assert (cfg.k_min, cfg.k_max, cfg.k_policy, cfg.tree_branching, cfg.role) == (1, 6, "fixed", 2, "canary")
+    assert (cfg.k_min, cfg.k_max, cfg.k_policy, cfg.tree_depth, cfg.role) == (1, 6, "fixed", 3, "canary")
 
 
 def test_unknown_keys_are_ignored_with_a_warning(caplog):
@@ -57,6 +60,91 @@ def test_unknown_keys_are_ignored_with_a_warning(caplog):
 def test_bad_values_are_refused_naming_the_key(patch, word):
     with pytest.raises(ValueError, match=word):
         EngineConfig.from_dict(contract_example() | patch)
+
+
+@pytest.mark.parametrize("patch, field, value, served", [
+    ({"draft": {"method": "eagle", "uri": "/m/eagle"}}, "draft.method", "eagle", enums.SERVED_METHODS),
+    ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "draft.method", "medusa", enums.SERVED_METHODS),
+    ({"routing": {"default": "ngram", "byPromptType": {"chat": "eagle"}}}, "routing.byPromptType.chat", "eagle",
+     enums.SERVED_METHODS),
+    ({"quantization": "fp8"}, "quantization", "fp8", enums.SERVED_QUANTIZATIONS),
+    ({"quantization": "fp4"}, "quantization", "fp4", enums.SERVED_QUANTIZATIONS),
+    ({"dtype": "float16"}, "dtype", "float16", enums.SERVED_DTYPES),
+    ({"speculation": {"tree": {"branching": 2, "depth": 3}}}, "speculation.tree.branching", 2,
+     enums.SERVED_TREE_BRANCHING),
+    ({"model": {"name": "m", "uri": "hf://org/m"}}, "model.uri scheme", "hf", enums.SERVED_URI_SCHEMES),
+    ({"model": {"name": "m", "uri": "s3://bucket/m"}}, "model.uri scheme", "s3", enums.SERVED_URI_SCHEMES),
+])
+def test_what_the_worker_does_not_serve_is_refused_as_not_supported_yet(patch, field, value, served):
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_dict(contract_example() | patch)
+    assert enums.not_served(field, value, served) in str(e.value)
+    (problem,) = EngineConfig.from_dict(contract_example() | patch, check=False).problems()
+    assert problem.reason == UNSUPPORTED
+
+
+def test_the_default_and_the_served_values_pass():
+    for method in enums.SERVED_METHODS:
+        for quantization in enums.SERVED_QUANTIZATIONS:
+            for dtype in enums.SERVED_DTYPES:
+                raw = contract_example() | {"quantization": quantization, "dtype": dtype,
+                                            "draft": {"method": method, "uri": "gguf://d.gguf"}}
+                assert EngineConfig.from_dict(raw).problems() == []
+    assert EngineConfig().problems() == []
+
+
+def test_check_config_says_ok_in_one_line_or_each_reason_and_exits_2(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("SPECFLEET_MODEL_CACHE", str(tmp_path))
+    (tmp_path / "target.gguf").write_bytes(b"GGUF")
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(contract_example() | {"model": {"name": "t", "uri": "gguf://target.gguf"}}))
+    assert serve_main(["--check-config", str(good)]) == 0
+    out, err = capsys.readouterr()
+    assert out == f"OK {good}: model t ({tmp_path / 'target.gguf'}), draft ngram, quantization none, dtype auto, " \
+                  "kPolicy adaptive\n" and err == ""
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(contract_example() | {"quantization": "fp8", "dtype": "float16"}))
+    assert serve_main(["--check-config", str(bad), "--skip-files"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"{bad}: quantization: " + enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS),
+        f"{bad}: dtype: " + enums.not_served("dtype", "float16", enums.SERVED_DTYPES)]
+    absent = tmp_path / "absent.json"
+    absent.write_text(json.dumps(contract_example() | {"model": {"name": "t", "uri": "gguf://nowhere.gguf"}}))
+    assert serve_main(["--check-config", str(absent)]) == 2
+    assert f"no file at nowhere.gguf or {tmp_path / 'nowhere.gguf'}" in capsys.readouterr().err
+    assert serve_main(["--check-config", str(absent), "--skip-files"]) == 0
+    assert serve_main(["--check-config", str(tmp_path / "missing.json")]) == 2
+    assert "missing.json" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--skip-files"])
+
+
+def test_the_worker_refuses_what_it_does_not_serve_before_opening_a_port(tmp_path, capsys):
+    bad = tmp_path / "engine.json"
+    bad.write_text(json.dumps(contract_example() | {"quantization": "fp8"}))
+    assert serve_main(["--config", str(bad), "--grpc-port", "0", "--http-port", "0"]) == 2
+    rec = json.loads(capsys.readouterr().err.splitlines()[-1])
+    assert rec["msg"] == "bad configuration" and "quantization 'fp8' is not supported yet" in rec["error"]
+
+
+def test_the_model_is_found_as_is_or_in_the_model_cache_else_by_name(tmp_path, monkeypatch):
+    from specfleet_worker.main import _model_source
+
+    monkeypatch.setenv("SPECFLEET_MODEL_CACHE", str(tmp_path))
+    cfg = EngineConfig(model_name="smollm2-135m", model_uri="gguf://cached.gguf")
+    assert _model_source(cfg) == "smollm2-135m"
+    (tmp_path / "cached.gguf").write_bytes(b"GGUF")
+    assert _model_source(cfg) == str(tmp_path / "cached.gguf")
+    assert _model_source(EngineConfig(model_uri=f"file://{tmp_path / 'cached.gguf'}")) == str(tmp_path / "cached.gguf")
+
+
+def test_the_engine_computes_in_every_served_dtype_and_nothing_else():
+    from specfleet_engine.factory import TORCH_DTYPES
+
+    assert set(TORCH_DTYPES) == {enums.resolve_dtype(d) for d in enums.DTYPE_CHOICES}
+    with pytest.raises(ValueError, match="not supported yet"):
+        enums.resolve_dtype("float16")
 
 
 def test_routes_to_methods_the_worker_lacks_fall_back_with_a_warning(caplog):

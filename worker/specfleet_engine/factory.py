@@ -4,25 +4,30 @@ from __future__ import annotations
 
 import torch
 
+from specfleet_api.enums import SERVED_QUANTIZATIONS, Dtype, Quantization, not_served, resolve_dtype
+
 from .loader import load_model, load_tokenizer
 from .model import interleave_rope, transpose_linears
 from .proposers import NgramProposer
 from .quant import pack_linears, quantize_int8
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+#: The torch dtype of each dtype specfleet_api serves (auto resolves to float32 first).
+TORCH_DTYPES = {Dtype.FLOAT32.value: torch.float32, Dtype.BFLOAT16.value: torch.bfloat16}
 
 
 def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp32_kernel: bool = True):
-    if dtype not in DTYPES:
-        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
-    model = load_model(name, DTYPES[dtype])
-    if dtype == "fp32":
+    """The model `name` in `dtype` (a specfleet_api dtype or its short name: fp32, bf16) with
+    `quantization` applied; ValueError names a dtype or quantization this engine does not serve."""
+    dtype = resolve_dtype(dtype)
+    if quantization not in SERVED_QUANTIZATIONS:
+        raise ValueError(not_served("quantization", quantization, SERVED_QUANTIZATIONS))
+    model = load_model(name, TORCH_DTYPES[dtype])
+    fp32 = dtype == Dtype.FLOAT32
+    if fp32:
         interleave_rope(model)  # RoPE as one complex multiply
-    if quantization == "int8":
+    if quantization == Quantization.INT8:
         quantize_int8(model)
-    elif quantization != "none":
-        raise ValueError(f"quantization {quantization!r} is not supported on this path (none, int8)")
-    elif dtype == "fp32" and not (fp32_kernel and pack_linears(model)):  # our few-row kernel, or
+    elif fp32 and not (fp32_kernel and pack_linears(model)):  # our few-row kernel, or
         transpose_linears(model)  # the layout in which MKL's fp32 GEMM is fastest with few rows
     return model
 

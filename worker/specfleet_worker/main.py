@@ -3,6 +3,7 @@
 Ports first (NOT_SERVING), then the model, then SERVING. SIGTERM or SIGINT: readiness fails,
 health goes NOT_SERVING, new requests are refused, those in flight get --drain-seconds to finish,
 then the process exits (0 when every request finished, 1 when the grace period cut some off).
+`--check-config FILE` only judges an engine.json (no torch, no weights loaded) and exits.
 """
 
 from __future__ import annotations
@@ -12,10 +13,13 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
+
+from specfleet_api.engine_config import model_cache
 
 from .config import EngineConfig, LiveConfig
 
@@ -40,7 +44,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests: INVALID_ARGUMENT")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--log-level", default=os.environ.get("SPECFLEET_LOG_LEVEL", "INFO"))
+    p.add_argument("--check-config", metavar="FILE", default=None,
+                   help="only check an engine.json: method, precision and URI served, weights present here "
+                        "(as the worker looks for them); exit 0 with one line of OK, else 2 with the reasons")
+    p.add_argument("--skip-files", action="store_true",
+                   help="with --check-config: do not look for the weights (on a machine other than the worker's)")
     args = p.parse_args(argv)
+    if args.skip_files and not args.check_config:
+        p.error("--skip-files goes with --check-config")
     for name in ("max_batch_size", "max_tokens_limit", "max_kv_tokens", "max_request_bytes"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
@@ -51,13 +62,31 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def _model_source(cfg: EngineConfig) -> str:
     """The model's uri when it names a file that exists (as is or in the model cache), else its name."""
-    if cfg.model_uri:
-        path = cfg.model_uri.removeprefix("gguf://").removeprefix("file://")
-        cache = Path(os.environ.get("SPECFLEET_MODEL_CACHE", "/var/cache/specfleet"))
-        for candidate in (Path(path), cache / path):
-            if candidate.exists():
-                return str(candidate)
-    return cfg.model_name
+    return cfg.model_source(model_cache())
+
+
+def check_config(path: str, *, files: bool = True) -> int:
+    """`specfleet serve --check-config`: judge engine.json as this worker would, loading nothing.
+
+    Prints one line of OK and returns 0, or prints each problem (one a line, on stderr) and
+    returns 2. With files=False the weights are not looked for: their presence only means
+    something where the worker runs (its image and its model cache)."""
+    try:
+        cfg = EngineConfig.load(path, check=False)
+    except (OSError, ValueError) as e:
+        print(f"{path}: {e}", file=sys.stderr)
+        return 2
+    problems = cfg.problems()
+    if files and not problems:
+        problems = cfg.file_problems(model_cache())
+    for problem in problems:
+        print(f"{path}: {problem}", file=sys.stderr)
+    if problems:
+        return 2
+    weights = cfg.target_weights(model_cache()) if files else "weights not checked: --skip-files"
+    print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}, "
+          f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}")
+    return 0
 
 
 def on_short_lived_thread(fn: Callable[[], T]) -> T:
@@ -171,6 +200,8 @@ def watch_control_file(path: Path, live: LiveConfig, stop: threading.Event, peri
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.check_config:
+        return check_config(args.check_config, files=not args.skip_files)
     from . import logs
 
     logs.configure(args.log_level)
