@@ -6,6 +6,7 @@ with the same `observe` coroutine can stand in (tests pass a fixed one).
 """
 from __future__ import annotations
 
+import math
 import statistics
 from typing import Any, Protocol
 
@@ -19,22 +20,55 @@ from .policy import Metrics, RoleMetrics
 FALLBACK_ACTIVE = Gauge("specfleet_fallback_active", "1 while a fleet decodes without speculation",
                         ["namespace", "name"])
 CANARY_WEIGHT = Gauge("specfleet_canary_weight", "Percent of workers on the canary", ["namespace", "name"])
+#: The worker's arrival-to-last-token histogram: what a canary's p99LatencySeconds check reads.
+E2E_LATENCY = "spec_decode_e2e_request_latency_seconds"
 
 
 class MetricsSource(Protocol):
     async def observe(self, namespace: str, name: str, has_canary: bool) -> Metrics: ...
 
 
+def histogram_quantile(q: float, buckets: dict[float, float]) -> float | None:
+    """The q-quantile of a cumulative histogram ({upper bound: count at or below}), interpolated
+    linearly inside its bucket as Prometheus' histogram_quantile does; None without observations.
+    A quantile in the +Inf bucket is the highest finite bound (all the histogram can say).
+
+    >>> histogram_quantile(0.99, {0.5: 0, 1.0: 90, 2.0: 100, math.inf: 100})  # 99th of 100 in (1, 2]
+    1.9
+    >>> histogram_quantile(0.99, {1.0: 0, math.inf: 0}) is None
+    True
+    """
+    bounds = sorted(buckets)
+    if not bounds or bounds[-1] != math.inf or buckets[math.inf] <= 0:
+        return None
+    rank = q * buckets[math.inf]
+    lower, below = 0.0, 0.0
+    for bound in bounds:
+        count = buckets[bound]
+        if count >= rank:
+            if bound == math.inf:
+                return lower
+            # the first bucket's lower edge is 0: latencies are not negative
+            return lower + (bound - lower) * (rank - below) / (count - below)
+        lower, below = bound, count
+    return None
+
+
 def parse_role_metrics(text: str) -> RoleMetrics:
-    """Summarise one worker's /metrics text.
+    """Summarise one worker's /metrics text. P99 latency is over the histogram as exported: from
+    the worker's start (a canary's pods start with the canary).
     >>> parse_role_metrics('spec_decode_acceptance_rate{model="m",prompt_type="code"} 0.6\\n'
     ...                    'spec_decode_acceptance_rate{model="m",prompt_type="chat"} 0.4\\n').alpha
     0.5
     """
     values: dict[str, list[float]] = {}
+    latency: dict[float, float] = {}  # summed over label sets (model), as sum by (le) would
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             values.setdefault(sample.name, []).append(sample.value)
+            if sample.name == f"{E2E_LATENCY}_bucket":
+                le = float(sample.labels["le"])
+                latency[le] = latency.get(le, 0.0) + sample.value
 
     def mean(name: str) -> float | None:
         return statistics.fmean(values[name]) if values.get(name) else None
@@ -47,7 +81,8 @@ def parse_role_metrics(text: str) -> RoleMetrics:
     return RoleMetrics(alpha=mean("spec_decode_acceptance_rate"),
                        mean_accepted_length=mean("spec_decode_avg_accepted_tokens"),
                        speedup=mean("spec_decode_total_speedup_ratio"),
-                       error_rate=(failed / requests) if requests else None)
+                       error_rate=(failed / requests) if requests else None,
+                       p99_latency_seconds=histogram_quantile(0.99, latency))
 
 
 class ScrapeSource:
