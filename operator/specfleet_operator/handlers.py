@@ -25,7 +25,8 @@ SDD = (GROUP, VERSION, PLURAL)
 WORKER_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY, manifests.LABEL_COMPONENT: "worker"}
 OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusRule": "observability.prometheusRule",
                   "HorizontalPodAutoscaler": "scaling"}
-WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "InvalidSpec", "ApplyFailed"}
+WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "InvalidSpec", "Unsupported",
+                   "ApplyFailed"}
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -153,8 +154,8 @@ async def reconcile(body: Any, memo: Any, loop: policy.LoopState | None = None,
             manifests.children(body, spec, memo.settings, fleet_state(loop, spec))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             problems = [specs.Problem("spec", f"cannot build the workers from this spec: {exc!r}")]
-    if problems:
-        _event(body, "InvalidSpec", "; ".join(str(p) for p in problems))
+    if problems:  # no child is created: nothing a worker would refuse reaches a pod
+        _event(body, specs.rejection_reason(problems), "; ".join(str(p) for p in problems))
         await write_status(memo, ns, name, problems=problems)
         return
     if _canary_hash(spec) != (prev.get("canary") or {}).get("configHash") and loop.canary_phase != "Idle":

@@ -12,6 +12,8 @@ import json
 import math
 from typing import Any
 
+from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
+
 from . import API_VERSION, GROUP, KIND
 
 MANAGED_BY = "specfleet-operator"
@@ -20,7 +22,7 @@ LABEL_ROLE = f"{GROUP}/role"
 LABEL_COMPONENT = "app.kubernetes.io/component"
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 CONFIG_DIR = "/etc/specfleet"
-MODEL_CACHE = "/var/cache/specfleet"
+MODEL_CACHE = DEFAULT_MODEL_CACHE  # where the worker also looks for a relative model path
 CONTROL_KEY = "control.json"
 WORKER_UID = 65532  # "nonroot" in distroless images
 PRESTOP_SLEEP_S = 5  # lets endpoints drop the pod before SIGTERM starts the drain
@@ -154,7 +156,7 @@ def replica_counts(spec: dict[str, Any], state: FleetState) -> tuple[int | None,
 
 def _env(spec: dict[str, Any], sdd_name: str, role: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
-        {"name": "SPECFLEET_MODEL_CACHE", "value": MODEL_CACHE},
+        {"name": MODEL_CACHE_ENV, "value": MODEL_CACHE},
         {"name": "HOME", "value": "/tmp"},
         {"name": "OTEL_SERVICE_NAME", "value": f"specfleet-{sdd_name}-{role}"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},

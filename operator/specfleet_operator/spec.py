@@ -1,6 +1,8 @@
-"""The SpecDecodeDeployment spec: the CRD's defaults applied as the API server would, and the
+"""The SpecDecodeDeployment spec: the CRD's defaults applied as the API server would, the
 semantic checks that the CRD's CEL rules make (for resources that slip past an API server without
-CEL, or were stored before a rule existed). Pure: dicts in, dicts and Problems out.
+CEL, or were stored before a rule existed), and each role's engine.json judged by the worker's own
+checker (specfleet_api), so that nothing a worker would refuse reaches a pod. Pure: dicts in,
+dicts and Problems out.
 """
 from __future__ import annotations
 
@@ -13,21 +15,18 @@ from typing import Any
 
 import yaml
 
-METHODS = ("ngram", "draft-model", "eagle", "medusa", "none")
-TREE_METHODS = ("eagle", "medusa")
+from specfleet_api.engine_config import (
+    INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason,
+)
+from specfleet_api.enums import METHODS
+
+from . import manifests
+
+__all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "parse_duration", "problems", "rejection_reason",
+           "served_problems", "spec_schema", "with_defaults"]
+
 _DURATION = re.compile(r"(\d+)(ms|s|m|h)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
-
-
-@dataclasses.dataclass(frozen=True)
-class Problem:
-    """One thing wrong with a spec: the field path (as kubectl names it) and what was expected."""
-
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.field}: {self.message}"
 
 
 @functools.cache
@@ -82,10 +81,12 @@ def parse_duration(text: str) -> float:
 
 
 def problems(spec: dict[str, Any]) -> list[Problem]:
-    """Every semantic problem in a (defaulted) spec, in the CRD's words; [] when valid.
+    """Every problem in a (defaulted) spec, in the CRD's words; [] when a worker would serve it.
 
-    The same rules as the CRD's x-kubernetes-validations, plus the enums the engine needs;
-    tests hold these and the CEL rules to the same verdicts.
+    First the CRD's x-kubernetes-validations (tests hold these and the CEL rules to the same
+    verdicts); when those pass, each role's engine.json as the worker's checker judges it: the
+    values the CRD reserves (CEL rejects them too) and the model URIs and tokenizer it does not
+    serve yet (only the operator judges those), each a Problem with reason Unsupported.
     """
     out: list[Problem] = []
     model = spec.get("model") or {}
@@ -107,10 +108,7 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
     elif not k_min <= k_init <= k_max:
         out.append(Problem("spec.speculation",
                            f"speculation must satisfy kMin <= kInitial <= kMax (got {k_min}, {k_init}, {k_max})"))
-    if method not in TREE_METHODS and spec_k.get("tree", {}).get("branching", 1) != 1:
-        out.append(Problem("spec.speculation.tree.branching",
-                           "tree speculation (branching > 1) needs draft.method eagle or medusa"))
-    if method not in ("ngram", "none", None) and "uri" not in draft:
+    if method in WEIGHTED_METHODS and "uri" not in draft:
         out.append(Problem("spec.draft.uri", "draft.uri is required for draft.method draft-model, eagle and medusa"))
     for prompt_type, routed in (spec.get("routing") or {}).get("byPromptType", {}).items():
         if routed not in METHODS:
@@ -124,7 +122,43 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
             parse_duration(text)
         except ValueError as exc:
             out.append(Problem(field, str(exc)))
+    return out or served_problems(spec)
+
+
+def served_problems(spec: dict[str, Any]) -> list[Problem]:
+    """What the worker's checker finds in each role's engine.json, named by spec field: a value
+    the canary overrides is reported there, the rest once, under spec.
+
+    >>> [str(p) for p in served_problems(with_defaults({"model": {"name": "m", "uri": "hf://org/m"},
+    ...                                                 "replicas": 1, "quantization": "fp8"}))]
+    ["spec.quantization: quantization 'fp8' is not supported yet; supported: none, int8", \
+"spec.model.uri: model.uri scheme 'hf' is not supported yet; supported: file, gguf (or a bare path)"]
+    """
+    out: list[Problem] = []
+    overrides = (spec.get("canary") or {}).get("overrides", {})
+    for role in ("stable", "canary") if spec.get("canary") else ("stable",):
+        try:
+            found = EngineConfig.from_dict(manifests.engine_config(spec, role), check=False).problems()
+        except (KeyError, TypeError, ValueError) as exc:
+            return [Problem("spec", f"cannot render the {role} workers' engine.json: {exc}")]
+        for p in found:
+            problem = dataclasses.replace(p, field=f"spec.{p.field}")
+            if role == "canary" and problem not in out:
+                # only the canary has it: its overrides (or what they combine with) caused it
+                canary_field = f"spec.canary.overrides.{p.field}"
+                problem = dataclasses.replace(p, field=canary_field) if _has_path(overrides, p.field) else \
+                    dataclasses.replace(p, field="spec.canary.overrides", message=f"{p.message} (with the overrides)")
+            if problem not in out:
+                out.append(problem)
     return out
+
+
+def _has_path(obj: dict[str, Any], dotted: str) -> bool:
+    for key in dotted.split("."):
+        if not isinstance(obj, dict) or key not in obj:
+            return False
+        obj = obj[key]
+    return True
 
 
 def _canary_problems(canary: dict[str, Any] | None) -> list[Problem]:

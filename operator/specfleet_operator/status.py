@@ -9,7 +9,7 @@ import dataclasses
 from typing import Any
 
 from .manifests import FleetState
-from .spec import Problem
+from .spec import Problem, rejection_reason
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Speculating", "CanaryProgressing")
 
@@ -75,9 +75,10 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     gen, o = observed.generation, observed
     stable, canary = o.stable, o.canary
     invalid = "; ".join(str(p) for p in o.problems)
+    rejected = rejection_reason(o.problems)  # InvalidSpec, or Unsupported: reserved, not served yet
 
     if invalid:
-        ready = (False, "InvalidSpec", invalid)
+        ready = (False, rejected, invalid)
     elif o.apply_error:
         ready = (False, "ApplyFailed", o.apply_error)
     elif stable is None:
@@ -91,16 +92,18 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
 
     rolling = not invalid and stable is not None and not (stable.rolled_out and (canary is None or canary.rolled_out))
     progressing = (True, "RollingOut", "workers are being rolled out") if rolling else \
-        (False, "RolloutComplete" if not invalid else "InvalidSpec", "no rollout in progress")
+        (False, "RolloutComplete" if not invalid else rejected, "no rollout in progress")
 
     if invalid or o.apply_error:
-        degraded = (True, "InvalidSpec" if invalid else "ApplyFailed", invalid or o.apply_error or "")
+        degraded = (True, rejected if invalid else "ApplyFailed", invalid or o.apply_error or "")
     elif o.state.mode == "fallback":
         degraded = (True, "Fallback", "the alpha SLO was missed: workers decode without speculation")
     else:
         degraded = (False, "AsExpected", "")
 
-    if o.draft_method == "none":
+    if invalid:
+        speculating = (False, rejected, "no workers run this spec (see Ready)")
+    elif o.draft_method == "none":
         speculating = (False, "DraftMethodNone", "draft.method is none")
     elif o.state.mode == "fallback":
         speculating = (False, "Fallback", "speculation is off until the SLO recovers")

@@ -26,6 +26,12 @@ from .policy import Metrics
 from .spec import crd
 
 
+#: What becomes of each file in deploy/examples/ (by stem): "served" (workers run it; every role's
+#: engine.json passes `specfleet serve --check-config`) or "rejected" before any pod is created
+#: (reserved values: CEL at the API server, else the operator's Ready=False, Unsupported).
+EXAMPLE_VERDICTS = {"ngram": "served", "canary-1pct": "served", "draft-model": "served", "eagle-tree": "rejected"}
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 

@@ -1,4 +1,5 @@
-"""`kubectl apply --validate=false -f deploy/examples/` against the emulator, then the operator."""
+"""`kubectl apply --validate=false -f deploy/examples/` against the emulator (no CEL there), then the
+operator: each served example becomes Ready, each reserved one is held at Unsupported, workerless."""
 import asyncio
 import pathlib
 import subprocess
@@ -6,7 +7,8 @@ import sys
 
 import yaml
 
-from specfleet_operator.testing import OperatorThread, ready, wait_for
+from specfleet_operator import API_VERSION
+from specfleet_operator.testing import EXAMPLE_VERDICTS, OperatorThread, ready, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -31,11 +33,23 @@ async def test_kubectl_apply_examples(cluster, tmp_path):
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     text = out.decode()
     assert proc.returncode == 0, text
-    names = {yaml.safe_load(p.read_text())["metadata"]["name"] for p in (ROOT / "deploy" / "examples").glob("*.yaml")}
-    for name in names:
+    verdicts = {yaml.safe_load(p.read_text())["metadata"]["name"]: EXAMPLE_VERDICTS[p.stem]
+                for p in (ROOT / "deploy" / "examples").glob("*.yaml")}
+    for name in verdicts:
         assert f"specdecodedeployment.serving.specfleet.dev/{name} created" in text, text
+    served = [n for n, v in verdicts.items() if v == "served"]
+    rejected = [n for n, v in verdicts.items() if v == "rejected"]
+    assert served and rejected
+
+    def unsupported(name):
+        conds = (cluster.live(API_VERSION, "specdecodedeployments", "default", name) or {}).get("status", {})
+        return any(c["type"] == "Ready" and c["status"] == "False" and c["reason"] == "Unsupported"
+                   for c in conds.get("conditions", []))
     op = OperatorThread(cluster.endpoint, "op-a").start()
     try:
-        await wait_for(lambda: all(ready(cluster, n) for n in names), 30, "every example Ready")
+        await wait_for(lambda: all(ready(cluster, n) for n in served), 30, "every served example Ready")
+        await wait_for(lambda: all(unsupported(n) for n in rejected), 30, "every reserved example Unsupported")
+        deployments = {d["metadata"]["name"] for d in cluster.all_live("apps/v1", "deployments")}
+        assert not any(d.startswith(f"{n}-") for n in rejected for d in deployments), deployments
     finally:
         await op.stop_and_join()

@@ -44,31 +44,32 @@ async def test_example_creates_every_child_owned_labelled_and_secured(cluster, k
     try:
         created = await kube.create(example("draft-model"))
         try:
-            await wait_for(lambda: ready(cluster, "llama-draft"), 8, "llama-draft Ready")
+            await wait_for(lambda: ready(cluster, "smollm2-draft"), 8, "smollm2-draft Ready")
         except AssertionError:
-            print(cluster.live(API_VERSION, SDDS, "default", "llama-draft"))
+            print(cluster.live(API_VERSION, SDDS, "default", "smollm2-draft"))
             print([e.get("message") for e in cluster.all_live("v1", "events")])
             raise
-        kids = children_of(cluster, "llama-draft")
-        assert set(kids) == {("ConfigMap", "llama-draft-engine"), ("Service", "llama-draft"),
-                             ("Service", "llama-draft-metrics"), ("Deployment", "llama-draft-stable"),
-                             ("PodDisruptionBudget", "llama-draft-stable"),
-                             ("HorizontalPodAutoscaler", "llama-draft-stable"),
-                             ("ServiceMonitor", "llama-draft-workers"), ("PrometheusRule", "llama-draft-alerts")}
+        kids = children_of(cluster, "smollm2-draft")
+        assert set(kids) == {("ConfigMap", "smollm2-draft-engine"), ("Service", "smollm2-draft"),
+                             ("Service", "smollm2-draft-metrics"), ("Deployment", "smollm2-draft-stable"),
+                             ("PodDisruptionBudget", "smollm2-draft-stable"),
+                             ("HorizontalPodAutoscaler", "smollm2-draft-stable"),
+                             ("ServiceMonitor", "smollm2-draft-workers"), ("PrometheusRule", "smollm2-draft-alerts")}
         for obj in kids.values():
             (owner,) = obj["metadata"]["ownerReferences"]
-            assert owner == {"apiVersion": API_VERSION, "kind": KIND, "name": "llama-draft",
+            assert owner == {"apiVersion": API_VERSION, "kind": KIND, "name": "smollm2-draft",
                              "uid": created["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
-            assert obj["metadata"]["labels"][m.LABEL_SDD] == "llama-draft"
-        pod = kids[("Deployment", "llama-draft-stable")]["spec"]["template"]["spec"]
+            assert obj["metadata"]["labels"][m.LABEL_SDD] == "smollm2-draft"
+        pod = kids[("Deployment", "smollm2-draft-stable")]["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
-        assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
-        engine = json.loads(kids[("ConfigMap", "llama-draft-engine")]["data"]["engine.json"])
-        assert engine["draft"] == {"method": "draft-model", "uri": "hf://meta-llama/Llama-3.2-1B-Instruct"}
+        assert pod["containers"][0]["resources"]["requests"]["cpu"] == "4"
+        assert pod["containers"][0]["image"] == example("draft-model")["spec"]["template"]["image"]
+        engine = json.loads(kids[("ConfigMap", "smollm2-draft-engine")]["data"]["engine.json"])
+        assert engine["draft"] == {"method": "draft-model", "uri": "gguf:///models/SmolLM2-135M-Instruct.Q8_0.gguf"}
         assert engine["routing"]["byPromptType"] == {"code": "ngram", "chat": "draft-model"}
-        assert engine["quantization"] == "fp8" and engine["role"] == "stable"
-        status = cluster.live(API_VERSION, SDDS, "default", "llama-draft")["status"]
+        assert engine["quantization"] == "int8" and engine["role"] == "stable"
+        status = cluster.live(API_VERSION, SDDS, "default", "smollm2-draft")["status"]
         assert status["observedGeneration"] == 1 and status["kRange"] == "1-6"
         await wait_for(lambda: events(cluster, "Created"), 10, "Created event")
     finally:
@@ -144,6 +145,38 @@ async def test_invalid_spec_gets_a_condition_and_event_not_a_crash(cluster, kube
         assert children_of(cluster, "bad") == {}
         await kube.create(sdd_body("good"))  # the operator keeps working
         await wait_for(lambda: ready(cluster, "good"), 20, "good Ready")
+    finally:
+        await op.stop_and_join()
+    assert op.result == 0
+
+
+def conditions(cluster, name):
+    st = (cluster.live(API_VERSION, SDDS, "default", name) or {}).get("status", {})
+    return {c["type"]: c for c in st.get("conditions", [])}
+
+
+async def test_what_no_worker_serves_is_held_unsupported_before_any_pod(cluster, kube):
+    """The emulator runs no CEL, as an API server that predates a rule would not: the operator
+    itself holds the reserved example, and a URI scheme only it judges, at Ready=False."""
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        await kube.create(example("eagle-tree"))
+        await kube.create(sdd_body("from-hub", model={"name": "m", "uri": "hf://org/model"}))
+        for name, words in [("llama-eagle", ["draft.method 'eagle' is not supported yet",
+                                             "speculation.tree.branching 3 is not supported yet"]),
+                            ("from-hub", ["model.uri scheme 'hf' is not supported yet"])]:
+            cond = await wait_for(lambda: conditions(cluster, name).get("Ready", {}).get("reason") == "Unsupported"
+                                  and conditions(cluster, name), 20, f"{name} Unsupported")
+            assert cond["Ready"]["status"] == "False" and all(w in cond["Ready"]["message"] for w in words)
+            assert cond["Speculating"]["status"] == "False" and cond["Speculating"]["reason"] == "Unsupported"
+            assert children_of(cluster, name) == {}  # no ConfigMap, no Deployment: no pod ever starts
+        await wait_for(lambda: len(events(cluster, "Unsupported")) >= 2, 10, "Unsupported events")
+        assert cluster.writes("POST", "/deployments") == 0
+        # fixing the spec is all it takes: the same resource then gets its workers
+        await kube.patch(API_VERSION, KIND, "default", "from-hub",
+                         {"spec": {"model": {"uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}}})
+        await wait_for(lambda: ready(cluster, "from-hub"), 20, "from-hub Ready once served")
+        assert ("Deployment", "from-hub-stable") in children_of(cluster, "from-hub")
     finally:
         await op.stop_and_join()
     assert op.result == 0
