@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from specfleet_bench.spec_bench import default_questions, load_questions
+from specfleet_bench.questions import default_questions, load_questions
 from specfleet_engine.engine import Engine
 from specfleet_engine.model import ModelArgs
 from specfleet_engine.sampling import SamplingParams

@@ -26,7 +26,7 @@ import grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
-from specfleet_bench.spec_bench import default_questions, load_questions  # noqa: E402
+from specfleet_bench.questions import default_questions, pick_prompts  # noqa: E402
 from specfleet_proto import worker_pb2 as pb  # noqa: E402
 from specfleet_proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 
@@ -43,20 +43,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="torch threads for the in-process worker")
     p.add_argument("--out", type=Path, default=Path("results/serving_bench.json"))
     return p.parse_args(argv)
-
-
-def pick_prompts(path: Path, limit: int) -> list[dict]:
-    """Round-robin over categories, so that a small --limit still sees every kind of prompt."""
-    by_cat: dict[str, list[dict]] = {}
-    for q in load_questions(path):
-        by_cat.setdefault(q["category"], []).append(q)
-    out, i = [], 0
-    while any(i < len(v) for v in by_cat.values()) and (not limit or len(out) < limit):
-        for qs in by_cat.values():
-            if i < len(qs) and (not limit or len(out) < limit):
-                out.append(qs[i])
-        i += 1
-    return out
 
 
 PROMPT_TYPES = {"coding": "code", "math_reasoning": "math", "summarization": "summarization", "rag": "rag",

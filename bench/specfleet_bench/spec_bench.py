@@ -18,17 +18,9 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from .questions import default_questions, load_questions
 
 DEFAULT_CONFIGS = "fp32/none,fp32/ngram,bf16/none,bf16/ngram,int8/none,int8/ngram,hf/plain,hf/lookup"
-
-
-def default_questions() -> Path:
-    env = os.environ.get("SPECFLEET_SPEC_BENCH")
-    if env:
-        return Path(env)
-    repo = Path(__file__).resolve().parents[2]
-    return repo.parent / "shared" / "data" / "spec_bench" / "question.dev.jsonl"
 
 
 def add_bench_args(p: argparse.ArgumentParser) -> None:
@@ -48,29 +40,10 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--plot", type=Path, default=Path("results/bench.png"), help="speedup plot (PNG)")
 
 
-def load_questions(path: Path, per_category: int = 0) -> list[dict]:
-    if not path.exists():
-        raise FileNotFoundError(f"question file {path} not found (pass --questions)")
-    out, seen = [], defaultdict(int)
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            q = json.loads(line)
-            q["turns"][0], q["category"]  # noqa: B018 - the fields every question must have
-        except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not a Spec-Bench question (need category and turns): {e}") from None
-        if per_category and seen[q["category"]] >= per_category:
-            continue
-        seen[q["category"]] += 1
-        out.append(q)
-    if not out:
-        raise ValueError(f"{path}: no questions")
-    return out
-
-
 def memory_bandwidth_gbs(mb: int = 512, reps: int = 5) -> float:
     """Read + write bandwidth of a large tensor copy, as STREAM's copy counts it."""
+    import torch
+
     src = torch.ones(mb * 2**20 // 4)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -112,6 +85,8 @@ class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None):
+        import torch
+
         from specfleet_engine.engine import Engine
         from specfleet_engine.factory import prepare_model
         from specfleet_engine.loader import load_tokenizer
@@ -135,6 +110,8 @@ class Runner:
                                                            dtype=torch.float32, local_files_only=True, **kw).eval()
 
     def run(self, prec: str, method: str, prompt: list[int], hf_lookup: int) -> tuple[list[int], float, int, int, int]:
+        import torch
+
         from specfleet_engine.sampling import SamplingParams
 
         if prec == "hf":
@@ -161,6 +138,8 @@ class Runner:
 
 def teacher_forced_agreement(engine_lp, prompt: list[int], output: list[int]) -> tuple[int, int]:
     """How many of fp32's greedy tokens the other model also ranks first, given fp32's prefix."""
+    import torch
+
     if not output:
         return 0, 0
     from specfleet_engine.sampling import SamplingParams
@@ -258,6 +237,8 @@ def plot(table: dict, configs: list[tuple[str, str]], path: Path) -> None:
 
 
 def run_bench(args) -> int:
+    import torch
+
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specfleet_bench.spec_bench import default_questions
+from specfleet_bench.questions import default_questions
 from specfleet_engine.engine import Engine
 from specfleet_engine.factory import prepare_model
 from specfleet_engine.loader import default_gguf_path, load_tokenizer

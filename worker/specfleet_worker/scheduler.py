@@ -375,9 +375,10 @@ class SpeedupMeter:
     For each step: its wall time, and what plain decoding would have taken for the same work.
     Prefills and the time around the engine count the same in both. The decoding part is
     re-priced: plain decoding emits one token per sequence per step, so the E tokens that B
-    sequences emitted would have taken E / B plain steps, each costing the calibrated forward
-    over B rows plus the step's own work outside its forward and proposing (sampling,
-    bookkeeping). The gauge is the ratio over a window of recent steps; the two running totals
+    sequences emitted would have taken E / B plain steps, each costing a forward over B rows
+    (this step's forward scaled by the calibrated cost of B rows over that of the rows it ran:
+    the level, and so the machine's momentary load, cancels) plus the step's own work outside
+    its forward and proposing (sampling, bookkeeping). The gauge is the ratio over a window of recent steps; the two running totals
     are exported too, so rate(plain) / rate(actual) gives it over any window.
     """
 
@@ -392,8 +393,10 @@ class SpeedupMeter:
         plain = elapsed
         if t.decode_seqs:
             outside = max(t.decode - t.forward - t.propose, 0.0)  # verification and bookkeeping
-            plain_step = engine.costs(t.decode_seqs) + outside
-            plain += t.emitted * plain_step / t.decode_seqs - t.decode
+            # the forward plain decoding would run, at this step's own speed: the calibrated shape
+            # prices B rows against the rows that ran, so contention hits both sides alike
+            forward = t.forward * engine.costs(t.decode_seqs) / engine.costs(t.decode_rows)
+            plain += t.emitted * (forward + outside) / t.decode_seqs - t.decode
         plain = max(plain, 0.0)
         self.add(plain, elapsed)
         return plain, elapsed
