@@ -215,7 +215,7 @@ def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_draf
     from specfleet_worker.main import build_engine
 
     engine = build_engine(EngineConfig(model_name="tiny-random"), max_kv_tokens=2048, max_batch_size=2)
-    assert engine.adaptive_k
+    assert engine.k_policy.name == "adaptive"
     assert max(engine.costs.seconds) == 2 * (8 + 1)  # max batch x (K_max + 1) rows
     values = [engine.costs.seconds[r] for r in sorted(engine.costs.seconds)]
     assert values == sorted(values)

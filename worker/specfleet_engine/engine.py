@@ -21,7 +21,7 @@ from .costs import StepCostModel
 from .k_policies import KPolicy, make_policy
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata
 from .model import Transformer
-from .proposers import NgramProposer, Proposal, Proposer
+from .proposers import Proposal, Proposer, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
 from .verify import verify_greedy, verify_sampling
 
@@ -146,7 +146,7 @@ class Engine:
     ):
         self.model = model
         self.tokenizer = tokenizer
-        self.proposers: dict[str, Proposer] = {"ngram": NgramProposer()} if proposers is None else dict(proposers)
+        self.proposers: dict[str, Proposer] = default_proposers() if proposers is None else dict(proposers)
         self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype)
         self.max_len = model.args.max_position_embeddings
         if eos_token_ids is None:

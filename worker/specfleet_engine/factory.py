@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import torch
 
-from specfleet_api.enums import SERVED_QUANTIZATIONS, Dtype, Quantization, not_served, resolve_dtype
+from specfleet_api.enums import SERVED_QUANTIZATIONS, Dtype, Method, Quantization, not_served, resolve_dtype
 
 from .loader import load_model, load_tokenizer
 from .model import interleave_rope, transpose_linears
-from .proposers import NgramProposer
+from .proposers import default_proposers, proposer_class
 from .quant import pack_linears, quantize_int8
 
 #: The torch dtype of each dtype specfleet_api serves (auto resolves to float32 first).
@@ -39,11 +39,9 @@ def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str =
         torch.set_num_threads(threads)
     model = prepare_model(model_name, dtype, quantization)
     tokenizer = load_tokenizer(model_name)
-    proposers = {"ngram": NgramProposer()}
+    proposers = default_proposers()
     if draft_model:
-        from .proposers.draft_model import DraftModelProposer
-
-        draft_tok = load_tokenizer(draft_model)
-        DraftModelProposer.check_tokenizers(tokenizer, draft_tok)
-        proposers["draft-model"] = DraftModelProposer(prepare_model(draft_model, dtype, quantization))
+        draft_class = proposer_class(Method.DRAFT_MODEL)
+        draft_class.check_tokenizers(tokenizer, load_tokenizer(draft_model))
+        proposers[Method.DRAFT_MODEL.value] = draft_class(prepare_model(draft_model, dtype, quantization))
     return model, tokenizer, proposers

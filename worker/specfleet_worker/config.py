@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 
 from specfleet_api.engine_config import AUTO, EngineConfig
+from specfleet_api.enums import Method
 
 __all__ = ["AUTO", "EngineConfig", "LiveConfig", "Settings"]
 
@@ -34,7 +35,7 @@ class Settings:
     def method_for(self, requested: str, prompt_type: str) -> str:
         """The method a new request runs with ("none" while speculation is off)."""
         if not self.speculation_enabled:
-            return "none"
+            return Method.NONE.value
         if requested and requested != AUTO:
             return requested
         return self.by_prompt_type.get(prompt_type, self.default_method)
@@ -44,12 +45,12 @@ class LiveConfig:
     """The current `Settings`; `update` validates against the methods the engine has."""
 
     def __init__(self, cfg: EngineConfig, methods: list[str]):
-        self.methods = sorted(set(methods) | {"none"})
+        self.methods = sorted(set(methods) | {Method.NONE.value})
         self._lock = threading.Lock()
-        default = self._usable(cfg.default_method, "routing.default", fallback="none")
+        default = self._usable(cfg.default_method, "routing.default", fallback=Method.NONE.value)
         routes = {t: self._usable(m, f"routing.byPromptType.{t}", fallback=default)
                   for t, m in cfg.by_prompt_type.items()}
-        self.settings = Settings(cfg.draft_method != "none", cfg.k_min, cfg.k_max,
+        self.settings = Settings(cfg.draft_method != Method.NONE, cfg.k_min, cfg.k_max,
                                  min(max(cfg.k_initial, cfg.k_min), cfg.k_max), cfg.k_policy, default, routes)
 
     def _usable(self, method: str, where: str, fallback: str) -> str:

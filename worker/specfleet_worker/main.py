@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from specfleet_api.engine_config import model_cache
+from specfleet_api.enums import Method
 
 from .config import EngineConfig, LiveConfig
 
@@ -123,27 +124,26 @@ def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int 
 def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, max_batch_size: int):
     """The engine for engine.json, built from the engine's own factory, its step costs calibrated.
 
-    The scheduler's K controller sets each request's K (within the live bounds, with hysteresis);
-    of each draft, the engine verifies the prefix that pays for itself at the calibrated cost of
-    the batch's rows, judged by the acceptance of that kind of draft (`Engine(adaptive_k=True)`)."""
+    The engine's K policy (`speculation.kPolicy`) chooses each request's K within the live bounds
+    that the scheduler applies; `adaptive` prices drafts with the calibrated step costs."""
     import torch
 
     from specfleet_engine.engine import Engine
-    from specfleet_engine.proposers import NgramProposer
+    from specfleet_engine.proposers import default_proposers
 
     if threads:
         torch.set_num_threads(threads)
     if TINY_MODEL in (cfg.model_name, cfg.model_uri):
         from specfleet_engine.testing import tiny_model
 
-        model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), None, {"ngram": NgramProposer()}
+        model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), None, default_proposers()
     else:
         from specfleet_engine.factory import build_engine_parts
 
         dtype = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}.get(cfg.dtype, cfg.dtype)
-        draft = cfg.draft_uri if cfg.draft_method == "draft-model" else None
+        draft = cfg.draft_uri if cfg.draft_method == Method.DRAFT_MODEL else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), dtype, cfg.quantization, draft, threads)
-    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy="adaptive")
+    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy)
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})

@@ -16,6 +16,8 @@ import grpc
 from opentelemetry import trace
 
 from specfleet_engine.sampling import SamplingParams
+from specfleet_api.enums import Method
+
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
@@ -121,7 +123,7 @@ class Worker:
         if context is not None and context.time_remaining() is not None:
             deadline = time.monotonic() + context.time_remaining()
         rid = msg.request_id or uuid.uuid4().hex
-        req = Request(rid, prompt, params, method, prompt_type, settings.k_initial if method != "none" else 0, deadline)
+        req = Request(rid, prompt, params, method, prompt_type, settings.k_initial if method != Method.NONE else 0, deadline)
         return req
 
     def _prompt_ids(self, msg: pb.GenerateRequest) -> list[int]:
@@ -178,7 +180,7 @@ class Worker:
             method=req.method, num_steps=s.num_steps, num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
             acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
-            draft_errors=s.draft_errors, final_k=seq.k if req.method != "none" else 0)
+            draft_errors=s.draft_errors, final_k=seq.k if req.method != Method.NONE else 0)
 
 
 class TextStream:

@@ -10,7 +10,7 @@ import grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specfleet_engine.engine import Engine
-from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.proposers import default_proposers
 from specfleet_worker.app import WorkerServer
 from specfleet_worker.config import EngineConfig
 from specfleet_worker.main import make_worker
@@ -40,7 +40,7 @@ class CharTokenizer:
 def tiny_engine(tokenizer=None, proposers=None, **kw) -> Engine:
     kw.setdefault("k_policy", "fixed")  # the scheduler's K controller owns K, as in serving
     return Engine(tiny_model(seed=0, scale=4.0), tokenizer,
-                  proposers=proposers if proposers is not None else {"ngram": NgramProposer()}, **kw)
+                  proposers=proposers if proposers is not None else default_proposers(), **kw)
 
 
 class Running:

@@ -1,6 +1,29 @@
-"""Draft proposers, one file each, all with `propose(seqs, ks) -> list[Proposal]`."""
+"""Draft proposers, one file each, all with `propose(seqs, ks) -> list[Proposal]`, and the one
+registry from the API's draft methods to them."""
+
+from __future__ import annotations
+
+from specfleet_api.enums import SPECULATIVE_METHODS, Method
 
 from .base import Proposal, Proposer, SequenceView
 from .ngram import NgramProposer, ngram_propose
 
-__all__ = ["Proposal", "Proposer", "SequenceView", "NgramProposer", "ngram_propose"]
+
+def proposer_class(method: str) -> type:
+    """The class that proposes drafts for `method` (a served speculative method)."""
+    if method == Method.NGRAM:
+        return NgramProposer
+    if method == Method.DRAFT_MODEL:
+        from .draft_model import DraftModelProposer  # its model comes from the factory
+
+        return DraftModelProposer
+    raise ValueError(f"no proposer for draft method {method!r}; proposers exist for {', '.join(SPECULATIVE_METHODS)}")
+
+
+def default_proposers() -> dict[str, Proposer]:
+    """The proposers that need no model of their own (today: n-gram), keyed by method name."""
+    return {Method.NGRAM.value: NgramProposer()}
+
+
+__all__ = ["NgramProposer", "Proposal", "Proposer", "SequenceView", "default_proposers", "ngram_propose",
+           "proposer_class"]

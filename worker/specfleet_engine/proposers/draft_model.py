@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from specfleet_api.enums import Method
+
 from ..kv_cache import BlockTable, PagedKVCache, batch_metadata
 from ..model import Transformer
 from ..sampling import logits_to_probs, sample_from
@@ -16,7 +18,7 @@ class TokenizerMismatch(ValueError):
 
 
 class DraftModelProposer:
-    name = "draft-model"
+    name = Method.DRAFT_MODEL.value
     cheap = False
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):

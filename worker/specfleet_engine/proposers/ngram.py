@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from specfleet_api.enums import Method
+
 from .base import Proposal, SequenceView
 
 
@@ -64,7 +66,7 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 
 class NgramProposer:
-    name = "ngram"
+    name = Method.NGRAM.value
     cheap = True
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
