@@ -108,6 +108,8 @@ def _generate(args) -> int:
     model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
                                                      args.draft_model, args.threads)
     engine = Engine(model, tokenizer, proposers=proposers)
+    if args.method != Method.NONE:
+        engine.calibrate(sizes=list(range(1, args.k + 2)))  # adaptive K prices drafts with these costs
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     params.validate()
