@@ -18,6 +18,8 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from specfleet_api.enums import DTYPE_ALIASES, SERVED_DTYPES, SERVED_QUANTIZATIONS, Method, Quantization
+
 from .questions import default_questions, load_questions
 
 DEFAULT_CONFIGS = "fp32/none,fp32/ngram,bf16/none,bf16/ngram,int8/none,int8/ngram,hf/plain,hf/lookup"
@@ -67,17 +69,34 @@ class Run:
     output: list[int]
 
 
+#: PRECISION names of --configs: the served dtypes' short names, then the served quantizations
+PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + tuple(
+    q for q in SERVED_QUANTIZATIONS if q != Quantization.NONE)
+#: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model)
+METHODS = (Method.NONE.value, Method.NGRAM.value)
+HF_METHODS = ("plain", "lookup")
+BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
+
+
+def precision_parts(prec: str) -> tuple[str, str]:
+    """(dtype, quantization) of a --configs precision: a dtype's short name, or a quantization
+    of fp32 weights."""
+    if prec in SERVED_QUANTIZATIONS:
+        return PRECISIONS[0], prec
+    return prec, Quantization.NONE.value
+
+
 def parse_configs(spec: str) -> list[tuple[str, str]]:
     out = []
     for item in spec.split(","):
         prec, _, method = item.strip().partition("/")
-        ok = (prec in ("fp32", "bf16", "int8") and method in ("none", "ngram")) or \
-             (prec == "hf" and method in ("plain", "lookup"))
+        ok = (prec in PRECISIONS and method in METHODS) or (prec == "hf" and method in HF_METHODS)
         if not ok:
-            raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD (fp32|bf16|int8 / none|ngram, or hf/plain|hf/lookup)")
+            raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
+                             f"{'|'.join(METHODS)}, or hf/{'|hf/'.join(HF_METHODS)})")
         out.append((prec, method))
-    if ("fp32", "none") not in out:
-        out.insert(0, ("fp32", "none"))  # the baseline every ratio is taken against
+    if BASELINE not in out:
+        out.insert(0, BASELINE)
     return out
 
 
@@ -95,7 +114,7 @@ class Runner:
         self.max_tokens, self.k = max_tokens, k
         self.engines = {}
         for prec in sorted(precisions):
-            dtype, quant = ("fp32", "int8") if prec == "int8" else (prec, "none")
+            dtype, quant = precision_parts(prec)
             self.engines[prec] = Engine(prepare_model(model_name, dtype, quant), self.tokenizer, max_kv_tokens=8192)
             self.engines[prec].calibrate()
         self.hf = None
@@ -276,8 +295,8 @@ def run_bench(args) -> int:
             for prec, method in configs:
                 if method == "ngram" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
                     mismatches[prec] += 1
-            for prec in precisions - {"fp32"}:
-                a, n = teacher_forced_agreement(runner.engines[prec], prompt, outputs[("fp32", "none")])
+            for prec in precisions - {BASELINE[0]}:
+                a, n = teacher_forced_agreement(runner.engines[prec], prompt, outputs[BASELINE])
                 agreement[prec][0] += a
                 agreement[prec][1] += n
             progress.advance(task)

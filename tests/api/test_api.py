@@ -12,10 +12,7 @@ GENERIC = {"none", "auto"}  # words that are not a list of ours on their own
 NAMES = (set(enums.METHODS) | set(enums.QUANTIZATIONS) | set(enums.DTYPES) | set(enums.K_POLICIES)
          | set(enums.DTYPE_ALIASES)) - GENERIC
 #: Files that still hold such a list, each with its owner's reason; shrink it, never grow it.
-KNOWN = {
-    # the benchmark's own --configs grammar (precision/method), parsed before any engine exists
-    "bench/specfleet_bench/spec_bench.py",
-}
+KNOWN: set[str] = set()
 
 
 def test_the_docstrings_hold():

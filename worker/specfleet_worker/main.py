@@ -140,9 +140,8 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     else:
         from specfleet_engine.factory import build_engine_parts
 
-        dtype = {"auto": "fp32", "float32": "fp32", "bfloat16": "bf16"}.get(cfg.dtype, cfg.dtype)
         draft = cfg.draft_uri if cfg.draft_method == Method.DRAFT_MODEL else None
-        model, tokenizer, proposers = build_engine_parts(_model_source(cfg), dtype, cfg.quantization, draft, threads)
+        model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy)
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
