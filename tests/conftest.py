@@ -10,3 +10,12 @@ def _one_thread_for_tiny_models(request):
     else:
         torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture
+def redis_server():
+    """A redis-server of its own on a free loopback port, stopped after the test."""
+    from specfleet_local.redis_server import RedisServer
+
+    with RedisServer() as server:
+        yield server

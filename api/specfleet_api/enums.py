@@ -119,3 +119,23 @@ def resolve_dtype(value: str) -> str:
     if name not in SERVED_DTYPES:
         raise ValueError(not_served("dtype", value, SERVED_DTYPES))
     return Dtype.FLOAT32.value if name == Dtype.AUTO else name
+
+
+class PromptType(str, Enum):
+    """The fixed set of request kinds the router classifies into; the routing table's keys and
+    the `prompt_type` label of the acceptance metrics (docs/router.md says how each is told)."""
+
+    CHAT = "chat"  # conversation, open questions, writing, role play
+    CODE = "code"  # code fences, programming keywords, "write a function"
+    MATH = "math"  # word problems, equations, arithmetic
+    EXTRACTION = "extraction"  # pull facts out of a given text: "extract", "identify ... from"
+    SUMMARIZATION = "summarization"  # "summarize", "tl;dr"
+    TRANSLATION = "translation"  # "translate ... into ..."
+    RAG = "rag"  # a long pasted context followed by a question
+    OTHER = "other"  # nothing to go on (no words)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+PROMPT_TYPES: tuple[str, ...] = tuple(t.value for t in PromptType)

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/worker.proto\x12\x0cspecfleet.v1\"\xfb\x02\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1b\n\x13\x61pply_chat_template\x18\x04 \x01(\x08\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1a\n\x12speculation_method\x18\r \x01(\t\x12\x13\n\x0bprompt_type\x18\x0e \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xfd\x01\n\x10SpeculationStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_errors\x18\t \x01(\r\x12\x0f\n\x07\x66inal_k\x18\n \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\x12\x1d\n\x15time_to_first_token_s\x18\x08 \x01(\x01\x12\x11\n\tlatency_s\x18\t \x01(\x01\"\xcf\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\"\x12\n\x10GetConfigRequest\"\xcd\x03\n\x0cWorkerConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cquantization\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x1b\n\x13speculation_enabled\x18\x04 \x01(\x08\x12\r\n\x05k_min\x18\x05 \x01(\r\x12\r\n\x05k_max\x18\x06 \x01(\r\x12\x11\n\tk_initial\x18\x07 \x01(\r\x12\x10\n\x08k_policy\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\t \x01(\t\x12Q\n\x15method_by_prompt_type\x18\n \x03(\x0b\x32\x32.specfleet.v1.WorkerConfig.MethodByPromptTypeEntry\x12\x0f\n\x07methods\x18\x0b \x03(\t\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12\x11\n\tmax_queue\x18\r \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x0e \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x0f \x01(\r\x12\x16\n\x0etree_branching\x18\x10 \x01(\r\x1a\x39\n\x17MethodByPromptTypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x02\n\x13UpdateConfigRequest\x12 \n\x13speculation_enabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05k_min\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05k_max\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x66\x61ult_method\x18\x04 \x01(\tH\x03\x88\x01\x01\x12X\n\x15method_by_prompt_type\x18\x05 \x03(\x0b\x32\x39.specfleet.v1.UpdateConfigRequest.MethodByPromptTypeEntry\x1a\x39\n\x17MethodByPromptTypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x16\n\x14_speculation_enabledB\x08\n\x06_k_minB\x08\n\x06_k_maxB\x11\n\x0f_default_method\"\x11\n\x0fGetStatsRequest\"\xa0\x04\n\x0bWorkerStats\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12\x16\n\x0erejected_total\x18\x06 \x01(\x04\x12\x14\n\x0c\x66\x61iled_total\x18\x07 \x01(\x04\x12\x12\n\nnum_drafts\x18\x08 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\t \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\n \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x0b \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x0c \x01(\x01\x12\x15\n\rspeedup_ratio\x18\r \x01(\x01\x12\x61\n\x1e\x61\x63\x63\x65ptance_rate_by_prompt_type\x18\x0e \x03(\x0b\x32\x39.specfleet.v1.WorkerStats.AcceptanceRateByPromptTypeEntry\x12\r\n\x05ready\x18\x0f \x01(\x08\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x14\n\x0c\x64raft_errors\x18\x11 \x01(\x04\x1a\x41\n\x1f\x41\x63\x63\x65ptanceRateByPromptTypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xb0\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.specfleet.v1.GenerateRequest\x1a\x1e.specfleet.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.specfleet.v1.GenerateRequest\x1a$.specfleet.v1.GenerateStreamResponse0\x01\x32\xe5\x01\n\x05\x41\x64min\x12G\n\tGetConfig\x12\x1e.specfleet.v1.GetConfigRequest\x1a\x1a.specfleet.v1.WorkerConfig\x12M\n\x0cUpdateConfig\x12!.specfleet.v1.UpdateConfigRequest\x1a\x1a.specfleet.v1.WorkerConfig\x12\x44\n\x08GetStats\x12\x1d.specfleet.v1.GetStatsRequest\x1a\x19.specfleet.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specfleet/v1/worker.proto\x12\x0cspecfleet.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa8\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\x05\x12\x1b\n\x13\x61pply_chat_template\x18\x04 \x01(\x08\x12+\n\x08messages\x18\x0f \x03(\x0b\x32\x19.specfleet.v1.ChatMessage\x12\x17\n\nmax_tokens\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x06 \x01(\x01H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x07 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05top_p\x18\x08 \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x10\n\x08logprobs\x18\x0b \x01(\x08\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x1a\n\x12speculation_method\x18\r \x01(\t\x12\x13\n\x0bprompt_type\x18\x0e \x01(\tB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_kB\x08\n\x06_top_pB\x07\n\x05_seed\"\xfd\x01\n\x10SpeculationStats\x12\x0e\n\x06method\x18\x01 \x01(\t\x12\x11\n\tnum_steps\x18\x02 \x01(\r\x12\x12\n\nnum_drafts\x18\x03 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x04 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x05 \x01(\r\x12\x1d\n\x15\x61\x63\x63\x65pted_per_position\x18\x06 \x03(\r\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x07 \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x08 \x01(\x01\x12\x14\n\x0c\x64raft_errors\x18\t \x01(\r\x12\x0f\n\x07\x66inal_k\x18\n \x01(\r\"9\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\"\xfb\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\x12\x1d\n\x15time_to_first_token_s\x18\x08 \x01(\x01\x12\x11\n\tlatency_s\x18\t \x01(\x01\"\xcf\x01\n\x16GenerateStreamResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x10\n\x08logprobs\x18\x04 \x03(\x02\x12\x15\n\rfinish_reason\x18\x05 \x01(\t\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.specfleet.v1.Usage\x12\x33\n\x0bspeculation\x18\x07 \x01(\x0b\x32\x1e.specfleet.v1.SpeculationStats\"\x12\n\x10GetConfigRequest\"\xcd\x03\n\x0cWorkerConfig\x12\r\n\x05model\x18\x01 \x01(\t\x12\x14\n\x0cquantization\x18\x02 \x01(\t\x12\x0c\n\x04role\x18\x03 \x01(\t\x12\x1b\n\x13speculation_enabled\x18\x04 \x01(\x08\x12\r\n\x05k_min\x18\x05 \x01(\r\x12\r\n\x05k_max\x18\x06 \x01(\r\x12\x11\n\tk_initial\x18\x07 \x01(\r\x12\x10\n\x08k_policy\x18\x08 \x01(\t\x12\x16\n\x0e\x64\x65\x66\x61ult_method\x18\t \x01(\t\x12Q\n\x15method_by_prompt_type\x18\n \x03(\x0b\x32\x32.specfleet.v1.WorkerConfig.MethodByPromptTypeEntry\x12\x0f\n\x07methods\x18\x0b \x03(\t\x12\x16\n\x0emax_batch_size\x18\x0c \x01(\r\x12\x11\n\tmax_queue\x18\r \x01(\r\x12\x18\n\x10max_tokens_limit\x18\x0e \x01(\r\x12\x16\n\x0e\x63ontext_length\x18\x0f \x01(\r\x12\x16\n\x0etree_branching\x18\x10 \x01(\r\x1a\x39\n\x17MethodByPromptTypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\xd0\x02\n\x13UpdateConfigRequest\x12 \n\x13speculation_enabled\x18\x01 \x01(\x08H\x00\x88\x01\x01\x12\x12\n\x05k_min\x18\x02 \x01(\rH\x01\x88\x01\x01\x12\x12\n\x05k_max\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x1b\n\x0e\x64\x65\x66\x61ult_method\x18\x04 \x01(\tH\x03\x88\x01\x01\x12X\n\x15method_by_prompt_type\x18\x05 \x03(\x0b\x32\x39.specfleet.v1.UpdateConfigRequest.MethodByPromptTypeEntry\x1a\x39\n\x17MethodByPromptTypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x42\x16\n\x14_speculation_enabledB\x08\n\x06_k_minB\x08\n\x06_k_maxB\x11\n\x0f_default_method\"\x11\n\x0fGetStatsRequest\"\xa0\x04\n\x0bWorkerStats\x12\x13\n\x0bqueue_depth\x18\x01 \x01(\r\x12\x0f\n\x07running\x18\x02 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x03 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x04 \x01(\r\x12\x16\n\x0erequests_total\x18\x05 \x01(\x04\x12\x16\n\x0erejected_total\x18\x06 \x01(\x04\x12\x14\n\x0c\x66\x61iled_total\x18\x07 \x01(\x04\x12\x12\n\nnum_drafts\x18\x08 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\t \x01(\x04\x12\x1b\n\x13num_accepted_tokens\x18\n \x01(\x04\x12\x17\n\x0f\x61\x63\x63\x65ptance_rate\x18\x0b \x01(\x01\x12\x1c\n\x14mean_accepted_length\x18\x0c \x01(\x01\x12\x15\n\rspeedup_ratio\x18\r \x01(\x01\x12\x61\n\x1e\x61\x63\x63\x65ptance_rate_by_prompt_type\x18\x0e \x03(\x0b\x32\x39.specfleet.v1.WorkerStats.AcceptanceRateByPromptTypeEntry\x12\r\n\x05ready\x18\x0f \x01(\x08\x12\x10\n\x08\x64raining\x18\x10 \x01(\x08\x12\x14\n\x0c\x64raft_errors\x18\x11 \x01(\x04\x1a\x41\n\x1f\x41\x63\x63\x65ptanceRateByPromptTypeEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x32\xb0\x01\n\nGeneration\x12I\n\x08Generate\x12\x1d.specfleet.v1.GenerateRequest\x1a\x1e.specfleet.v1.GenerateResponse\x12W\n\x0eGenerateStream\x12\x1d.specfleet.v1.GenerateRequest\x1a$.specfleet.v1.GenerateStreamResponse0\x01\x32\xe5\x01\n\x05\x41\x64min\x12G\n\tGetConfig\x12\x1e.specfleet.v1.GetConfigRequest\x1a\x1a.specfleet.v1.WorkerConfig\x12M\n\x0cUpdateConfig\x12!.specfleet.v1.UpdateConfigRequest\x1a\x1a.specfleet.v1.WorkerConfig\x12\x44\n\x08GetStats\x12\x1d.specfleet.v1.GetStatsRequest\x1a\x19.specfleet.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -38,34 +38,36 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_UPDATECONFIGREQUEST_METHODBYPROMPTTYPEENTRY']._serialized_options = b'8\001'
   _globals['_WORKERSTATS_ACCEPTANCERATEBYPROMPTTYPEENTRY']._loaded_options = None
   _globals['_WORKERSTATS_ACCEPTANCERATEBYPROMPTTYPEENTRY']._serialized_options = b'8\001'
-  _globals['_GENERATEREQUEST']._serialized_start=44
-  _globals['_GENERATEREQUEST']._serialized_end=423
-  _globals['_SPECULATIONSTATS']._serialized_start=426
-  _globals['_SPECULATIONSTATS']._serialized_end=679
-  _globals['_USAGE']._serialized_start=681
-  _globals['_USAGE']._serialized_end=738
-  _globals['_GENERATERESPONSE']._serialized_start=741
-  _globals['_GENERATERESPONSE']._serialized_end=992
-  _globals['_GENERATESTREAMRESPONSE']._serialized_start=995
-  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1202
-  _globals['_GETCONFIGREQUEST']._serialized_start=1204
-  _globals['_GETCONFIGREQUEST']._serialized_end=1222
-  _globals['_WORKERCONFIG']._serialized_start=1225
-  _globals['_WORKERCONFIG']._serialized_end=1686
-  _globals['_WORKERCONFIG_METHODBYPROMPTTYPEENTRY']._serialized_start=1629
-  _globals['_WORKERCONFIG_METHODBYPROMPTTYPEENTRY']._serialized_end=1686
-  _globals['_UPDATECONFIGREQUEST']._serialized_start=1689
-  _globals['_UPDATECONFIGREQUEST']._serialized_end=2025
-  _globals['_UPDATECONFIGREQUEST_METHODBYPROMPTTYPEENTRY']._serialized_start=1629
-  _globals['_UPDATECONFIGREQUEST_METHODBYPROMPTTYPEENTRY']._serialized_end=1686
-  _globals['_GETSTATSREQUEST']._serialized_start=2027
-  _globals['_GETSTATSREQUEST']._serialized_end=2044
-  _globals['_WORKERSTATS']._serialized_start=2047
-  _globals['_WORKERSTATS']._serialized_end=2591
-  _globals['_WORKERSTATS_ACCEPTANCERATEBYPROMPTTYPEENTRY']._serialized_start=2526
-  _globals['_WORKERSTATS_ACCEPTANCERATEBYPROMPTTYPEENTRY']._serialized_end=2591
-  _globals['_GENERATION']._serialized_start=2594
-  _globals['_GENERATION']._serialized_end=2770
-  _globals['_ADMIN']._serialized_start=2773
-  _globals['_ADMIN']._serialized_end=3002
+  _globals['_CHATMESSAGE']._serialized_start=43
+  _globals['_CHATMESSAGE']._serialized_end=87
+  _globals['_GENERATEREQUEST']._serialized_start=90
+  _globals['_GENERATEREQUEST']._serialized_end=514
+  _globals['_SPECULATIONSTATS']._serialized_start=517
+  _globals['_SPECULATIONSTATS']._serialized_end=770
+  _globals['_USAGE']._serialized_start=772
+  _globals['_USAGE']._serialized_end=829
+  _globals['_GENERATERESPONSE']._serialized_start=832
+  _globals['_GENERATERESPONSE']._serialized_end=1083
+  _globals['_GENERATESTREAMRESPONSE']._serialized_start=1086
+  _globals['_GENERATESTREAMRESPONSE']._serialized_end=1293
+  _globals['_GETCONFIGREQUEST']._serialized_start=1295
+  _globals['_GETCONFIGREQUEST']._serialized_end=1313
+  _globals['_WORKERCONFIG']._serialized_start=1316
+  _globals['_WORKERCONFIG']._serialized_end=1777
+  _globals['_WORKERCONFIG_METHODBYPROMPTTYPEENTRY']._serialized_start=1720
+  _globals['_WORKERCONFIG_METHODBYPROMPTTYPEENTRY']._serialized_end=1777
+  _globals['_UPDATECONFIGREQUEST']._serialized_start=1780
+  _globals['_UPDATECONFIGREQUEST']._serialized_end=2116
+  _globals['_UPDATECONFIGREQUEST_METHODBYPROMPTTYPEENTRY']._serialized_start=1720
+  _globals['_UPDATECONFIGREQUEST_METHODBYPROMPTTYPEENTRY']._serialized_end=1777
+  _globals['_GETSTATSREQUEST']._serialized_start=2118
+  _globals['_GETSTATSREQUEST']._serialized_end=2135
+  _globals['_WORKERSTATS']._serialized_start=2138
+  _globals['_WORKERSTATS']._serialized_end=2682
+  _globals['_WORKERSTATS_ACCEPTANCERATEBYPROMPTTYPEENTRY']._serialized_start=2617
+  _globals['_WORKERSTATS_ACCEPTANCERATEBYPROMPTTYPEENTRY']._serialized_end=2682
+  _globals['_GENERATION']._serialized_start=2685
+  _globals['_GENERATION']._serialized_end=2861
+  _globals['_ADMIN']._serialized_start=2864
+  _globals['_ADMIN']._serialized_end=3093
 # @@protoc_insertion_point(module_scope)

@@ -1,0 +1,115 @@
+"""The fleet's live routing state: what routers and workers act on between two reconciles.
+
+The SpecDecodeDeployment's spec and status stay the source of truth; the operator (or, locally,
+`specfleet up`'s loop) derives this from them and writes it to Redis under one key per
+deployment, as one JSON document with a version that only grows. Routers and workers poll it
+(and so pick up a change within their poll period) and keep the last state they read when Redis
+is away (fail static). Torch-free: the operator, the router and the worker all import it.
+
+Keys (docs/router.md):
+    specfleet:v1:<namespace>/<name>:state         this document (a Redis string, JSON)
+    specfleet:v1:<namespace>/<name>:window:<arm>  worker windows (a hash per pod, field = prompt type)
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+
+from .enums import METHODS, PROMPT_TYPES
+
+PREFIX = "specfleet:v1:"
+ARMS = ("stable", "canary")
+
+
+def state_key(namespace: str, name: str) -> str:
+    """The Redis key of a deployment's live state.
+
+    >>> state_key("default", "chat")
+    'specfleet:v1:default/chat:state'
+    """
+    return f"{PREFIX}{namespace}/{name}:state"
+
+
+def window_key(namespace: str, name: str, arm: str) -> str:
+    return f"{PREFIX}{namespace}/{name}:window:{arm}"
+
+
+@dataclass(frozen=True)
+class KBounds:
+    k_min: int = 0
+    k_max: int = 8
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """One deployment's live state. `canary_weight` is the canary arm's share of requests in
+    percent (two decimals); `routes` maps a prompt type to a draft method (`default` for the
+    rest); a prompt type in `fallback` runs `none`; `speculate` False turns speculation off for
+    the whole deployment (its fallback); `k` holds each arm's K bounds."""
+
+    version: int = 0
+    canary_weight: float = 0.0
+    default_method: str = "ngram"
+    routes: dict[str, str] = field(default_factory=dict)
+    fallback: tuple[str, ...] = ()
+    speculate: bool = True
+    k: dict[str, KBounds] = field(default_factory=dict)
+    updated: float = 0.0  # when the writer wrote it (seconds since the epoch)
+
+    def method_for(self, prompt_type: str) -> str:
+        """The draft method a request of this prompt type runs with."""
+        if not self.speculate or prompt_type in self.fallback:
+            return "none"
+        return self.routes.get(prompt_type, self.default_method)
+
+    def problems(self) -> list[str]:
+        out = []
+        if not 0.0 <= self.canary_weight <= 100.0 or round(self.canary_weight, 2) != self.canary_weight:
+            out.append(f"canary_weight: {self.canary_weight} is not a percentage with at most two decimals")
+        for where, method in [("default_method", self.default_method)] + [
+                (f"routes[{t!r}]", m) for t, m in self.routes.items()]:
+            if method not in METHODS:
+                out.append(f"{where}: {method!r} is not a draft method ({', '.join(METHODS)})")
+        for t in list(self.routes) + list(self.fallback):
+            if t not in PROMPT_TYPES:
+                out.append(f"prompt type {t!r} is not one of {', '.join(PROMPT_TYPES)}")
+        for arm, b in self.k.items():
+            if arm not in ARMS or not 0 <= b.k_min <= b.k_max <= 32:
+                out.append(f"k[{arm!r}]: need an arm of {ARMS} and 0 <= kMin <= kMax <= 32, got {b}")
+        return out
+
+    def to_json(self) -> str:
+        raw = asdict(self)
+        raw["fallback"] = list(self.fallback)
+        raw["k"] = {arm: {"kMin": b.k_min, "kMax": b.k_max} for arm, b in self.k.items()}
+        return json.dumps(raw, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> LiveState:
+        """Raises ValueError naming what is wrong."""
+        try:
+            raw = json.loads(text)
+            state = cls(version=int(raw["version"]), canary_weight=float(raw.get("canary_weight", 0.0)),
+                        default_method=str(raw.get("default_method", "ngram")),
+                        routes={str(k): str(v) for k, v in (raw.get("routes") or {}).items()},
+                        fallback=tuple(str(t) for t in raw.get("fallback") or ()),
+                        speculate=bool(raw.get("speculate", True)),
+                        k={arm: KBounds(int(b["kMin"]), int(b["kMax"])) for arm, b in (raw.get("k") or {}).items()},
+                        updated=float(raw.get("updated", 0.0)))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"live state: not a state document ({type(e).__name__}: {e})") from None
+        problems = state.problems()
+        if problems:
+            raise ValueError("live state: " + "; ".join(problems))
+        return state
+
+    def next(self, **changes) -> LiveState:
+        """The next version with `changes` applied, stamped now."""
+        raw = {**asdict(self), **changes}
+        raw["k"] = {arm: b if isinstance(b, KBounds) else KBounds(**b) for arm, b in raw["k"].items()}
+        raw["fallback"] = tuple(raw["fallback"])
+        raw["version"] = self.version + 1
+        raw["updated"] = time.time()
+        return LiveState(**raw)

@@ -1,0 +1,37 @@
+"""The live state document: round trip, versions, and refusals that name the field."""
+from __future__ import annotations
+
+import doctest
+
+import pytest
+
+from specfleet_api import live_state
+from specfleet_api.live_state import KBounds, LiveState
+
+
+def test_docstring_examples():
+    assert doctest.testmod(live_state).failed == 0
+
+
+def test_round_trip_and_next_version():
+    s = LiveState(version=3, canary_weight=1.25, routes={"code": "none", "translation": "ngram"},
+                  fallback=("rag",), k={"stable": KBounds(0, 8), "canary": KBounds(2, 4)})
+    assert LiveState.from_json(s.to_json()) == s
+    n = s.next(canary_weight=5.0)
+    assert n.version == 4 and n.canary_weight == 5.0 and n.updated > 0 and n.k == s.k
+    assert s.method_for("code") == "none" and s.method_for("rag") == "none" and s.method_for("chat") == "ngram"
+    assert LiveState(speculate=False).method_for("chat") == "none"
+
+
+@pytest.mark.parametrize("doc,field", [
+    ('{"version": 1, "canary_weight": 1.234}', "canary_weight"),
+    ('{"version": 1, "routes": {"code": "eagle2"}}', "routes['code']"),
+    ('{"version": 1, "fallback": ["poetry"]}', "poetry"),
+    ('{"version": 1, "k": {"stable": {"kMin": 5, "kMax": 2}}}', "k['stable']"),
+    ('{"canary_weight": 1}', "version"),
+    ("not json", "not a state document"),
+])
+def test_bad_documents_are_refused_naming_what_is_wrong(doc, field):
+    with pytest.raises(ValueError, match="live state") as e:
+        LiveState.from_json(doc)
+    assert field in str(e.value)
