@@ -1,60 +1,102 @@
-"""Greedy speculative decoding must be token-identical to the engine's own plain decoding."""
+"""Greedy speculative decoding must be token-identical to plain decoding: on every architecture,
+alone and in a continuous batch, with every proposer drafting for real (drafts made, some
+accepted, none failed), and the check must fail when a proposer never drafts.
+
+Plain decoding is itself checked against HF transformers' `generate` in test_hf_generate.py, so a
+bug shared by both paths cannot hide here.
+"""
+
+from collections import Counter
 
 import pytest
-import torch
 
 from specfleet_engine.engine import Engine
-from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.proposers import NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.sampling import SamplingParams
-from specfleet_engine.testing import tiny_model
+from specfleet_engine.testing import TINY_ARCHITECTURES, repeating_prompts, tiny_draft, tiny_model
 
-CONFIGS = {
-    "llama": dict(),
-    "qwen2-bias": dict(attention_bias=True, architecture="qwen2", tie_word_embeddings=False),
-    "mistral-window": dict(sliding_window=24, architecture="mistral"),
-    "mha-rope-llama3": dict(n_kv_heads=4, rope_scaling={"rope_type": "llama3", "factor": 8.0,
-                                                          "original_max_position_embeddings": 64}),
-}
+METHODS = ("ngram", "draft-model")
 
 
-def prompts(n, seed=0, vocab=100):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        base = torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
-        out.append(base * (1 + i % 3) + base[: i % 4])  # repeats give the n-gram something to find
-    return out
+def proposers_for(target) -> dict:
+    return {"ngram": NgramProposer(), "draft-model": DraftModelProposer(tiny_draft(target))}
 
 
-@pytest.mark.parametrize("config", sorted(CONFIGS))
-def test_ngram_and_draft_model_match_plain_decoding(config):
-    target = tiny_model(seed=1, scale=4.0, **CONFIGS[config])
-    draft = tiny_model(seed=2, scale=4.0, **CONFIGS[config])
-    proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft)}
+def tally(totals: dict[str, Counter], seq) -> None:
+    t = totals[seq.method]
+    t["draft tokens"] += seq.stats.num_draft_tokens
+    t["accepted"] += seq.stats.num_accepted_tokens
+    t["draft errors"] += seq.stats.draft_errors
+
+
+def assert_every_proposer_drafted(totals: dict[str, Counter]) -> None:
+    """Each proposer, on its own, drafted, had drafts accepted and never failed: otherwise the
+    equality was plain decoding compared with itself."""
+    for method in METHODS:
+        t = totals[method]
+        assert t["draft errors"] == 0, f"{method}: {t['draft errors']} failed drafts fell back to plain decoding"
+        assert t["draft tokens"] > 0, f"{method} never drafted: its equality proves nothing"
+        assert t["accepted"] > 0, f"{method}: no draft token was ever accepted: verification was not exercised"
+
+
+def check_speculation_matches_plain(target, proposers: dict) -> None:
     engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8, k_policy="fixed")
     params = SamplingParams(max_tokens=24, ignore_eos=True)
-    accepted = 0
-    for prompt in prompts(3):
+    totals = {m: Counter() for m in METHODS}
+    for prompt in repeating_prompts(3):
         plain = engine.generate(prompt, params, "none").output
         assert len(plain) == 24
         for k in range(1, 9):
-            for method in ("ngram", "draft-model"):
+            for method in METHODS:
                 seq = engine.generate(prompt, params, method, k)
                 assert seq.output == plain, (method, k)
-                accepted += seq.stats.num_accepted_tokens
-    assert accepted > 0, "no draft token was ever accepted: the test would not exercise verification"
+                tally(totals, seq)
+    assert_every_proposer_drafted(totals)
     assert engine.cache.allocator.num_used == 0
-    assert proposers["draft-model"].cache.allocator.num_used == 0
+    for method, proposer in proposers.items():
+        assert getattr(proposer, "cache", None) is None or proposer.cache.allocator.num_used == 0, method
 
 
-def test_batched_speculation_matches_single_requests():
-    target = tiny_model(seed=3, scale=4.0)
-    engine = Engine(target, proposers={"ngram": NgramProposer(),
-                                       "draft-model": DraftModelProposer(tiny_model(seed=4, scale=4.0))})
-    engine.costs.seconds.update({r: 1.0 + 0.1 * (r - 1) for r in range(1, 64)})  # cheap drafts: adaptive K drafts
-    params = SamplingParams(max_tokens=30, ignore_eos=True)
-    ps = prompts(8, seed=5)
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_ngram_and_draft_model_match_plain_decoding(arch):
+    target = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
+    check_speculation_matches_plain(target, proposers_for(target))
+
+
+class NeverDrafts:
+    name, cheap = "draft-model", False
+
+    def propose(self, seqs, ks):
+        return [Proposal([], None) for _ in seqs]
+
+    def rollback(self, seq, n):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+class AlwaysRaises(NeverDrafts):
+    def propose(self, seqs, ks):
+        raise RuntimeError("draft crashed")
+
+
+@pytest.mark.parametrize("broken", [NeverDrafts, AlwaysRaises], ids=["empty drafts", "raises"])
+def test_the_check_fails_when_a_proposer_never_drafts(broken):
+    """Both fall back to plain decoding, so every output still matches: only the guard sees it."""
+    proposers = {"ngram": NgramProposer(), "draft-model": broken()}
+    with pytest.raises(AssertionError, match="draft-model"):
+        check_speculation_matches_plain(tiny_model(seed=1, scale=4.0), proposers)
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_batched_speculation_matches_single_requests(arch):
+    target = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
+    # fixed K: every speculative request verifies its own k (1 to 7) each step, next to plain ones
+    engine = Engine(target, proposers=proposers_for(target), k_policy="fixed")
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    ps = repeating_prompts(8, seed=5)
     expected = [engine.generate(p, params, "none").output for p in ps]
     methods = ["none", "ngram", "draft-model"]
     seqs = [engine.add(p, params, methods[i % 3], k=1 + i % 7) for i, p in enumerate(ps)]
@@ -65,46 +107,45 @@ def test_batched_speculation_matches_single_requests():
             seqs.append(engine.add(ps[0], params, "ngram", 3))
     assert [s.output for s in seqs[: len(ps)]] == expected
     assert seqs[-1].output == expected[0]
-    assert sum(s.stats.num_draft_tokens for s in seqs) > 0, "adaptive K never drafted"
+    totals = {m: Counter() for m in METHODS}
+    for s in seqs:
+        if s.method != "none":
+            tally(totals, s)
+    assert_every_proposer_drafted(totals)
     assert engine.cache.allocator.num_used == 0
 
 
 def test_eos_max_tokens_and_logprobs_inside_verification():
     target = tiny_model(seed=1, scale=4.0)
     engine = Engine(target, k_policy="fixed")
-    prompt = prompts(1, seed=9)[0]
+    prompt = repeating_prompts(1, seed=0)[0]
     plain = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "none")
-    spec = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "ngram", 8)
+    spec = engine.add(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "ngram", 8)
+    mid_step = []  # output positions that a verify step emitted after an accepted draft token
+    while not spec.finished:
+        for out in engine.step():
+            if out.seq is spec and out.stats is not None and out.stats.num_accepted:
+                first = len(spec.output) - len(out.new_tokens)
+                mid_step += range(first + 1, len(spec.output))
     assert spec.output == plain.output and spec.finish_reason == "length"
     assert spec.logprobs == pytest.approx(plain.logprobs, abs=1e-4) and len(spec.logprobs) == 25
-    # make the 7th plain token an EOS: both paths must stop right before it
-    eos = plain.output[6]
-    engine.eos = {eos}
+    # an EOS at a position a verify step reaches through an accepted draft: both paths stop right before it
+    cut = next((i for i in mid_step if plain.output[i] not in plain.output[:i]), None)
+    assert cut is not None, f"no verify step accepted a draft ahead of a new token (steps after a draft: {mid_step})"
+    engine.eos = {plain.output[cut]}
     a = engine.generate(prompt, SamplingParams(max_tokens=25), "none")
     b = engine.generate(prompt, SamplingParams(max_tokens=25), "ngram", 8)
-    assert a.output == b.output == plain.output[: plain.output.index(eos)]
+    assert a.output == b.output == plain.output[:cut]
     assert a.finish_reason == b.finish_reason == "stop"
 
 
 def test_failing_proposer_degrades_to_plain_decoding():
-    class Broken:
-        name = "broken"
-
-        def propose(self, seqs, ks):
-            raise RuntimeError("draft crashed")
-
-        def rollback(self, seq, n):
-            pass
-
-        def release(self, seq):
-            pass
-
     target = tiny_model(seed=1, scale=4.0)
-    engine = Engine(target, proposers={"broken": Broken()}, k_policy="fixed")
-    prompt = prompts(1)[0]
+    engine = Engine(target, proposers={"draft-model": AlwaysRaises()}, k_policy="fixed")
+    prompt = repeating_prompts(1)[0]
     params = SamplingParams(max_tokens=10, ignore_eos=True)
     plain = engine.generate(prompt, params, "none")
-    seq = engine.generate(prompt, params, "broken", 4)
+    seq = engine.generate(prompt, params, "draft-model", 4)
     assert seq.output == plain.output
     # the last step has one token left to make: nothing is drafted, so nothing fails
     assert seq.stats.draft_errors == seq.stats.num_steps - 1 == 8

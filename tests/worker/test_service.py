@@ -22,6 +22,7 @@ from specfleet_worker import logs
 from specfleet_worker.testing import CharTokenizer, pb, running_worker, tiny_engine, wait_idle
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
+TIMEOUT_S = 30  # the most any wait in these tests takes before it fails
 
 
 def reference(prompt, **params) -> list[int]:
@@ -82,17 +83,21 @@ def test_speculation_off_and_k_bounds_apply_live_without_dropping_requests(worke
 
     def long_request():
         results["long"] = worker.gen.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=300,
-                                                                 ignore_eos=True))
+                                                                 ignore_eos=True), timeout=TIMEOUT_S)
 
-    t = threading.Thread(target=long_request)
+    t = threading.Thread(target=long_request, daemon=True)
     t.start()
+    deadline = time.monotonic() + TIMEOUT_S
     while worker.stats().running == 0:
+        assert time.monotonic() < deadline, f"the long request was not running after {TIMEOUT_S}s"
         time.sleep(0.005)
     new = worker.admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=False, k_max=2))
     assert not new.speculation_enabled and new.k_max == 2
     plain = worker.gen.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=10))
-    t.join(30)
+    t.join(TIMEOUT_S)
+    assert not t.is_alive(), f"the long request did not finish within {TIMEOUT_S}s"
     assert plain.speculation.method == "none" and plain.speculation.num_draft_tokens == 0
+    assert "long" in results, "the long request failed (its thread raised)"
     assert results["long"].finish_reason == "length"
     assert list(results["long"].token_ids) == reference(PROMPT, max_tokens=300, ignore_eos=True)
     worker.admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=True, k_min=1, k_max=1,

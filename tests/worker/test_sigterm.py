@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -22,6 +23,41 @@ from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
 
 GRACE_S = 20
+RPC_S = 5  # any one control call (stats, health, a refused request) answers within this
+
+
+class Worker:
+    """A worker process; a thread reads its JSON log lines as they come, so no read blocks the
+    test and a full pipe never blocks the worker."""
+
+    def __init__(self, proc: subprocess.Popen):
+        self.proc = proc
+        self.records: queue.Queue[dict] = queue.Queue()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            self.records.put(json.loads(line))  # every log line is JSON
+
+    def until(self, msg: str, timeout_s: float) -> list[dict]:
+        """The records up to and including the first with this msg."""
+        seen, deadline = [], time.monotonic() + timeout_s
+        while not seen or seen[-1]["msg"] != msg:
+            try:
+                seen.append(self.records.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                pytest.fail(f"no {msg!r} log line within {timeout_s}s; got {seen}")
+        return seen
+
+    def rest(self) -> list[dict]:
+        """Every record after the ones read so far; call once the process has exited."""
+        self.reader.join(timeout=RPC_S)
+        assert not self.reader.is_alive(), "the worker's stderr stayed open after it exited"
+        out = []
+        while not self.records.empty():
+            out.append(self.records.get_nowait())
+        return out
 
 
 def start_worker(tmp_path, *extra: str):
@@ -32,36 +68,44 @@ def start_worker(tmp_path, *extra: str):
         [sys.executable, "-m", "specfleet_worker.main", "--config", str(config), "--grpc-port", "0",
          "--http-port", "0", "--threads", "1", "--drain-seconds", str(GRACE_S), *extra],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
-    lines: list[dict] = []
-    ports = {}
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        line = proc.stderr.readline()
-        if not line:
-            break
-        rec = json.loads(line)  # every log line is JSON
-        lines.append(rec)
-        if rec["msg"] == "listening":
-            ports = rec
-        if rec["msg"] == "ready":
-            break
-    else:
+    worker = Worker(proc)
+    try:
+        lines = worker.until("ready", timeout_s=60)
+    except BaseException:
         proc.kill()
-        pytest.fail(f"the worker did not become ready: {lines}")
+        raise
+    ports = next((r for r in lines if r["msg"] == "listening"), None)
     assert ports, lines
-    return proc, ports["grpc_port"], ports["http_port"], lines
+    return worker, ports["grpc_port"], ports["http_port"]
+
+
+def wait_for(condition, timeout_s: float, what: str):
+    """Polls condition() until it returns something true; fails the test after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.005)
 
 
 def test_sigterm_under_load_finishes_in_flight_requests_refuses_new_ones_and_exits(tmp_path):
-    proc, grpc_port, http_port, lines = start_worker(tmp_path, "--max-batch-size", "2")
+    worker, grpc_port, http_port = start_worker(tmp_path, "--max-batch-size", "2")
+    proc = worker.proc
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     gen = pb_grpc.GenerationStub(channel)
+    admin = pb_grpc.AdminStub(channel)
     n, max_tokens = 8, 480
-    started = threading.Barrier(n + 1)
+    # every wait on it times out: a drain that never starts a queued request fails, not hangs
+    started = threading.Barrier(n + 1, timeout=GRACE_S)
+    calls = []
 
     def one(i: int) -> int:
         call = gen.GenerateStream(pb.GenerateRequest(prompt_token_ids=[i + 1, 2, 3], max_tokens=max_tokens,
                                                      ignore_eos=True), timeout=120)
+        calls.append(call)
         got, first = 0, True
         for msg in call:
             got += len(msg.token_ids)
@@ -72,34 +116,41 @@ def test_sigterm_under_load_finishes_in_flight_requests_refuses_new_ones_and_exi
 
     try:
         with ThreadPoolExecutor(n) as pool:
-            futures = [pool.submit(one, i) for i in range(n)]
-            # wait until all n are in the worker (2 running, 6 queued)
-            admin = pb_grpc.AdminStub(channel)
-            for _ in range(2000):
-                s = admin.GetStats(pb.GetStatsRequest())
-                if s.running + s.queue_depth == n:
-                    break
-                time.sleep(0.005)
-            assert s.running + s.queue_depth == n
-            t0 = time.monotonic()
-            proc.send_signal(signal.SIGTERM)
-            for _ in range(500):
+            try:
+                futures = [pool.submit(one, i) for i in range(n)]
+
+                def all_in() -> bool:  # 2 running, 6 queued
+                    s = admin.GetStats(pb.GetStatsRequest(), timeout=RPC_S)
+                    return s.running + s.queue_depth == n
+
+                wait_for(all_in, 30, f"all {n} requests in the worker")
+                t0 = time.monotonic()
+                proc.send_signal(signal.SIGTERM)
+
+                def not_ready() -> bool:
+                    try:
+                        urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz", timeout=RPC_S)
+                    except urllib.error.HTTPError as e:
+                        assert e.code == 503
+                        return True
+                    return False
+
+                wait_for(not_ready, 5, "/readyz to answer 503 after SIGTERM")
+                health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=RPC_S)
+                assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                with pytest.raises(grpc.RpcError) as e:
+                    gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2), timeout=RPC_S)
+                assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
+                # the barrier releases once all n streams have their first token, whether queued or running
                 try:
-                    urllib.request.urlopen(f"http://127.0.0.1:{http_port}/readyz")
-                except urllib.error.HTTPError as e:
-                    assert e.code == 503
-                    break
-                time.sleep(0.01)
-            else:
-                pytest.fail("/readyz still answers 200 after SIGTERM")
-            health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest())
-            assert health.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            with pytest.raises(grpc.RpcError) as e:
-                gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2], max_tokens=2))
-            assert e.value.code() == grpc.StatusCode.UNAVAILABLE and "shutting down" in e.value.details()
-            # the barrier releases once all n streams have their first token, whether queued or running
-            started.wait(timeout=GRACE_S)
-            results = [f.result(timeout=GRACE_S) for f in futures]
+                    started.wait()
+                except threading.BrokenBarrierError:
+                    pytest.fail(f"not every request in flight had its first token within {GRACE_S}s of SIGTERM")
+                results = [f.result(timeout=GRACE_S) for f in futures]
+            finally:
+                started.abort()  # a thread still waiting (the test failed) leaves at once
+                for call in calls:
+                    call.cancel()  # no effect on a finished stream
         rc = proc.wait(timeout=GRACE_S + 5)
         elapsed = time.monotonic() - t0
     finally:
@@ -108,14 +159,15 @@ def test_sigterm_under_load_finishes_in_flight_requests_refuses_new_ones_and_exi
             proc.kill()
     assert results == [max_tokens] * n
     assert rc == 0 and elapsed < GRACE_S
-    tail = [json.loads(line) for line in proc.stderr.read().splitlines()]
+    tail = worker.rest()
     msgs = [r["msg"] for r in tail]
     assert "draining" in msgs and "drained" in msgs and msgs[-1] == "exiting"
     assert sum(1 for r in tail if r["msg"] == "request finished" and r.get("request_id")) == n
 
 
 def test_a_request_in_flight_past_the_grace_period_is_cut_off_and_the_exit_code_says_so(tmp_path):
-    proc, grpc_port, _, _ = start_worker(tmp_path, "--drain-seconds", "0.3", "--max-batch-size", "1")
+    worker, grpc_port, _ = start_worker(tmp_path, "--drain-seconds", "0.3", "--max-batch-size", "1")
+    proc = worker.proc
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     gen = pb_grpc.GenerationStub(channel)
     n = 6
@@ -124,12 +176,12 @@ def test_a_request_in_flight_past_the_grace_period_is_cut_off_and_the_exit_code_
                                                        ignore_eos=True), timeout=60) for _ in range(n)]
         next(calls[0])
         admin = pb_grpc.AdminStub(channel)
-        for _ in range(2000):  # all n in the worker, some still queued behind the one running
-            s = admin.GetStats(pb.GetStatsRequest())
-            if s.running + s.queue_depth + s.requests_total == n and s.queue_depth:
-                break
-            time.sleep(0.005)
-        assert s.running + s.queue_depth + s.requests_total == n and s.queue_depth, s
+
+        def all_in_some_queued():  # all n in the worker, some still queued behind the one running
+            s = admin.GetStats(pb.GetStatsRequest(), timeout=RPC_S)
+            return s if s.running + s.queue_depth + s.requests_total == n and s.queue_depth else None
+
+        s = wait_for(all_in_some_queued, 30, f"all {n} requests in the worker, some queued")
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=15)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .model import ModelArgs, Transformer, rope_cache
@@ -29,3 +31,57 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, scale: float =
                 p.copy_(torch.randn(p.shape, generator=g) * (scale / p.shape[-1] ** 0.5))
     model.rope_cos, model.rope_sin = rope_cache(args, args.max_position_embeddings)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+# The architectures the engine claims, each as a tiny model: Llama (grouped-query attention),
+# Qwen2 (q/k/v biases, untied head), Mistral (a sliding window shorter than the test contexts)
+# and Llama 3 RoPE scaling (multi-head attention; positions pass the original context length).
+TINY_ARCHITECTURES: dict[str, dict] = {
+    "llama": dict(),
+    "qwen2-bias": dict(attention_bias=True, architecture="qwen2", tie_word_embeddings=False),
+    "mistral-window": dict(sliding_window=24, architecture="mistral"),
+    "mha-rope-llama3": dict(n_kv_heads=4, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                         "high_freq_factor": 4.0,
+                                                         "original_max_position_embeddings": 64}),
+}
+
+
+def repeating_prompts(n: int, seed: int = 0, vocab: int = 100) -> list[list[int]]:
+    """n random prompts of 3 to 36 tokens, most of them a short run repeated, so that the
+    n-gram proposer finds something to draft."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        base = torch.randint(0, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+        out.append(base * (1 + i % 3) + base[: i % 4])
+    return out
+
+
+def hf_transformers_model(model: Transformer):
+    """The same weights in HF transformers' own modeling code, built from the config (no download):
+    the outside reference our model must agree with."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from .loader import ours_to_hf_state_dict
+
+    cfg = model.args.to_hf_config()
+    config = AutoConfig.for_model(cfg.pop("model_type"), **cfg)
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = hf.load_state_dict(ours_to_hf_state_dict(model), strict=False)
+    tied = ["lm_head.weight"] if model.args.tie_word_embeddings else []  # HF ties it to the embedding
+    if missing != tied or unexpected:
+        raise ValueError(f"our checkpoint does not fit HF's {type(hf).__name__}: "
+                         f"missing {missing}, unexpected {unexpected}")
+    return hf.eval().requires_grad_(False)
+
+
+def tiny_draft(target: Transformer, noise: float = 0.03, seed: int = 0) -> Transformer:
+    """A draft model for `target`: a copy with relative Gaussian noise on every weight, so that it
+    agrees with the target often but not always (an independent random model almost never does)."""
+    draft = copy.deepcopy(target)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (noise * float(p.std())))
+    return draft
