@@ -30,7 +30,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # serve and operator own their flags: hand everything after the subcommand straight over
+    # serve, operator and router own their flags: hand everything after the subcommand straight over
     if argv and argv[0] == "serve":
         from specfleet_worker.main import main as serve_main
 
@@ -39,6 +39,10 @@ def main(argv: list[str] | None = None) -> int:
         from specfleet_operator.main import run as operator_main
 
         return operator_main(argv[1:])
+    if argv and argv[0] == "router":
+        from specfleet_router.main import main as router_main
+
+        return router_main(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="specfleet", description=DESCRIPTION,
@@ -66,6 +70,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("serve", help="run the gRPC worker; `specfleet serve --help` lists its flags", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator; `specfleet operator --help` lists its flags",
                    add_help=False)
+    sub.add_parser("router", help="run the OpenAI-compatible router in front of the workers; "
+                                  "`specfleet router --help` lists its flags", add_help=False)
 
     args = parser.parse_args(argv)
     try:

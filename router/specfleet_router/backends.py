@@ -1,0 +1,232 @@
+"""The workers behind the router: one pool per arm (stable, canary), each backend's readiness
+from its gRPC health, and least-outstanding-requests choice within a pool.
+
+Where backends come from is a `Discovery`: today a static list (`--backend ARM=HOST:PORT`);
+the Kubernetes one (EndpointSlices of each arm's worker Service, watched) implements the same
+protocol in `discovery_k8s.py` when the chart ships the router. A backend counts as ready while
+its grpc.health.v1 Watch stream says SERVING for `specfleet.v1.Generation`, and not for a while
+after a request to it failed with UNAVAILABLE (ejection), so the next request goes elsewhere
+before the health stream catches up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from specfleet_proto import worker_pb2_grpc as pb_grpc
+
+from .metrics import RouterMetrics
+from .split import CANARY, STABLE
+
+log = logging.getLogger("specfleet.router.backends")
+
+ARMS = (STABLE, CANARY)
+HEALTH_SERVICE = "specfleet.v1.Generation"
+EJECT_S = 2.0  # after an UNAVAILABLE, how long a backend is passed over unless its health says SERVING again
+CHANNEL_OPTIONS = [
+    # grpc's own reconnect backoff grows to 120 s; a worker that comes back must be seen in seconds
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2000),
+    ("grpc.max_receive_message_length", 64 << 20),
+    ("grpc.max_send_message_length", 64 << 20),
+    ("grpc.keepalive_time_ms", 30_000),
+    ("grpc.keepalive_timeout_ms", 10_000),
+]
+
+
+def parse_backends(specs: list[str]) -> dict[str, list[str]]:
+    """`--backend` values (`ARM=HOST:PORT`) as targets per arm.
+
+    >>> parse_backends(["stable=127.0.0.1:50051", "canary=127.0.0.1:50052", "stable=10.0.0.7:50051"])
+    {'stable': ['127.0.0.1:50051', '10.0.0.7:50051'], 'canary': ['127.0.0.1:50052']}
+    >>> parse_backends(["blue=h:1"])
+    Traceback (most recent call last):
+    ...
+    ValueError: --backend 'blue=h:1': the arm must be stable or canary (ARM=HOST:PORT)
+    """
+    out: dict[str, list[str]] = {arm: [] for arm in ARMS}
+    for spec in specs:
+        arm, sep, target = spec.partition("=")
+        if arm not in ARMS:
+            raise ValueError(f"--backend {spec!r}: the arm must be stable or canary (ARM=HOST:PORT)")
+        host, colon, port = target.rpartition(":")
+        if not sep or not colon or not host or not port.isdigit():
+            raise ValueError(f"--backend {spec!r}: expected ARM=HOST:PORT, for example stable=127.0.0.1:50051")
+        if target not in out[arm]:
+            out[arm].append(target)
+    return out
+
+
+class Discovery(Protocol):
+    """Where each arm's backends are: yields the whole picture ({arm: [host:port, ...]}) at once
+    and again whenever it changes."""
+
+    def watch(self) -> AsyncIterator[dict[str, list[str]]]: ...
+
+
+class StaticDiscovery:
+    """A fixed list, from `--backend` flags (local runs, `specfleet up`, tests)."""
+
+    def __init__(self, targets: dict[str, list[str]]):
+        self.targets = {arm: list(targets.get(arm, ())) for arm in ARMS}
+
+    async def watch(self) -> AsyncIterator[dict[str, list[str]]]:
+        yield self.targets
+
+
+@dataclass(eq=False)
+class Backend:
+    arm: str
+    target: str
+    channel: grpc.aio.Channel
+    generation: pb_grpc.GenerationStub
+    healthy: bool = False  # what its health stream says
+    outstanding: int = 0
+    ejected_until: float = 0.0
+    task: asyncio.Task | None = field(default=None, repr=False)
+
+    def available(self, now: float) -> bool:
+        return self.healthy and now >= self.ejected_until
+
+
+class Pool:
+    """One arm's backends."""
+
+    def __init__(self, arm: str, clock: Callable[[], float] = time.monotonic):
+        self.arm, self.clock = arm, clock
+        self.backends: list[Backend] = []
+        self._turn = 0
+
+    def any_available(self) -> bool:
+        now = self.clock()
+        return any(b.available(now) for b in self.backends)
+
+    def pick(self, exclude: list[Backend] = ()) -> Backend | None:
+        """The available backend with the fewest requests in flight; equal ones take turns."""
+        now = self.clock()
+        candidates = [b for b in self.backends if b.available(now) and b not in exclude]
+        if not candidates:
+            return None
+        least = min(b.outstanding for b in candidates)
+        best = [b for b in candidates if b.outstanding == least]
+        self._turn += 1
+        return best[self._turn % len(best)]
+
+
+class Backends:
+    """The pools, kept in step with a Discovery, and each backend's health followed."""
+
+    def __init__(self, discovery: Discovery, metrics: RouterMetrics, *, health_check: bool = True,
+                 eject_s: float = EJECT_S, clock: Callable[[], float] = time.monotonic):
+        self.discovery, self.metrics = discovery, metrics
+        self.health_check, self.eject_s, self.clock = health_check, eject_s, clock
+        self.pools = {arm: Pool(arm, clock) for arm in ARMS}
+        self._task: asyncio.Task | None = None
+        self.discovered = asyncio.Event()
+
+    # -- bookkeeping around one request --------------------------------------------------------
+
+    def acquire(self, b: Backend) -> None:
+        b.outstanding += 1
+        self.metrics.backend_outstanding.labels(b.arm, b.target).set(b.outstanding)
+
+    def release(self, b: Backend) -> None:
+        b.outstanding -= 1
+        self.metrics.backend_outstanding.labels(b.arm, b.target).set(b.outstanding)
+
+    def eject(self, b: Backend) -> None:
+        """A request to `b` failed with UNAVAILABLE: pass it over for a while."""
+        b.ejected_until = self.clock() + self.eject_s
+        log.warning("backend unavailable; ejected", extra={"arm": b.arm, "backend": b.target,
+                                                           "eject_s": self.eject_s})
+
+    def ready_counts(self) -> dict[str, int]:
+        now = self.clock()
+        return {arm: sum(b.available(now) for b in pool.backends) for arm, pool in self.pools.items()}
+
+    # -- discovery and health --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._follow_discovery(), name="discovery")
+
+    async def _follow_discovery(self) -> None:
+        async for targets in self.discovery.watch():
+            self._apply(targets)
+            self.discovered.set()
+        await asyncio.Event().wait()  # a static list never changes: keep the task (and its backends) alive
+
+    def _apply(self, targets: dict[str, list[str]]) -> None:
+        for arm, pool in self.pools.items():
+            want = list(dict.fromkeys(targets.get(arm, ())))
+            for b in [b for b in pool.backends if b.target not in want]:
+                pool.backends.remove(b)
+                self._forget(b)
+            have = {b.target for b in pool.backends}
+            for target in want:
+                if target not in have:
+                    pool.backends.append(self._open(arm, target))
+
+    def _open(self, arm: str, target: str) -> Backend:
+        channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+        b = Backend(arm, target, channel, pb_grpc.GenerationStub(channel))
+        self.metrics.backend_outstanding.labels(arm, target).set(0)
+        if self.health_check:
+            self._set_healthy(b, False)
+            b.task = asyncio.get_running_loop().create_task(self._watch_health(b), name=f"health {target}")
+        else:
+            self._set_healthy(b, True)
+        log.info("backend added", extra={"arm": arm, "backend": target})
+        return b
+
+    def _forget(self, b: Backend) -> None:
+        if b.task is not None:
+            b.task.cancel()
+        asyncio.get_running_loop().create_task(b.channel.close(grace=None))
+        for gauge in (self.metrics.backend_ready, self.metrics.backend_outstanding):
+            try:
+                gauge.remove(b.arm, b.target)
+            except KeyError:
+                pass
+        log.info("backend removed", extra={"arm": b.arm, "backend": b.target})
+
+    def _set_healthy(self, b: Backend, healthy: bool) -> None:
+        if healthy != b.healthy:
+            log.info("backend ready" if healthy else "backend not ready", extra={"arm": b.arm, "backend": b.target})
+        b.healthy = healthy
+        if healthy:
+            b.ejected_until = 0.0  # a fresh SERVING outranks an older failure
+        self.metrics.backend_ready.labels(b.arm, b.target).set(1 if healthy else 0)
+
+    async def _watch_health(self, b: Backend) -> None:
+        stub = health_pb2_grpc.HealthStub(b.channel)
+        delay = 0.05
+        while True:
+            try:
+                async for resp in stub.Watch(health_pb2.HealthCheckRequest(service=HEALTH_SERVICE)):
+                    self._set_healthy(b, resp.status == health_pb2.HealthCheckResponse.SERVING)
+                    delay = 0.05
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    log.warning("backend has no grpc.health.v1; counted ready", extra={"backend": b.target})
+                    self._set_healthy(b, True)
+                    return
+            self._set_healthy(b, False)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+    async def close(self) -> None:
+        tasks = [t for t in [self._task, *(b.task for p in self.pools.values() for b in p.backends)] if t]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*(b.channel.close(grace=None) for p in self.pools.values() for b in p.backends),
+                             return_exceptions=True)

@@ -1,0 +1,260 @@
+"""One request's way through the router, whatever front it came in by: the route (arm, draft
+method, prompt type), the backend, and the retry before the first token.
+
+The split picks the arm; an arm with no ready backend hands its requests to the other arm (a
+fallback, counted and shown in the response headers). Within the arm the least busy backend gets
+the request. A backend that answers UNAVAILABLE before the first token (stopped, draining, not
+reachable) is ejected for a while and the request is sent once more elsewhere; one that answers
+RESOURCE_EXHAUSTED (shedding load) makes the request try the arm's other backends, and when
+every one sheds, the request fails as overloaded. Errors are this module's `RouterError`
+kinds; each front maps them to its own status codes.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
+
+import grpc
+
+from specfleet_proto import worker_pb2 as pb
+
+from .backends import Backend, Backends
+from .metrics import RouterMetrics
+from .split import CANARY, STABLE, arm_for
+from .state import StateSource
+
+HEADER_ARM = "x-specfleet-arm"
+HEADER_METHOD = "x-specfleet-method"
+HEADER_PROMPT_TYPE = "x-specfleet-prompt-type"
+HEADER_FALLBACK = "x-specfleet-fallback-from"
+HEADER_STATE_VERSION = "x-specfleet-state-version"
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+def other_arm(arm: str) -> str:
+    return CANARY if arm == STABLE else STABLE
+
+
+@dataclass(frozen=True)
+class Route:
+    """Where one request goes. `arm` serves it; `split_arm` is what the split chose (they differ
+    after a fallback)."""
+
+    arm: str
+    split_arm: str
+    method: str
+    prompt_type: str
+    state_version: int
+
+    @property
+    def fell_back(self) -> bool:
+        return self.arm != self.split_arm
+
+    def headers(self) -> dict[str, str]:
+        out = {HEADER_ARM: self.arm, HEADER_METHOD: self.method, HEADER_PROMPT_TYPE: self.prompt_type,
+               HEADER_STATE_VERSION: str(self.state_version)}
+        if self.fell_back:
+            out[HEADER_FALLBACK] = self.split_arm
+        return out
+
+
+class RouterError(Exception):
+    """A request the router could not serve. `kind` is one of metrics.OUTCOMES (not "ok");
+    `field` is the request field a worker's INVALID_ARGUMENT named, if any."""
+
+    def __init__(self, kind: str, message: str, code: grpc.StatusCode, field: str | None = None):
+        super().__init__(message)
+        self.kind, self.message, self.code, self.field = kind, message, code, field
+
+
+_KIND = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
+         grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
+         grpc.StatusCode.CANCELLED: "cancelled"}
+# the worker's INVALID_ARGUMENT messages start with the field: "max_tokens must be <= 2048",
+# "prompt_token_ids[3]: 5000 is outside the vocabulary", "prompt, prompt_token_ids: set one of them"
+_FIELD = re.compile(r"^([a-z_]+)(\[\d+\])?(, [a-z_]+)*[: ]")
+_REQUEST_FIELDS = frozenset(pb.GenerateRequest.DESCRIPTOR.fields_by_name)
+
+
+def from_grpc(e: grpc.aio.AioRpcError, backend: str | None = None) -> RouterError:
+    code, message = e.code(), e.details() or e.code().name
+    m = _FIELD.match(message) if code == grpc.StatusCode.INVALID_ARGUMENT else None
+    field = m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
+    where = f" (backend {backend})" if backend and code != grpc.StatusCode.INVALID_ARGUMENT else ""
+    return RouterError(_KIND.get(code, "error"), message + where, code, field)
+
+
+class Upstream:
+    """A streaming call that has produced its first message; `messages()` yields it and the rest.
+    Closing it (or finishing the iteration) cancels what is left of the call and releases the
+    backend."""
+
+    def __init__(self, router: Router, backend: Backend, route: Route, call, first: pb.GenerateStreamResponse):
+        self.router, self.backend, self.route, self.call, self.first = router, backend, route, call, first
+        self._released = False
+
+    async def messages(self) -> AsyncIterator[pb.GenerateStreamResponse]:
+        """The first message, then the rest as they arrive."""
+        try:
+            yield self.first
+            while True:
+                msg = await self.call.read()
+                if msg is grpc.aio.EOF:
+                    return
+                yield msg
+        except grpc.aio.AioRpcError as e:
+            # after the first token nothing is retried: the client has text it cannot take back
+            raise from_grpc(e, self.backend.target) from None
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if not self._released:
+            self._released = True
+            self.call.cancel()
+            self.router.backends.release(self.backend)
+
+
+class Router:
+    def __init__(self, backends: Backends, state: StateSource, metrics: RouterMetrics, *,
+                 retries: int = 1, rng: random.Random | None = None):
+        self.backends, self.state, self.metrics = backends, state, metrics
+        self.retries, self.rng = retries, rng or random.Random()
+        self.in_flight = 0  # requests inside a front now (what a drain waits for)
+        metrics.in_flight.set_function(lambda: self.in_flight)
+
+    def route(self, prompt_type: str, session: str | None) -> Route:
+        """The arm (split, then fallback when the arm has no ready backend) and the method. Reads
+        only memory: the live state in force and the pools' readiness."""
+        state = self.state.current
+        split = arm_for(session, state.canary_weight, self.rng)
+        arm = split
+        if not self.backends.pools[split].any_available() and self.backends.pools[other_arm(split)].any_available():
+            arm = other_arm(split)
+        return Route(arm, split, state.method_for(prompt_type), prompt_type, state.version)
+
+    def _next_backend(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route]:
+        own = self.backends.pools[route.arm]
+        b = own.pick(tried)
+        if b is not None or own.any_available():
+            return b, route  # nothing left in the arm but backends that shed load: no fallback for that
+        other = other_arm(route.arm)
+        b = self.backends.pools[other].pick(tried)
+        return (b, replace(route, arm=other)) if b is not None else (None, route)
+
+    async def _attempts(self, route: Route, msg: pb.GenerateRequest, deadline: float | None,
+                        metadata: tuple[tuple[str, str], ...], start):
+        """Calls `start(backend, timeout)` on backends until one gives a first answer; returns
+        (backend, route, answer). Retries once on UNAVAILABLE; tries every backend on
+        RESOURCE_EXHAUSTED."""
+        tried: list[Backend] = []
+        retries_left, overloaded, unavailable = self.retries, None, None
+        while True:
+            backend, route = self._next_backend(route, tried)
+            if backend is None:
+                if overloaded is not None:
+                    raise RouterError("overloaded", f"every {route.arm} backend is at capacity; retry later "
+                                      f"(last: {overloaded.details()})", grpc.StatusCode.RESOURCE_EXHAUSTED)
+                if unavailable is not None:
+                    raise from_grpc(unavailable, tried[-1].target)
+                raise RouterError("unavailable", f"no ready backend in the {route.split_arm} or "
+                                  f"{other_arm(route.split_arm)} arm", grpc.StatusCode.UNAVAILABLE)
+            timeout = None
+            if deadline is not None:
+                timeout = deadline - time.monotonic()
+                if timeout <= 0:
+                    raise RouterError("timeout", "the request's deadline passed before a backend answered",
+                                      grpc.StatusCode.DEADLINE_EXCEEDED)
+            tried.append(backend)
+            self.backends.acquire(backend)
+            try:
+                answer = await start(backend, timeout)
+            except grpc.aio.AioRpcError as e:
+                self.backends.release(backend)
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    overloaded = e
+                    continue
+                if e.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.backends.eject(backend)
+                    if retries_left > 0:
+                        retries_left -= 1
+                        unavailable = e
+                        self.metrics.retries.labels(route.arm, "unavailable").inc()
+                        continue
+                raise from_grpc(e, backend.target) from None
+            except BaseException:
+                self.backends.release(backend)
+                raise
+            if route.fell_back:
+                self.metrics.arm_fallbacks.labels(route.split_arm, route.arm).inc()
+            return backend, route, answer
+
+    async def generate(self, route: Route, msg: pb.GenerateRequest, *, deadline: float | None = None,
+                       metadata: tuple[tuple[str, str], ...] = ()) -> tuple[Route, pb.GenerateResponse]:
+        """The whole completion (the worker's unary call)."""
+        msg = self._stamped(route, msg)
+
+        async def start(b: Backend, timeout):
+            return await b.generation.Generate(msg, timeout=timeout, metadata=metadata)
+
+        backend, route, resp = await self._attempts(route, msg, deadline, metadata, start)
+        self.backends.release(backend)
+        return route, resp
+
+    async def stream(self, route: Route, msg: pb.GenerateRequest, *, deadline: float | None = None,
+                     metadata: tuple[tuple[str, str], ...] = ()) -> Upstream:
+        """A stream that has produced its first message (so any retry is behind it)."""
+        msg = self._stamped(route, msg)
+        calls = {}
+
+        async def start(b: Backend, timeout):
+            call = calls[b] = b.generation.GenerateStream(msg, timeout=timeout, metadata=metadata)
+            try:
+                first = await call.read()
+            except BaseException:
+                call.cancel()
+                raise
+            if first is grpc.aio.EOF:
+                raise RouterError("error", f"backend {b.target} ended the stream without a message",
+                                  grpc.StatusCode.INTERNAL)
+            return first
+
+        backend, route, first = await self._attempts(route, msg, deadline, metadata, start)
+        return Upstream(self, backend, route, calls[backend], first)
+
+    def _stamped(self, route: Route, msg: pb.GenerateRequest) -> pb.GenerateRequest:
+        """The request as the worker gets it: the route's method and prompt type, unless a gRPC
+        caller named a method of its own."""
+        out = pb.GenerateRequest()
+        out.CopyFrom(msg)
+        if not out.speculation_method or out.speculation_method == "auto":
+            out.speculation_method = route.method
+        out.prompt_type = route.prompt_type
+        return out
+
+    def observe(self, route: Route, outcome: str, *, arrival: float | None = None, first_at: float | None = None,
+                finished_at: float | None = None, prompt_tokens: int = 0, completion_tokens: int = 0,
+                finish_reason: str | None = None) -> None:
+        """Count one finished request (any front)."""
+        m = self.metrics
+        m.requests.labels(route.arm, route.prompt_type, route.method, outcome).inc()
+        if outcome != "ok":
+            return
+        m.request_success.labels(route.arm, finish_reason or "stop").inc()
+        m.prompt_tokens.labels(route.arm).inc(prompt_tokens)
+        m.generation_tokens.labels(route.arm).inc(completion_tokens)
+        if arrival is not None and first_at is not None:
+            m.ttft.labels(route.arm).observe(first_at - arrival)
+        if arrival is not None and finished_at is not None:
+            m.e2e.labels(route.arm).observe(finished_at - arrival)
+        if first_at is not None and finished_at is not None and completion_tokens > 1:
+            m.tpot.labels(route.arm).observe((finished_at - first_at) / (completion_tokens - 1))
+
+
+def forwarded_metadata(get) -> tuple[tuple[str, str], ...]:
+    """W3C trace context to pass on, from a header or metadata getter (`get(key) -> str | None`)."""
+    return tuple((k, v) for k in TRACE_KEYS if (v := get(k)))

@@ -1,0 +1,133 @@
+"""`specfleet router`: the flags, and the process around RouterServer (SIGTERM drains).
+
+    specfleet router --backend stable=127.0.0.1:50051 --backend canary=127.0.0.1:50052 \\
+        --redis-url redis://127.0.0.1:6379/0 --deployment default/chat
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from specfleet_api.enums import PROMPT_TYPES, SERVED_METHODS, Method, not_served
+from specfleet_api.live_state import LiveState
+
+from .backends import parse_backends
+from .server import RouterConfig, RouterServer
+
+log = logging.getLogger("specfleet.router")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specfleet router",
+        description="The OpenAI-compatible front door: classifies each request, splits the stable and canary "
+                    "arms per request, picks the draft method per prompt type, balances over the workers. "
+                    "See docs/router.md.")
+    g = p.add_argument_group("listeners")
+    g.add_argument("--host", default="127.0.0.1", help="address both listeners bind (default 127.0.0.1)")
+    g.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI API, /metrics, /healthz, /readyz (default 8000; 0 picks a free port)")
+    g.add_argument("--grpc-port", type=int, default=50050,
+                   help="specfleet.v1.Generation and grpc.health.v1 (default 50050; 0 picks a free port)")
+    g = p.add_argument_group("backends")
+    g.add_argument("--backend", action="append", default=[], metavar="ARM=HOST:PORT",
+                   help="a worker's gRPC address in the stable or canary arm; repeat for more")
+    g.add_argument("--no-health-check", action="store_true",
+                   help="count every backend ready instead of following its grpc.health.v1 status")
+    g.add_argument("--eject-seconds", type=float, default=2.0,
+                   help="how long a backend that answered UNAVAILABLE is passed over (default 2)")
+    g.add_argument("--retries", type=int, default=1,
+                   help="times a request that has not streamed a token is sent again elsewhere on UNAVAILABLE "
+                        "(default 1)")
+    g = p.add_argument_group("deployment and live state")
+    g.add_argument("--deployment", default="default/specfleet", metavar="NAMESPACE/NAME",
+                   help="the SpecDecodeDeployment served: its name is the model id, and its live state is read "
+                        "from Redis (default default/specfleet)")
+    g.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="another model id accepted for it (its model.name); repeatable")
+    g.add_argument("--redis-url", default=os.environ.get("SPECFLEET_REDIS_URL"),
+                   help="follow the deployment's live state in Redis (default $SPECFLEET_REDIS_URL); without it "
+                        "the flags below are the state")
+    g.add_argument("--redis-poll-seconds", type=float, default=0.5, help="how often the state is read (default 0.5)")
+    g.add_argument("--canary-weight", type=float, default=0.0, metavar="PERCENT",
+                   help="the canary arm's share of requests, 0 to 100 with two decimals (default 0)")
+    g.add_argument("--route", action="append", default=[], metavar="TYPE=METHOD",
+                   help=f"draft method for a prompt type ({', '.join(PROMPT_TYPES)}); repeatable")
+    g.add_argument("--default-method", default=Method.NGRAM.value, choices=SERVED_METHODS,
+                   help="draft method for prompt types without a --route (default ngram)")
+    g = p.add_argument_group("requests")
+    g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="deadline of an HTTP request, passed to the worker (default 600)")
+    g.add_argument("--default-temperature", type=float, default=1.0,
+                   help="temperature when a request names none (default 1, as OpenAI's API)")
+    g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest HTTP body (default 1 MiB)")
+    g = p.add_argument_group("process")
+    g.add_argument("--drain-seconds", type=float, default=30.0,
+                   help="on SIGTERM, how long requests in flight get to finish (default 30)")
+    g.add_argument("--log-level", default="INFO")
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from parsed flags; ValueError says which flag is wrong."""
+    namespace, slash, name = args.deployment.partition("/")
+    if not slash or not namespace or not name:
+        raise ValueError(f"--deployment {args.deployment!r}: expected NAMESPACE/NAME")
+    routes = {}
+    for spec in args.route:
+        t, eq, m = spec.partition("=")
+        if not eq:
+            raise ValueError(f"--route {spec!r}: expected TYPE=METHOD, for example code=ngram")
+        if t not in PROMPT_TYPES:
+            raise ValueError(f"--route {spec!r}: the prompt type must be one of {', '.join(PROMPT_TYPES)}")
+        if m not in SERVED_METHODS:
+            raise ValueError(f"--route {spec!r}: " + not_served("method", m, SERVED_METHODS))
+        routes[t] = m
+    state = LiveState(version=0, canary_weight=args.canary_weight, default_method=args.default_method, routes=routes)
+    problems = state.problems()
+    if problems:
+        raise ValueError("; ".join(problems))
+    backends = parse_backends(args.backend)
+    if not any(backends.values()):
+        raise ValueError("--backend: name at least one worker, for example --backend stable=127.0.0.1:50051")
+    return RouterConfig(backends=backends, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
+                        namespace=namespace, name=name, model_aliases=args.model_alias, state=state,
+                        redis_url=args.redis_url or None, redis_poll_s=args.redis_poll_seconds,
+                        request_timeout_s=args.request_timeout, default_temperature=args.default_temperature,
+                        health_check=not args.no_health_check, eject_s=args.eject_seconds, retries=args.retries,
+                        max_request_bytes=args.max_request_bytes)
+
+
+async def serve(cfg: RouterConfig, drain_s: float) -> int:
+    server = await RouterServer(cfg).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    done = await server.drain(drain_s)
+    await server.stop(0)
+    log.info("stopped", extra={"drained": done})
+    return 0 if done else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from specfleet_worker import logs  # torch-free: the fleet's one JSON log format
+
+    logs.configure(args.log_level)
+    try:
+        cfg = config_from_args(args)
+    except ValueError as e:
+        print(f"specfleet router: error: {e}", file=sys.stderr)
+        return 2
+    return asyncio.run(serve(cfg, args.drain_seconds))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

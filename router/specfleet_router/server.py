@@ -1,0 +1,119 @@
+"""The router process's parts put together on one asyncio loop: the live state (Redis or flags),
+the backend pools, the dispatcher, the HTTP front and the gRPC front, and their life cycle
+(start, drain on SIGTERM, stop)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import grpc
+from aiohttp import web
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from specfleet_api.live_state import LiveState
+from specfleet_proto import worker_pb2_grpc as pb_grpc
+
+from .backends import Backends, Discovery, StaticDiscovery
+from .dispatch import Router
+from .grpc_api import GenerationFront
+from .http_api import HttpFront, Models
+from .metrics import RouterMetrics
+from .state import RedisState, StaticState
+
+log = logging.getLogger("specfleet.router")
+
+
+@dataclass
+class RouterConfig:
+    backends: dict[str, list[str]] = field(default_factory=dict)  # arm -> [host:port]
+    host: str = "127.0.0.1"
+    http_port: int = 8000
+    grpc_port: int = 50050
+    namespace: str = "default"
+    name: str = "specfleet"  # the deployment's resource name: the model id clients ask for
+    model_aliases: list[str] = field(default_factory=list)
+    state: LiveState = field(default_factory=LiveState)  # from flags; with Redis, until the first read
+    redis_url: str | None = None
+    redis_poll_s: float = 0.5
+    request_timeout_s: float = 600.0
+    default_temperature: float = 1.0
+    health_check: bool = True
+    eject_s: float = 2.0
+    retries: int = 1
+    max_request_bytes: int = 1 << 20
+
+
+class RouterServer:
+    def __init__(self, cfg: RouterConfig, discovery: Discovery | None = None):
+        self.cfg = cfg
+        self.discovery = discovery or StaticDiscovery(cfg.backends)
+        self.metrics = RouterMetrics()
+        self.draining = False
+        self.http_port = self.grpc_port = 0
+
+    def ready(self) -> tuple[bool, str]:
+        if self.draining:
+            return False, "draining"
+        counts = self.backends.ready_counts()
+        if not any(counts.values()):
+            return False, "no ready backend (" + ", ".join(f"{a}: 0 of {len(p.backends)}"
+                                                          for a, p in self.backends.pools.items()) + ")"
+        return True, "ready (" + ", ".join(f"{a}: {n}" for a, n in counts.items()) + ")"
+
+    async def start(self) -> RouterServer:
+        cfg = self.cfg
+        if cfg.redis_url:
+            self.state = RedisState(cfg.redis_url, cfg.namespace, cfg.name, cfg.state, self.metrics,
+                                    poll_s=cfg.redis_poll_s)
+            await self.state.poll_once()  # serve the stored state from the first request when Redis is up
+            self.state.start()
+        else:
+            self.state = StaticState(cfg.state, self.metrics)
+        self.backends = Backends(self.discovery, self.metrics, health_check=cfg.health_check, eject_s=cfg.eject_s)
+        self.backends.start()
+        self.router = Router(self.backends, self.state, self.metrics, retries=cfg.retries)
+
+        front = HttpFront(self.router, Models(cfg.name, cfg.model_aliases), self.metrics,
+                          request_timeout_s=cfg.request_timeout_s, default_temperature=cfg.default_temperature,
+                          ready=self.ready, max_request_bytes=cfg.max_request_bytes)
+        # a client that goes away cancels its handler, and with it the worker's request
+        self.runner = web.AppRunner(front.app(), handler_cancellation=True, access_log=None)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, cfg.host, cfg.http_port, shutdown_timeout=1.0)
+        await site.start()
+        self.http_port = self.runner.addresses[0][1]
+
+        self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
+                                             ("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(GenerationFront(self.router, self.metrics), self.grpc)
+        self.health = health.aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
+        self.grpc_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")
+        await self.grpc.start()
+        await self.health.set("", health_pb2.HealthCheckResponse.SERVING)
+        log.info("listening", extra={"http_port": self.http_port, "grpc_port": self.grpc_port,
+                                     "deployment": f"{cfg.namespace}/{cfg.name}",
+                                     "redis": bool(cfg.redis_url), "backends": cfg.backends})
+        return self
+
+    async def drain(self, grace_s: float) -> bool:
+        """Not ready, then wait for the requests in flight (True: all finished within the grace)."""
+        self.draining = True
+        await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("draining", extra={"in_flight": self.in_flight(), "grace_s": grace_s})
+        end = asyncio.get_running_loop().time() + grace_s
+        while self.in_flight() and asyncio.get_running_loop().time() < end:
+            await asyncio.sleep(0.05)
+        return self.in_flight() == 0
+
+    def in_flight(self) -> int:
+        return self.router.in_flight
+
+    async def stop(self, grace_s: float = 0.0) -> None:
+        await self.grpc.stop(grace_s)
+        await self.runner.cleanup()
+        await self.backends.close()
+        if isinstance(self.state, RedisState):
+            await self.state.close()

@@ -1,0 +1,137 @@
+"""Where the router's live state (canary weight, routing table, fallback flags) comes from: flags
+alone, or a deployment's LiveState document in Redis, polled.
+
+Fail static: the poll runs on its own task and requests only ever read `current`, so nothing in a
+request's path waits on Redis. When Redis is down, paused or read-only the router keeps the last
+state it read and says so (`connected` False, staleness growing); it resyncs at the next poll
+that answers. A missing key or an invalid document changes nothing either.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Callable, Protocol
+
+from specfleet_api.live_state import LiveState, state_key
+
+from .metrics import RouterMetrics
+
+log = logging.getLogger("specfleet.router.state")
+
+POLL_S = 0.5  # a change is served within POLL_S + one read, well inside the 2 s the fleet promises
+READ_TIMEOUT_S = 1.0
+
+
+class StateSource(Protocol):
+    """What a request reads: the state in force now. Never blocks."""
+
+    @property
+    def current(self) -> LiveState: ...
+
+
+class StaticState:
+    """The state from flags (no Redis): fixed for the router's life."""
+
+    def __init__(self, state: LiveState, metrics: RouterMetrics | None = None):
+        self.current = state
+        if metrics is not None:
+            metrics.state_version.set(state.version)
+            metrics.canary_weight.set(state.canary_weight)
+
+
+def newer(candidate: LiveState, current: LiveState) -> bool:
+    """Whether a document read from Redis replaces the one in force: a higher version, or a
+    different version written later (a writer that started counting again after Redis lost
+    everything must not be ignored forever).
+
+    >>> old = LiveState(version=3, updated=100.0)
+    >>> newer(LiveState(version=4, updated=90.0), old), newer(LiveState(version=3, updated=200.0), old)
+    (True, False)
+    >>> newer(LiveState(version=1, updated=200.0), old), newer(LiveState(version=2, updated=50.0), old)
+    (True, False)
+    """
+    if candidate.version > current.version:
+        return True
+    return candidate.version < current.version and candidate.updated > current.updated
+
+
+class RedisState:
+    """Follows `specfleet:v1:<namespace>/<name>:state` in Redis, starting from `initial` (the
+    flags' state) until the first good read."""
+
+    def __init__(self, url: str, namespace: str, name: str, initial: LiveState, metrics: RouterMetrics,
+                 *, poll_s: float = POLL_S, read_timeout_s: float = READ_TIMEOUT_S,
+                 clock: Callable[[], float] = time.monotonic):
+        import redis.asyncio as aioredis
+        from redis.asyncio.retry import Retry
+        from redis.backoff import NoBackoff
+
+        self.url, self.key = url, state_key(namespace, name)
+        self.current = initial
+        self.metrics, self.poll_s, self.clock = metrics, poll_s, clock
+        # one try per poll: the next poll is the retry, and a paused Redis must not stall the loop
+        self.client = aioredis.from_url(url, socket_timeout=read_timeout_s, socket_connect_timeout=read_timeout_s,
+                                        retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.connected = False
+        self.started = self.last_read = clock()  # stale since start until the first read
+        self._task: asyncio.Task | None = None
+        metrics.state_version.set(initial.version)
+        metrics.canary_weight.set(initial.canary_weight)
+        metrics.redis_connected.set(0)
+        metrics.redis_staleness.set_function(self.staleness)
+
+    def staleness(self) -> float:
+        """Seconds since the state was last read from Redis (since start, before the first read)."""
+        return max(0.0, self.clock() - self.last_read)
+
+    async def poll_once(self) -> bool:
+        """One read; True when the state in force changed. Never raises."""
+        try:
+            raw = await self.client.get(self.key)
+        except Exception as e:  # any failure is the same to a fail-static reader: keep what we have
+            if self.connected:
+                log.warning("redis unreachable; serving on the last state", extra={
+                    "error": f"{type(e).__name__}: {e}", "version": self.current.version})
+            self.connected = False
+            self.metrics.redis_connected.set(0)
+            self.metrics.state_errors.labels("unreachable").inc()
+            return False
+        if not self.connected:
+            log.info("redis connected", extra={"key": self.key})
+        self.connected, self.last_read = True, self.clock()
+        self.metrics.redis_connected.set(1)
+        if raw is None:  # nothing written yet (or Redis lost it): no decision on missing data
+            return False
+        try:
+            doc = LiveState.from_json(raw)
+        except ValueError as e:
+            self.metrics.state_errors.labels("invalid").inc()
+            log.warning("ignoring an invalid live state", extra={"key": self.key, "error": str(e)})
+            return False
+        if not newer(doc, self.current):
+            return False
+        log.info("live state changed", extra={"from_version": self.current.version, "version": doc.version,
+                                              "canary_weight": doc.canary_weight})
+        self.current = doc
+        self.metrics.state_version.set(doc.version)
+        self.metrics.canary_weight.set(doc.canary_weight)
+        return True
+
+    async def run(self) -> None:
+        while True:
+            await self.poll_once()
+            await asyncio.sleep(self.poll_s)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name="redis-state")
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.client.aclose()

@@ -1,0 +1,76 @@
+"""Test helpers: a router on loopback ports, on an event loop of its own thread, so that
+synchronous clients (the `openai` package, grpc) can call it from the test's thread.
+
+Used by tests/router and handy in a REPL; nothing here runs in production.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+import urllib.error
+import urllib.request
+
+from .server import RouterConfig, RouterServer
+
+
+class RunningRouter:
+    def __init__(self, server: RouterServer, loop: asyncio.AbstractEventLoop):
+        self.server, self.loop = server, loop
+        self.url = f"http://127.0.0.1:{server.http_port}"
+        self.base_url = self.url + "/v1"
+        self.grpc_target = f"127.0.0.1:{server.grpc_port}"
+
+    def call(self, coro, timeout_s: float = 10.0):
+        """Runs a coroutine on the router's loop and returns its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)
+
+    def metric(self, name: str, labels: dict | None = None) -> float:
+        return self.server.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+    def ready_counts(self) -> dict[str, int]:
+        return self.call(_async(self.server.backends.ready_counts))
+
+    def wait_ready(self, stable: int = 0, canary: int = 0, timeout_s: float = 10.0) -> None:
+        """Until at least that many backends of each arm are ready."""
+        end = time.monotonic() + timeout_s
+        while True:
+            counts = self.ready_counts()
+            if counts["stable"] >= stable and counts["canary"] >= canary:
+                return
+            if time.monotonic() > end:
+                raise TimeoutError(f"backends not ready within {timeout_s} s: {counts}")
+            time.sleep(0.02)
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+
+async def _async(fn):
+    return fn()
+
+
+@contextlib.contextmanager
+def running_router(cfg: RouterConfig | None = None, **kw):
+    """A started router (ports picked free) for `cfg`, or for a RouterConfig built from `kw`."""
+    cfg = cfg or RouterConfig(**{"http_port": 0, "grpc_port": 0, **kw})
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="router-loop", daemon=True)
+    thread.start()
+    server = RouterServer(cfg)
+    try:
+        asyncio.run_coroutine_threadsafe(server.start(), loop).result(15)
+        yield RunningRouter(server, loop)
+    finally:
+        try:
+            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(15)
+        finally:
+            loop.call_soon_threadsafe(loop.stop)
+            thread.join(15)
+            loop.close()
