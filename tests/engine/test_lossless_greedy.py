@@ -115,6 +115,29 @@ def test_batched_speculation_matches_single_requests(arch):
     assert engine.cache.allocator.num_used == 0
 
 
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_batched_adaptive_k_matches_single_requests(arch):
+    """The default policy: each step verifies what pays for the whole batch (cheap verify rows
+    here), so draft lengths differ by sequence and by step; outputs must not."""
+    target = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
+    engine = Engine(target, proposers=proposers_for(target), k_policy="adaptive")
+    engine.costs.set_curve({r: 1.0 + 0.02 * (r - 1) for r in range(1, 80)})
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    ps = repeating_prompts(6, seed=8)
+    expected = [engine.generate(p, params, "none").output for p in ps]
+    seqs = [engine.add(p, params, "draft-model" if i % 2 else "ngram", k=8) for i, p in enumerate(ps)]
+    drafted_per_step = set()
+    while not all(s.finished for s in seqs):
+        for out in engine.step():
+            if out.stats is not None and out.stats.num_draft_tokens:
+                drafted_per_step.add(out.stats.num_draft_tokens)
+    assert [s.output for s in seqs] == expected
+    draft_model = [s for s in seqs if s.method == "draft-model"]
+    assert sum(s.stats.num_accepted_tokens for s in draft_model) > 0 and not any(s.stats.draft_errors for s in seqs)
+    assert len(drafted_per_step) >= 3, f"adaptive K chose too few distinct draft lengths: {drafted_per_step}"
+    assert engine.cache.allocator.num_used == 0
+
+
 def test_eos_max_tokens_and_logprobs_inside_verification():
     target = tiny_model(seed=1, scale=4.0)
     engine = Engine(target, k_policy="fixed")
