@@ -6,9 +6,13 @@ deployment, as one JSON document with a version that only grows. Routers and wor
 (and so pick up a change within their poll period) and keep the last state they read when Redis
 is away (fail static). Torch-free: the operator, the router and the worker all import it.
 
-Keys (docs/router.md):
-    specfleet:v1:<namespace>/<name>:state         this document (a Redis string, JSON)
-    specfleet:v1:<namespace>/<name>:window:<arm>  worker windows (a hash per pod, field = prompt type)
+Keys (docs/router.md, docs/worker.md):
+    specfleet:v1:<namespace>/<name>:state               this document (a Redis string, JSON)
+    specfleet:v1:<namespace>/<name>:window:<arm>:<pod>  one worker's windows: a hash, field = prompt
+        type, value = JSON counts over its last 60 s (requests, output_tokens, steps, drafts,
+        draft_tokens, accepted_tokens, plain_seconds, busy_seconds, ttft_seconds_sum, ttft_count,
+        tpot_seconds_sum, tpot_count, window_seconds, updated); written every 5 s, expiring after
+        15 s, so a reader sums over the pods it finds (`SCAN MATCH window_key(...) + ":*"`)
 """
 
 from __future__ import annotations
@@ -33,6 +37,11 @@ def state_key(namespace: str, name: str) -> str:
 
 
 def window_key(namespace: str, name: str, arm: str) -> str:
+    """The prefix of an arm's window keys: each worker appends `:<pod>` (specfleet_worker.fleet).
+
+    >>> window_key("default", "chat", "canary")
+    'specfleet:v1:default/chat:window:canary'
+    """
     return f"{PREFIX}{namespace}/{name}:window:{arm}"
 
 

@@ -47,3 +47,20 @@ def test_prefill_counts_the_same_on_both_sides_and_the_window_forgets():
     m.add(3.0, 1.0)
     m.add(3.0, 1.0)  # the prefill step left the window
     assert m.ratio() == pytest.approx(3.0) and m.total_actual == pytest.approx(2.5)
+
+
+def test_a_steps_seconds_are_shared_among_its_sequences_and_add_up_to_the_step():
+    # one prefill (0.1 s) and two decoding sequences (0.015 s, as above), 0.005 s around them;
+    # the first decoding sequence emitted 4 tokens, the second 2
+    curve = {2: 1.0, 8: 1.2}
+    t = StepTiming(prefill=0.1, decode=0.015, forward=0.012, propose=0.001, decode_rows=8, decode_seqs=2, emitted=6)
+    outputs = [SimpleNamespace(stats=None), SimpleNamespace(stats=SimpleNamespace(num_emitted=4)),
+               SimpleNamespace(stats=SimpleNamespace(num_emitted=2))]
+    e, elapsed = engine(t, curve), 0.12
+    (p0, a0), (p1, a1), (p2, a2) = SpeedupMeter.shares(e, elapsed, outputs)
+    around = 0.005 / 3
+    assert p0 == a0 == pytest.approx(0.1 + around)  # a prefill counts the same on both sides
+    assert (a1, a2) == (pytest.approx(0.0075 + around), pytest.approx(0.0075 + around))
+    assert (p1, p2) == (pytest.approx(4 * 0.006 + around), pytest.approx(2 * 0.006 + around))  # 0.012 / 2 a token
+    plain, actual = SpeedupMeter().observe(e, elapsed)
+    assert (p0 + p1 + p2, a0 + a1 + a2) == (pytest.approx(plain), pytest.approx(actual))

@@ -264,14 +264,27 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.hf.decode(ids, skip_special_tokens=True)
 
-    def chat(self, user: str, system: str | None = None) -> list[int]:
-        messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
-        if getattr(self.hf, "chat_template", None):
+    def chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        """A conversation ({role, content} dicts) rendered with the model's chat template, ending
+        with the prompt for the assistant's turn. Raises ValueError when the model has no chat
+        template or its template refuses the conversation (say, roles out of order)."""
+        if not getattr(self.hf, "chat_template", None):
+            raise ValueError("this model has no chat template; send the prompt as text or token ids")
+        try:
             ids = self.hf.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "keys"):
-                ids = ids["input_ids"]
-            return list(ids)
-        return self.encode(user)
+        except Exception as e:  # noqa: BLE001 - a template raises what it likes (jinja2's TemplateError, ...)
+            raise ValueError(f"the model's chat template refused the conversation: {e}") from None
+        if isinstance(ids, dict) or hasattr(ids, "keys"):  # newer transformers return a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def chat(self, user: str, system: str | None = None) -> list[int]:
+        """One user turn (after an optional system prompt) in the chat template; the plain text
+        when the model has none."""
+        if not getattr(self.hf, "chat_template", None):
+            return self.encode(user)
+        return self.chat_messages(([{"role": "system", "content": system}] if system else [])
+                                  + [{"role": "user", "content": user}])
 
 
 def load_tokenizer(name_or_path: str) -> Tokenizer:

@@ -1,4 +1,5 @@
-"""Tiny random Llama-family models for tests and examples: real code paths, milliseconds a step."""
+"""Tiny random Llama-family models for tests and examples: real code paths, milliseconds a step;
+and a character tokenizer, so that the tiny model serves text and chat messages."""
 
 from __future__ import annotations
 
@@ -31,6 +32,35 @@ def tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, scale: float =
                 p.copy_(torch.randn(p.shape, generator=g) * (scale / p.shape[-1] ** 0.5))
     model.rope_cos, model.rope_sin = rope_cache(args, args.max_position_embeddings)
     return model.to(dtype).eval().requires_grad_(False)
+
+
+class CharTokenizer:
+    """Ids 0..94 are printable ASCII; 95..109 decode to nothing; 110 (the tiny model's EOS) ends.
+
+    Its chat template marks each turn with its role and ends with the assistant's open tag:
+
+    >>> t = CharTokenizer()
+    >>> t.decode(t.chat_messages([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]))
+    '<system>Be brief.</system><user>Hi</user><assistant>'
+    >>> t.decode(t.chat("Hi")) == t.decode(t.chat_messages([{"role": "user", "content": "Hi"}]))
+    True
+    """
+
+    eos_token_ids = [110]
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(c) - 32 if 32 <= ord(c) < 127 else ord("?") - 32 for c in text]
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(chr(32 + i) for i in ids if i < 95)
+
+    def chat_messages(self, messages: list[dict[str, str]]) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}</{m['role']}>" for m in messages)
+        return self.encode(text + "<assistant>")  # the generation prompt
+
+    def chat(self, user: str, system: str | None = None) -> list[int]:
+        return self.chat_messages(([{"role": "system", "content": system}] if system else [])
+                                  + [{"role": "user", "content": user}])
 
 
 # The architectures the engine claims, each as a tiny model: Llama (grouped-query attention),

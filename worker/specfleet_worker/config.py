@@ -2,7 +2,8 @@
 
 `LiveConfig` holds what may change at run time (K bounds, speculation on/off, the method per
 prompt type); every change swaps one frozen snapshot, so the scheduler reads a consistent view
-once per step without a lock. EngineConfig lives in the torch-free specfleet_api.
+once per step without a lock. Changes come from the Admin service, control.json and the live
+state in Redis (live.py). EngineConfig lives in the torch-free specfleet_api.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 
 from specfleet_api.engine_config import AUTO, EngineConfig
 from specfleet_api.enums import Method
+from specfleet_api.live_state import LiveState
 
 __all__ = ["AUTO", "EngineConfig", "LiveConfig", "Settings"]
 
@@ -89,6 +91,14 @@ class LiveConfig:
                 by_prompt_type=routes)
             log.info("settings changed", extra={"settings": dataclasses.asdict(self.settings)})
             return self.settings
+
+    def apply_live_state(self, state: LiveState, arm: str) -> Settings:
+        """The deployment's live state from Redis (live.py): `speculate`, and the K bounds of this
+        worker's arm when the state has them. The method per prompt type is the router's choice,
+        sent with each request, so the state's routes are not applied here."""
+        bounds = state.k.get(arm)
+        return self.update(speculation_enabled=state.speculate, k_min=bounds.k_min if bounds else None,
+                           k_max=bounds.k_max if bounds else None)
 
     def apply_control_file(self, raw: dict) -> Settings:
         """control.json, written by the operator's control loop: {speculate, kMin, kMax}."""

@@ -1,19 +1,36 @@
-"""Fleet statistics in Redis (SPECFLEET_REDIS_URL): each worker publishes its window's view.
+"""Fleet statistics in Redis (SPECFLEET_REDIS_URL): each worker publishes what it observed.
 
-Every `period_s` the worker writes one hash, `specfleet:worker:<pod>`, that expires after three
-periods, so a worker that died drops out on its own. Readers (dashboards, the control plane, a
-future fleet-wide K prior) take the mean over the keys they find. Redis being away costs a
-warning per failure, never a request.
+At start and every `period_s` (5 s) after, the worker writes, in one transaction, each key
+expiring after three periods so that a worker that died drops out on its own:
+
+    specfleet:worker:<pod>                                      its summary (a hash of strings)
+    specfleet:v1:<namespace>/<name>:window:<arm>:<pod>          its windows, with SPECFLEET_DEPLOYMENT set:
+                                                                a hash, field = prompt type, value = JSON
+
+A window is what the requests of one prompt type did on this worker over the last `window_s`
+(60 s; less while the worker is younger): requests, output tokens, decoding steps, drafts, draft
+and accepted tokens, the plain-equivalent and busy seconds of their share of each step (the
+speedup meter's two sides), and TTFT and TPOT sums and counts (`metrics.TypeCounts`), with
+`window_seconds` and `updated`. Readers sum a field over the pods of an arm (the loop, the
+router, `specfleet status`). Redis being away costs a warning per outage, never a request.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import socket
 import threading
 import time
+from collections import deque
+from collections.abc import Callable
+
+from specfleet_api.live_state import window_key
+
+from .live import REDIS_URL_ENV, deployment_from_env, redis_client
+from .metrics import TypeCounts
 
 log = logging.getLogger("specfleet.worker")
 
@@ -35,36 +52,83 @@ def snapshot(worker) -> dict[str, str]:
     }
 
 
+def pod_window_key(namespace: str, name: str, arm: str, pod: str) -> str:
+    """The hash of one pod's windows.
+
+    >>> pod_window_key("default", "chat", "canary", "chat-canary-7d9f-x2x")
+    'specfleet:v1:default/chat:window:canary:chat-canary-7d9f-x2x'
+    """
+    return f"{window_key(namespace, name, arm)}:{pod}"
+
+
+class Windows:
+    """Sliding windows over a source of running totals per prompt type: each `take` records the
+    totals and returns, per type, their growth since the oldest record not older than `window_s`
+    (the one just before it, so that a window is never shorter than asked once the worker is old
+    enough), with the seconds it covers."""
+
+    def __init__(self, totals: Callable[[], dict[str, TypeCounts]], window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.totals, self.window_s, self.clock = totals, window_s, clock
+        self._history: deque[tuple[float, dict[str, TypeCounts]]] = deque([(clock(), totals())])
+
+    def take(self) -> tuple[float, dict[str, TypeCounts]]:
+        now, current = self.clock(), self.totals()
+        self._history.append((now, current))
+        while len(self._history) > 2 and self._history[1][0] <= now - self.window_s:
+            self._history.popleft()
+        since, base = self._history[0]
+        return now - since, {t: c.minus(base.get(t, TypeCounts())) for t, c in current.items()}
+
+
 class FleetPublisher:
-    def __init__(self, client, worker, name: str | None = None, period_s: float = 5.0):
+    def __init__(self, client, worker, name: str | None = None, period_s: float = 5.0,
+                 deployment: tuple[str, str] | None = None, window_s: float = 60.0):
         self.client, self.worker, self.period_s = client, worker, period_s
-        self.key = KEY_PREFIX + (name or os.environ.get("POD_NAME") or socket.gethostname())
+        pod = name or os.environ.get("POD_NAME") or socket.gethostname()
+        self.key = KEY_PREFIX + pod
+        self.window_key = pod_window_key(*deployment, worker.role, pod) if deployment else None
+        self.windows = Windows(worker.scheduler.metrics.counts_by_type, window_s)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="fleet", daemon=True)
         self._warned = False
 
     @classmethod
-    def from_env(cls, worker) -> FleetPublisher | None:
-        url = os.environ.get("SPECFLEET_REDIS_URL")
+    def from_env(cls, worker, **kw) -> FleetPublisher | None:
+        """None without SPECFLEET_REDIS_URL; windows too with SPECFLEET_DEPLOYMENT (ValueError when
+        it is malformed)."""
+        url = os.environ.get(REDIS_URL_ENV)
         if not url:
             return None
-        import redis
+        return cls(redis_client(url, timeout_s=2.0), worker, deployment=deployment_from_env(), **kw)
 
-        return cls(redis.Redis.from_url(url, socket_timeout=2, socket_connect_timeout=2), worker)
+    def window_fields(self) -> dict[str, str]:
+        """This period's windows, one JSON object per prompt type."""
+        seconds, windows = self.windows.take()
+        updated = round(time.time(), 3)
+        return {t: json.dumps({**dataclasses.asdict(c), "window_seconds": round(seconds, 3), "updated": updated})
+                for t, c in sorted(windows.items())}
 
     def publish_once(self) -> bool:
+        ttl = max(int(self.period_s * 3), 1)
         try:
+            windows = self.window_fields() if self.window_key else {}  # taken even when Redis is away
             pipe = self.client.pipeline()
             pipe.hset(self.key, mapping=snapshot(self.worker))
-            pipe.expire(self.key, max(int(self.period_s * 3), 1))
+            pipe.expire(self.key, ttl)
+            if windows:  # an empty mapping is an error to Redis; until the first request there is none
+                pipe.hset(self.window_key, mapping=windows)
+                pipe.expire(self.window_key, ttl)
             pipe.execute()
-            self._warned = False
-            return True
         except Exception as e:  # noqa: BLE001 - fleet statistics are best effort
             if not self._warned:
                 log.warning("cannot publish fleet statistics", extra={"key": self.key, "error": str(e)})
                 self._warned = True
             return False
+        if self._warned:
+            log.info("publishing fleet statistics again", extra={"key": self.key})
+            self._warned = False
+        return True
 
     def start(self) -> FleetPublisher:
         self._thread.start()
@@ -73,10 +137,12 @@ class FleetPublisher:
     def stop(self) -> None:
         self._stop.set()
         try:
-            self.client.delete(self.key)  # leaving the fleet: do not wait for the expiry
+            self.client.delete(self.key, *([self.window_key] if self.window_key else []))  # leaving the fleet
         except Exception:  # noqa: BLE001 - best effort, as above
             pass
 
     def _run(self) -> None:
-        while not self._stop.wait(self.period_s):
+        while True:  # at once, so that a new worker shows up in the fleet without waiting a period
             self.publish_once()
+            if self._stop.wait(self.period_s):
+                return

@@ -26,7 +26,7 @@ from .config import EngineConfig, LiveConfig
 
 log = logging.getLogger("specfleet.worker")
 
-TINY_MODEL = "tiny-random"  # a random 2-layer model for tests: token ids only, no tokenizer
+TINY_MODEL = "tiny-random"  # a random 2-layer model for tests, with a character tokenizer (text, chat)
 CONTROL_FILE = "control.json"
 T = TypeVar("T")
 
@@ -44,6 +44,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-kv-tokens", type=int, default=32768, help="KV cache size in tokens")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests: INVALID_ARGUMENT")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    p.add_argument("--live-state-period", type=float, default=0.5,
+                   help="seconds between two reads of the deployment's live state in Redis "
+                        "(with SPECFLEET_REDIS_URL and SPECFLEET_DEPLOYMENT)")
     p.add_argument("--log-level", default=os.environ.get("SPECFLEET_LOG_LEVEL", "INFO"))
     p.add_argument("--check-config", metavar="FILE", default=None,
                    help="only check an engine.json: method, precision and URI served, weights present here "
@@ -58,6 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be > 0")
     if args.max_queue < 0 or args.drain_seconds < 0:
         p.error("--max-queue and --drain-seconds must be >= 0")
+    if args.live_state_period <= 0:
+        p.error("--live-state-period must be > 0")
     return args
 
 
@@ -134,9 +139,9 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     if threads:
         torch.set_num_threads(threads)
     if TINY_MODEL in (cfg.model_name, cfg.model_uri):
-        from specfleet_engine.testing import tiny_model
+        from specfleet_engine.testing import CharTokenizer, tiny_model
 
-        model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), None, default_proposers()
+        model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), CharTokenizer(), default_proposers()
     else:
         from specfleet_engine.factory import build_engine_parts
 
@@ -178,8 +183,13 @@ def make_worker(engine, cfg: EngineConfig, *, max_batch_size: int = 16, max_queu
                   max_request_bytes=max_request_bytes, tracer=tracer)
 
 
-def watch_control_file(path: Path, live: LiveConfig, stop: threading.Event, period_s: float = 2.0) -> None:
-    """Applies control.json (the operator's run-time knobs) whenever its content changes."""
+def watch_control_file(path: Path, live: LiveConfig, stop: threading.Event, period_s: float = 2.0,
+                       deferred: Callable[[], bool] = lambda: False) -> None:
+    """Applies control.json (the operator's run-time knobs) whenever its content changes.
+
+    While `deferred()` is true (the live state from Redis is in force: it is the fresher copy, a
+    mounted ConfigMap lags) a change is noted but not applied; control.json is what a worker
+    starts from, and what moves it while Redis is away."""
     last = None
     while not stop.wait(period_s if last is not None else 0):
         try:
@@ -190,6 +200,9 @@ def watch_control_file(path: Path, live: LiveConfig, stop: threading.Event, peri
         if text == last:
             continue
         last = text
+        if deferred():
+            log.info("control file changed; the live state from Redis is in force", extra={"path": str(path)})
+            continue
         try:
             live.apply_control_file(json.loads(text))
             log.info("applied control file", extra={"path": str(path)})
@@ -204,8 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     from . import logs
 
     logs.configure(args.log_level)
+    from .live import deployment_from_env
+
     try:
         cfg = EngineConfig.load(args.config) if args.config else EngineConfig()
+        deployment_from_env()
     except (OSError, ValueError) as e:
         log.error("bad configuration", extra={"config": args.config, "error": str(e)})
         return 2
@@ -247,22 +263,30 @@ def main(argv: list[str] | None = None) -> int:
     worker = make_worker(loaded["engine"], cfg, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
                          tracer=make_tracer(os.environ.get("OTEL_SERVICE_NAME", "specfleet-worker")))
-    server.attach(worker)
     from .fleet import FleetPublisher
+    from .live import LiveStateFollower
 
+    follower = LiveStateFollower.from_env(worker.live, cfg.role, period_s=args.live_state_period,
+                                          registry=worker.scheduler.metrics.registry, model=cfg.model_name)
+    if follower is not None:
+        follower.start()
+    server.attach(worker)
     fleet = FleetPublisher.from_env(worker)
     if fleet is not None:
         fleet.start()
     if args.config:
         control = Path(args.config).parent / CONTROL_FILE
-        threading.Thread(target=watch_control_file, args=(control, worker.live, stop), name="control",
-                         daemon=True).start()
+        threading.Thread(target=watch_control_file, args=(control, worker.live, stop),
+                         kwargs={"deferred": lambda: follower is not None and follower.in_sync},
+                         name="control", daemon=True).start()
     while not stop.wait(0.5):
         if not worker.scheduler.alive:
             log.error("the scheduler thread stopped; exiting")
             server.stop(0)
             return 1
     done = server.drain(args.drain_seconds)
+    if follower is not None:
+        follower.stop()
     if fleet is not None:
         fleet.stop()
     server.stop(grace_s=1.0)

@@ -4,9 +4,14 @@ The spec_decode_num_* counters are vLLM's (`vllm:spec_decode_num_drafts`, ...) u
 spec_decode_ prefix this fleet's dashboards, alerts and operator read. The gauges are computed
 over a sliding window of recent verify steps, so one scrape is one window's view (the operator
 relies on that). Each server owns its registry: two servers in one process do not collide.
+`TypeCounts` are the same events summed per prompt type, for the fleet windows (fleet.py).
 """
 
 from __future__ import annotations
+
+import dataclasses
+import threading
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from specfleet_engine.acceptance import Acceptance, window
@@ -19,6 +24,30 @@ K_BUCKETS = tuple(range(0, 17))
 def new_window() -> Acceptance:
     """The gauges' window: about the last 512 decoding steps, no prior (an empty window reads 0)."""
     return window(512, weight=0.0, recover=0.0)
+
+
+@dataclass
+class TypeCounts:
+    """What one prompt type's requests did on this worker since it started; a fleet window is the
+    difference of two. A step's seconds are shared among its sequences (`SpeedupMeter.shares`);
+    the latencies are what the histograms observe."""
+
+    requests: int = 0  # finished (stop, length or abort)
+    output_tokens: int = 0
+    steps: int = 0  # decoding steps: target forwards after the prefill
+    drafts: int = 0  # of which verified at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    plain_seconds: float = 0.0  # what plain decoding would have spent on the same steps
+    busy_seconds: float = 0.0  # what they took
+    ttft_seconds_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_seconds_sum: float = 0.0
+    tpot_count: int = 0
+
+    def minus(self, earlier: TypeCounts) -> TypeCounts:
+        return TypeCounts(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                             for f in dataclasses.fields(self)})
 
 
 class Metrics:
@@ -81,6 +110,8 @@ class Metrics:
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_errors": 0}
         self.window = new_window()
         self.window_by_type: dict[str, Acceptance] = {}
+        self._by_type: dict[str, TypeCounts] = {}  # written by the scheduler thread, read by the publisher's
+        self._by_type_lock = threading.Lock()
         self.speedup.labels(model, quantization).set(1.0)
         self.avg_accepted_tokens.labels(model).set(0.0)
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.draft_failures, self.failed,
@@ -93,6 +124,13 @@ class Metrics:
         self.draft_k.labels(m).observe(k)
         self.generation_tokens.labels(m).inc(emitted)
         self.window.observe(drafted, accepted)
+        with self._by_type_lock:
+            c = self._counts(prompt_type)
+            c.steps += 1
+            if drafted:
+                c.drafts += 1
+                c.draft_tokens += drafted
+                c.accepted_tokens += accepted
         if drafted:
             self.totals["num_drafts"] += 1
             self.totals["num_draft_tokens"] += drafted
@@ -113,6 +151,46 @@ class Metrics:
         """One engine step: its seconds, and what plain decoding would have taken."""
         self.busy_seconds.labels(self.model).inc(actual_s)
         self.plain_equivalent_seconds.labels(self.model).inc(plain_s)
+
+    def cost(self, prompt_type: str, plain_s: float, actual_s: float) -> None:
+        """One request's share of an engine step (`busy` counts the whole step)."""
+        with self._by_type_lock:
+            c = self._counts(prompt_type)
+            c.plain_seconds += plain_s
+            c.busy_seconds += actual_s
+
+    def finished(self, prompt_type: str, finish_reason: str, output_tokens: int, e2e_s: float,
+                 ttft_s: float | None, tpot_s: float | None) -> None:
+        """A request that ran to its end (stop, length or abort); TTFT is None when no token came,
+        TPOT when fewer than two did."""
+        m = self.model
+        self.requests.labels(m, finish_reason).inc()
+        self.e2e.labels(m).observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.labels(m).observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.labels(m).observe(tpot_s)
+        with self._by_type_lock:
+            c = self._counts(prompt_type)
+            c.requests += 1
+            c.output_tokens += output_tokens
+            if ttft_s is not None:
+                c.ttft_seconds_sum += ttft_s
+                c.ttft_count += 1
+            if tpot_s is not None:
+                c.tpot_seconds_sum += tpot_s
+                c.tpot_count += 1
+
+    def counts_by_type(self) -> dict[str, TypeCounts]:
+        """A consistent copy of every prompt type's counts (any thread)."""
+        with self._by_type_lock:
+            return {t: dataclasses.replace(c) for t, c in self._by_type.items()}
+
+    def _counts(self, prompt_type: str) -> TypeCounts:
+        c = self._by_type.get(prompt_type)
+        if c is None:
+            c = self._by_type[prompt_type] = TypeCounts()
+        return c
 
     def draft_error(self, n: int) -> None:
         self.totals["draft_errors"] += n

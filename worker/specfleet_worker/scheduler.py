@@ -240,7 +240,7 @@ class Scheduler:
             return True
         plain, actual = self.speedup.observe(self.engine, time.perf_counter() - t0)
         self.metrics.busy(plain, actual)
-        self._route(outputs)
+        self._route(outputs, self.speedup.shares(self.engine, actual, outputs))
         self._publish_gauges()
         return True
 
@@ -269,13 +269,14 @@ class Scheduler:
             else:
                 seq.k_min, seq.k_max = s.k_min, s.k_max
 
-    def _route(self, outputs) -> None:
+    def _route(self, outputs, shares: list[tuple[float, float]]) -> None:
         by_id = {r.seq.seq_id: r for r in self._active}
         now = time.perf_counter()
-        for out in outputs:
+        for out, (plain_s, actual_s) in zip(outputs, shares):
             req = by_id.get(out.seq.seq_id)
             if req is None:
                 continue
+            self.metrics.cost(req.prompt_type, plain_s, actual_s)
             seq = out.seq
             if out.stats is None:  # the prefill's first token
                 req.first_token_at = now
@@ -306,15 +307,15 @@ class Scheduler:
         if req.cancelled and seq.finish_reason != "abort":
             seq.finish_reason = "abort"
         req.finished_at = time.perf_counter()
-        m, model = self.metrics, self.metrics.model
         if error is None:
             self.requests_total += 1
-            m.requests.labels(model, seq.finish_reason).inc()
-            m.e2e.labels(model).observe(req.finished_at - req.arrival)
+            ttft = tpot = None
             if req.first_token_at is not None:
-                m.ttft.labels(model).observe(req.first_token_at - req.arrival)
+                ttft = req.first_token_at - req.arrival
                 if len(seq.output) > 1:
-                    m.tpot.labels(model).observe((req.finished_at - req.first_token_at) / (len(seq.output) - 1))
+                    tpot = (req.finished_at - req.first_token_at) / (len(seq.output) - 1)
+            self.metrics.finished(req.prompt_type, seq.finish_reason, len(seq.output), req.finished_at - req.arrival,
+                                  ttft, tpot)
         self._hook(req, error)
         s = seq.stats
         log.info("request finished" if error is None else "request failed", extra={
@@ -392,14 +393,42 @@ class SpeedupMeter:
         t = engine.last_timing
         plain = elapsed
         if t.decode_seqs:
-            outside = max(t.decode - t.forward - t.propose, 0.0)  # verification and bookkeeping
-            # the forward plain decoding would run, at this step's own speed: the calibrated shape
-            # prices B rows against the rows that ran, so contention hits both sides alike
-            forward = t.forward * engine.costs(t.decode_seqs) / engine.costs(t.decode_rows)
-            plain += t.emitted * (forward + outside) / t.decode_seqs - t.decode
+            plain += t.emitted * self.plain_token_seconds(engine) - t.decode
         plain = max(plain, 0.0)
         self.add(plain, elapsed)
         return plain, elapsed
+
+    @staticmethod
+    def plain_token_seconds(engine: Engine) -> float:
+        """What plain decoding would pay per token for the decoding part of the step that just ran:
+        one forward over its B sequences plus the step's work outside its forward and proposing
+        (verification, bookkeeping), for B tokens."""
+        t = engine.last_timing
+        outside = max(t.decode - t.forward - t.propose, 0.0)
+        # the forward plain decoding would run, at this step's own speed: the calibrated shape
+        # prices B rows against the rows that ran, so contention hits both sides alike
+        forward = t.forward * engine.costs(t.decode_seqs) / engine.costs(t.decode_rows)
+        return (forward + outside) / t.decode_seqs
+
+    @classmethod
+    def shares(cls, engine: Engine, elapsed: float, outputs) -> list[tuple[float, float]]:
+        """The step that just ran as (plain, actual) seconds per sequence, in the order of `outputs`
+        (what the per-prompt-type costs add up). A sequence pays an equal part of the prefill or of
+        the decoding part, whichever it was in, and of the time around both; on the plain side a
+        decoding sequence pays for its own emitted tokens at `plain_token_seconds`. The parts add
+        up to the step's two sides in `observe` (before its floor at 0)."""
+        t = engine.last_timing
+        prefilled = sum(1 for out in outputs if out.stats is None)
+        around = max(elapsed - t.prefill - t.decode, 0.0) / max(len(outputs), 1)
+        token = cls.plain_token_seconds(engine) if t.decode_seqs else 0.0
+        out = []
+        for o in outputs:
+            if o.stats is None:  # prefilled in this step
+                actual = t.prefill / prefilled + around
+                out.append((actual, actual))
+            else:
+                out.append((o.stats.num_emitted * token + around, t.decode / t.decode_seqs + around))
+        return out
 
     def add(self, plain: float, actual: float) -> None:
         p, a = self._sums

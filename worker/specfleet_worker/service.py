@@ -16,7 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from specfleet_engine.sampling import SamplingParams
-from specfleet_api.enums import Method
+from specfleet_api.enums import PROMPT_TYPES, Method
 
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
@@ -31,6 +31,7 @@ MAX_REQUEST_ID = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 MAX_PROMPT_TYPE = 64
+CHAT_ROLES = ("system", "user", "assistant")
 
 
 STATUS = {
@@ -71,8 +72,9 @@ class Worker:
         self.max_tokens_limit, self.max_request_bytes = max_tokens_limit, max_request_bytes
         self.tracer = tracer or trace.NoOpTracer()
         self.vocab_size = self.engine.model.args.vocab_size
-        # only prompt types the operator routes become metric labels; the rest are "other"
-        self.known_prompt_types = set(live.settings.by_prompt_type) | {"default"}
+        # only the router's prompt types and those the operator routes become metric labels (and
+        # fleet windows); the rest are "other", so a client cannot mint labels
+        self.known_prompt_types = set(PROMPT_TYPES) | set(live.settings.by_prompt_type) | {"default"}
         scheduler.metrics.tree_branch_factor.labels(model_name).set(tree_branching)
 
     # -- validation ---------------------------------------------------------------------------
@@ -127,22 +129,37 @@ class Worker:
         return req
 
     def _prompt_ids(self, msg: pb.GenerateRequest) -> list[int]:
-        if msg.prompt and msg.prompt_token_ids:
-            raise Invalid("prompt, prompt_token_ids: set one of them, not both")
+        given = [name for name, value in (("prompt", msg.prompt), ("prompt_token_ids", msg.prompt_token_ids),
+                                          ("messages", msg.messages)) if len(value)]
+        if len(given) > 1:
+            raise Invalid(f"{', '.join(given)}: set exactly one of prompt, prompt_token_ids and messages")
+        if not given:
+            raise Invalid("prompt: empty; send prompt (text), prompt_token_ids or messages")
         if msg.prompt_token_ids:
             ids = list(msg.prompt_token_ids)
             bad = next((i for i, t in enumerate(ids) if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise Invalid(f"prompt_token_ids[{bad}]: {ids[bad]} is outside the vocabulary [0, {self.vocab_size})")
             return ids
-        if not msg.prompt:
-            raise Invalid("prompt: empty; send prompt (text) or prompt_token_ids")
         if self.tokenizer is None:
-            raise Invalid("prompt: this worker's model has no tokenizer; send prompt_token_ids")
-        ids = self.tokenizer.chat(msg.prompt) if msg.apply_chat_template else self.tokenizer.encode(msg.prompt)
+            raise Invalid(f"{given[0]}: this worker's model has no tokenizer; send prompt_token_ids")
+        if msg.messages:
+            ids = self._render(msg.messages)
+        else:
+            ids = self.tokenizer.chat(msg.prompt) if msg.apply_chat_template else self.tokenizer.encode(msg.prompt)
         if not ids:
-            raise Invalid("prompt: encodes to no tokens")
+            raise Invalid(f"{given[0]}: encodes to no tokens")
         return ids
+
+    def _render(self, messages) -> list[int]:
+        """The conversation in the model's chat template, ready for the assistant's turn."""
+        for i, m in enumerate(messages):
+            if m.role not in CHAT_ROLES:
+                raise Invalid(f"messages[{i}].role: {m.role!r} is not one of {', '.join(CHAT_ROLES)}")
+        try:
+            return self.tokenizer.chat_messages([{"role": m.role, "content": m.content} for m in messages])
+        except ValueError as e:
+            raise Invalid(f"messages: {e}") from None
 
     # -- running a request --------------------------------------------------------------------
 

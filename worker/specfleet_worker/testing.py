@@ -1,10 +1,19 @@
-"""Test helpers: a real worker (gRPC and HTTP on loopback ports) around the tiny random model.
+"""Test helpers: a real worker (gRPC and HTTP on loopback ports) around the tiny random model,
+in this process (`running_worker`) or as a `specfleet serve` child process (`WorkerProcess`).
 
 Used by tests/worker and handy in a REPL; nothing here runs in production.
 """
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
 
 import grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
@@ -17,24 +26,12 @@ from specfleet_worker.main import make_worker
 from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
 from specfleet_worker.tracing import make_tracer
-from specfleet_engine.testing import tiny_model
+from specfleet_engine.testing import CharTokenizer, tiny_model
 
 TINY = EngineConfig(model_name="tiny-random", k_min=0, k_max=8, k_initial=4)
 
-
-class CharTokenizer:
-    """Ids 0..94 are printable ASCII; 95..109 decode to nothing; 110 (the tiny model's EOS) ends."""
-
-    eos_token_ids = [110]
-
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) - 32 if 32 <= ord(c) < 127 else ord("?") - 32 for c in text]
-
-    def decode(self, ids: list[int]) -> str:
-        return "".join(chr(32 + i) for i in ids if i < 95)
-
-    def chat(self, user: str, system: str | None = None) -> list[int]:
-        return self.encode(f"<user>{user}</user>")
+__all__ = ["TINY", "CharTokenizer", "Running", "WorkerProcess", "listening_ports", "pb", "pb_grpc", "running_worker",
+           "tiny_engine", "wait_idle"]
 
 
 def tiny_engine(tokenizer=None, proposers=None, **kw) -> Engine:
@@ -76,11 +73,88 @@ def running_worker(engine: Engine | None = None, cfg: EngineConfig = TINY, **kw)
 
 def wait_idle(r: Running, timeout_s: float = 5.0) -> pb.WorkerStats:
     """Stats once nothing is queued or running (cancellations land at the next step)."""
-    import time
-
     end = time.monotonic() + timeout_s
     while True:
         s = r.stats()
         if (s.queue_depth == 0 and s.running == 0 and s.kv_blocks_used == 0) or time.monotonic() > end:
             return s
         time.sleep(0.01)
+
+
+def listening_ports(record: dict) -> tuple[int, int] | None:
+    """(gRPC port, HTTP port) from `specfleet serve`'s `listening` log line (a JSON object on
+    stderr, logged once both ports are open, before the model loads), else None."""
+    if record.get("msg") != "listening":
+        return None
+    return int(record["grpc_port"]), int(record["http_port"])
+
+
+class WorkerProcess:
+    """`specfleet serve --config <config> --grpc-port 0 --http-port 0` as a child process: a thread
+    reads its JSON log lines as they come (a full pipe never blocks the worker, no read blocks the
+    test); `start` returns once it logged `ready`, with the ports from its `listening` line."""
+
+    def __init__(self, config: str | os.PathLike, *args: str, env: dict[str, str] | None = None):
+        self.cmd = [sys.executable, "-m", "specfleet_worker.main", "--config", str(config), "--grpc-port", "0",
+                    "--http-port", "0", *args]
+        self.env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "", **(env or {})}
+        self.records: queue.Queue[dict] = queue.Queue()
+        self.seen: list[dict] = []
+        self.proc: subprocess.Popen | None = None
+        self.grpc_port = self.http_port = 0
+
+    def start(self, timeout_s: float = 60.0) -> WorkerProcess:
+        self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True, env=self.env)
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            for rec in self.until("ready", timeout_s):
+                self.grpc_port, self.http_port = listening_ports(rec) or (self.grpc_port, self.http_port)
+        except BaseException:
+            self.kill()
+            raise
+        self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
+        self.gen = pb_grpc.GenerationStub(self.channel)
+        self.admin = pb_grpc.AdminStub(self.channel)
+        self.http = f"http://127.0.0.1:{self.http_port}"
+        return self
+
+    def _read(self) -> None:
+        for line in self.proc.stderr:
+            try:
+                self.records.put(json.loads(line))
+            except ValueError:  # not ours (a library printing): keep it readable anyway
+                self.records.put({"msg": line.rstrip("\n")})
+
+    def until(self, msg: str, timeout_s: float) -> list[dict]:
+        """The records up to and including the next one with this msg; TimeoutError after timeout_s."""
+        out, deadline = [], time.monotonic() + timeout_s
+        while not out or out[-1].get("msg") != msg:
+            try:
+                out.append(self.records.get(timeout=max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                raise TimeoutError(f"no {msg!r} log line within {timeout_s}s; got {out}") from None
+            self.seen.append(out[-1])
+        return out
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def stop(self, timeout_s: float = 30.0) -> int:
+        """SIGTERM (drain, then exit); its exit code. Killed after timeout_s."""
+        if hasattr(self, "channel"):
+            self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                self.kill()
+        return self.proc.returncode
+
+    def __enter__(self) -> WorkerProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,121 @@
+"""Fleet windows in Redis: per (deployment, arm, prompt type) counts of a worker's requests, with
+the numbers its responses report, expiring when the worker stops publishing; a real redis-server."""
+from __future__ import annotations
+
+import dataclasses
+import doctest
+import json
+import time
+
+import pytest
+
+from specfleet_worker import fleet
+from specfleet_worker.fleet import FleetPublisher, Windows
+from specfleet_worker.live import redis_client
+from specfleet_worker.metrics import TypeCounts
+from specfleet_worker.testing import TINY, pb, running_worker
+
+KEY = "specfleet:v1:default/demo:window:canary:pod-a"
+RPC_S = 30
+
+
+def test_docstring_examples():
+    assert doctest.testmod(fleet).failed == 0
+
+
+@pytest.fixture
+def canary():
+    with running_worker(cfg=dataclasses.replace(TINY, role="canary")) as r:
+        yield r
+
+
+def run(r, prompt_type: str, method: str, prompt: list[int], max_tokens: int) -> pb.GenerateResponse:
+    return r.gen.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
+                                             prompt_type=prompt_type, speculation_method=method), timeout=RPC_S)
+
+
+def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(canary, redis_server):
+    r = canary
+    pub = FleetPublisher(redis_client(redis_server.url), r.worker, name="pod-a", deployment=("default", "demo"))
+    code = [run(r, "code", "ngram", [5, 6, 7, 8] * 4 + [5, 6], 40),
+            run(r, "code", "ngram", [1, 2, 3] * 5, 30),
+            run(r, "code", "ngram", [9, 4, 9, 4, 9, 4], 20)]
+    chat = [run(r, "chat", "none", [3, 1, 4, 1, 5, 9, 2, 6], 12), run(r, "chat", "none", [2, 7, 1, 8], 9)]
+    assert sum(x.speculation.num_accepted_tokens for x in code) > 0  # drafts were accepted: a real test of them
+    assert pub.publish_once()
+
+    client = redis_server.client()
+    raw = client.hgetall(KEY)
+    assert set(raw) == {b"code", b"chat"}
+    assert 0 < client.ttl(KEY) <= 15 and 0 < client.ttl("specfleet:worker:pod-a") <= 15
+    got = {t.decode(): json.loads(v) for t, v in raw.items()}
+    for name, responses in (("code", code), ("chat", chat)):
+        w = got[name]
+        s = [x.speculation for x in responses]
+        assert w["requests"] == len(responses)
+        assert w["output_tokens"] == sum(len(x.token_ids) for x in responses)
+        assert w["steps"] == sum(x.num_steps for x in s)
+        assert w["drafts"] == sum(x.num_drafts for x in s)
+        assert w["draft_tokens"] == sum(x.num_draft_tokens for x in s)
+        assert w["accepted_tokens"] == sum(x.num_accepted_tokens for x in s)
+        assert w["ttft_count"] == w["tpot_count"] == len(responses)
+        assert w["ttft_seconds_sum"] == pytest.approx(sum(x.time_to_first_token_s for x in responses))
+        assert 0 < w["tpot_seconds_sum"] < sum(x.latency_s for x in responses)
+        assert w["busy_seconds"] > 0 and w["plain_seconds"] > 0
+        assert 0 < w["window_seconds"] < 60 and abs(w["updated"] - time.time()) < 60
+    assert got["chat"]["drafts"] == 0
+    # plain decoding priced as plain decoding: its two sides nearly agree (proposing nothing costs little)
+    assert 0.8 < got["chat"]["plain_seconds"] / got["chat"]["busy_seconds"] <= 1.0 + 1e-9
+    # every step's seconds are shared out whole: the types add up to the speedup meter's totals
+    meter = r.worker.scheduler.speedup
+    assert got["code"]["busy_seconds"] + got["chat"]["busy_seconds"] == pytest.approx(meter.total_actual)
+    assert got["code"]["plain_seconds"] + got["chat"]["plain_seconds"] == pytest.approx(meter.total_plain)
+
+    pub.stop()  # leaving the fleet: both keys go at once
+    assert client.exists(KEY, "specfleet:worker:pod-a") == 0
+
+
+def test_a_worker_that_stops_publishing_drops_out_and_redis_read_only_costs_no_request(canary, redis_server):
+    r = canary
+    pub = FleetPublisher(redis_client(redis_server.url), r.worker, name="pod-a", period_s=0.4,
+                         deployment=("default", "demo"))
+    assert pub.publish_once() and redis_server.client().exists(KEY) == 0  # no request yet, no window
+    run(r, "math", "ngram", [1, 2, 3] * 4, 8)
+    pub.start()
+    client = redis_server.client()
+    deadline = time.monotonic() + 5
+    while not client.exists(KEY):
+        assert time.monotonic() < deadline, "no window published within 5 s"
+        time.sleep(0.05)
+    assert json.loads(client.hget(KEY, "math"))["requests"] == 1
+    redis_server.read_only(True)
+    assert not pub.publish_once()  # refused, logged, never raised
+    assert len(run(r, "math", "ngram", [4, 5] * 4, 8).token_ids) == 8
+    redis_server.read_only(False)
+    assert pub.publish_once() and json.loads(client.hget(KEY, "math"))["requests"] == 2
+    pub._stop.set()  # the worker dies: it neither publishes nor cleans up
+    pub._thread.join(5)
+    deadline = time.monotonic() + 5
+    while client.exists(KEY):  # the TTL is three periods (1.2 s here, whole seconds in Redis)
+        assert time.monotonic() < deadline, "the window of a dead worker did not expire within 5 s"
+        time.sleep(0.05)
+
+
+def test_a_window_slides_over_the_last_window_s_of_running_totals():
+    now, totals = [0.0], {"code": TypeCounts(requests=1, busy_seconds=1.0)}
+    w = Windows(lambda: {t: dataclasses.replace(c) for t, c in totals.items()}, window_s=60, clock=lambda: now[0])
+
+    def at(t: float, **counts) -> tuple[float, dict]:
+        now[0] = t
+        for name, c in counts.items():
+            totals[name] = c
+        return w.take()
+
+    seconds, win = at(30, code=TypeCounts(requests=3, busy_seconds=4.0))
+    assert seconds == 30 and win["code"] == TypeCounts(requests=2, busy_seconds=3.0)
+    seconds, win = at(70, code=TypeCounts(requests=5, busy_seconds=5.0), chat=TypeCounts(requests=1))
+    assert seconds == 70 and win["code"].requests == 4 and win["chat"].requests == 1  # a new type: all of it
+    seconds, win = at(100, code=TypeCounts(requests=6, busy_seconds=5.0))
+    assert seconds == 70 and win["code"].requests == 3  # since t=30: the last record at least 60 s old
+    seconds, win = at(200)
+    assert seconds == 100 and win["code"].requests == 0 and win["chat"].requests == 0
