@@ -128,16 +128,15 @@ class Router:
         metrics.in_flight.set_function(lambda: self.in_flight)
 
     def route(self, prompt_type: str, session: str | None) -> Route:
-        """The arm (split, then fallback when the arm has no ready backend) and the method. Reads
-        only memory: the live state in force and the pools' readiness."""
+        """The split's arm and the method for the prompt type, from the live state in force (memory
+        only: nothing here waits on Redis). Whether the arm can serve is the dispatch's business."""
         state = self.state.current
-        split = arm_for(session, state.canary_weight, self.rng)
-        arm = split
-        if not self.backends.pools[split].any_available() and self.backends.pools[other_arm(split)].any_available():
-            arm = other_arm(split)
-        return Route(arm, split, state.method_for(prompt_type), prompt_type, state.version)
+        arm = arm_for(session, state.canary_weight, self.rng)
+        return Route(arm, arm, state.method_for(prompt_type), prompt_type, state.version)
 
     def _next_backend(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route]:
+        """The arm's least busy backend not tried yet; the other arm's when this arm has no
+        backend ready at all (the fallback)."""
         own = self.backends.pools[route.arm]
         b = own.pick(tried)
         if b is not None or own.any_available():

@@ -1,4 +1,4 @@
-"""The torch-free rule: the operator, the gRPC stubs, specfleet_api and the CLI's dispatcher import
+"""The torch-free rule: the operator, the router, the gRPC stubs, specfleet_api and the CLI's dispatcher import
 (and `specfleet --help` runs) in a process where torch and triton cannot be imported at all."""
 import importlib.util
 import operator
@@ -35,7 +35,8 @@ def test_the_block_works():
     (["specfleet_proto.worker_pb2", "specfleet_proto.worker_pb2_grpc"], ["numpy"]),  # a router's stubs
     (["specfleet_api", "specfleet_api.enums", "specfleet_api.engine_config"], ["numpy", "kopf", "grpc"]),
     (["specfleet_cli.main", "specfleet_worker.main", "specfleet_worker.config"], ["numpy"]),
-], ids=["operator", "stubs", "api", "cli"])
+    (["specfleet_router.main", "specfleet_router.server", "specfleet_router.testing"], ["numpy"]),  # the router
+], ids=["operator", "stubs", "api", "cli", "router"])
 def test_imports_without_torch(modules, also_absent):
     code = ("import importlib\n"
             f"for m in {modules!r}: importlib.import_module(m)\n"
@@ -54,7 +55,7 @@ def test_specfleet_help_runs_without_torch():
             "assert 'torch' not in sys.modules and 'numpy' not in sys.modules\n")
     result = run_blocked(code)
     assert result.returncode == 0, result.stderr
-    for command in ("demo", "generate", "bench", "serve", "operator"):
+    for command in ("demo", "generate", "bench", "serve", "operator", "router"):
         assert command in result.stdout
 
 

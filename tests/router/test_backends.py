@@ -93,3 +93,23 @@ def _weight(pct: float):
     from specfleet_api.live_state import LiveState
 
     return LiveState(canary_weight=pct)
+
+
+def test_readiness_follows_the_workers_health_both_ways(h):
+    from grpc_health.v1 import health_pb2
+
+    from specfleet_router.backends import HEALTH_SERVICE
+
+    serving, not_serving = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
+    with h.text_worker() as w, h.router_over([w]) as r:
+        w.server.health.set(HEALTH_SERVICE, not_serving)
+        end = time.monotonic() + 5
+        while r.ready_counts()["stable"]:
+            assert time.monotonic() < end, "NOT_SERVING was not seen"
+            time.sleep(0.02)
+        with pytest.raises(openai.InternalServerError) as e:
+            h.client(r).completions.create(model="specfleet", prompt="Hi", max_tokens=2)
+        assert e.value.status_code == 503
+        w.server.health.set(HEALTH_SERVICE, serving)
+        r.wait_ready(stable=1, timeout_s=5)
+        assert h.client(r).completions.create(model="specfleet", prompt="Hi", max_tokens=2).usage

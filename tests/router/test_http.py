@@ -3,6 +3,7 @@ worker (the tiny random model, character tokenizer, real gRPC)."""
 from __future__ import annotations
 
 import json
+import time
 import urllib.error
 import urllib.request
 
@@ -282,3 +283,19 @@ def test_a_stream_that_breaks_after_its_first_token_ends_with_an_error(h):
                 pass
         assert "backend" in str(e.value.message)
         assert r.metric("specfleet_router_retries_total", {"arm": "stable", "reason": "unavailable"}) == 0
+
+
+def test_a_client_that_goes_away_mid_stream_cancels_the_workers_request(h):
+    with h.text_worker(proposers=slow_ngram(h)) as w, h.router_over([w]) as r:
+        stream = h.client(r).completions.create(model="specfleet", prompt="Hi", max_tokens=400, stream=True,
+                                                extra_body={"ignore_eos": True})
+        next(iter(stream))
+        assert w.stats().running == 1
+        stream.close()  # the connection closes under the router
+        stats = wait_idle(w)
+        assert (stats.running, stats.kv_blocks_used) == (0, 0)
+        end = time.monotonic() + 5
+        while r.server.router.in_flight:
+            assert time.monotonic() < end, "the router still counts the request in flight"
+            time.sleep(0.02)
+        assert r.metric("specfleet_router_backend_outstanding_requests", {"arm": "stable", "backend": h.target(w)}) == 0

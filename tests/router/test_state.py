@@ -1,0 +1,151 @@
+"""The live state in Redis: a change reaches a running router within 2 s; when Redis is killed,
+paused or read-only the router serves on the last state without waiting on it, says so in its
+metrics, and resyncs when Redis is back."""
+from __future__ import annotations
+
+import doctest
+import time
+
+import pytest
+
+from specfleet_api.live_state import LiveState, state_key
+from specfleet_local.redis_server import RedisServer
+from specfleet_router import state as state_module
+
+KEY = state_key("default", "specfleet")
+
+
+def test_docstring_examples():
+    assert doctest.testmod(state_module).failed == 0
+
+
+@pytest.fixture(scope="module")
+def both_arms(h):
+    """One worker serving as both arms: which arm a request took shows only in its headers."""
+    with h.text_worker() as w:
+        yield w
+
+
+def arm_of(h, r, session: str = "alice") -> str:
+    raw = h.client(r).completions.with_raw_response.create(model="specfleet", prompt="Hi", max_tokens=1,
+                                                           extra_headers={"x-session-id": session})
+    return raw.headers["x-specfleet-arm"]
+
+
+def wait_for(predicate, timeout_s: float, what: str) -> float:
+    """Seconds until predicate() held; fails after timeout_s."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout_s, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+    return time.monotonic() - start
+
+
+def test_a_weight_written_to_redis_takes_effect_within_two_seconds(h, both_arms, redis_server):
+    db = redis_server.client()
+    first = LiveState().next(canary_weight=0.0)
+    db.set(KEY, first.to_json())
+    with h.router_over([both_arms], [both_arms], redis_url=redis_server.url) as r:
+        assert {arm_of(h, r, f"s{i}") for i in range(10)} == {"stable"}
+        assert r.metric("specfleet_router_state_version") == first.version
+        assert r.metric("specfleet_router_redis_connected") == 1
+        db.set(KEY, first.next(canary_weight=100.0).to_json())
+        took = wait_for(lambda: arm_of(h, r) == "canary", 2.0, "the new weight")
+        assert r.metric("specfleet_router_state_version") == first.version + 1
+        assert r.metric("specfleet_router_canary_weight_percent") == 100.0
+        assert r.metric("specfleet_router_redis_staleness_seconds") < 1.5
+    print(f"weight change served after {took:.2f} s")
+
+
+def test_routes_and_fallback_flags_from_redis_choose_the_method(h, both_arms, redis_server):
+    state = LiveState().next(routes={"code": "none"}, fallback=("translation",))
+    redis_server.client().set(KEY, state.to_json())
+    with h.router_over([both_arms], redis_url=redis_server.url) as r:
+        def method(prompt):
+            raw = h.client(r).completions.with_raw_response.create(model="specfleet", prompt=prompt, max_tokens=1)
+            return raw.headers["x-specfleet-prompt-type"], raw.headers["x-specfleet-method"]
+
+        assert method("Write a python function that adds") == ("code", "none")
+        assert method("Translate into German: hello") == ("translation", "none")
+        assert method("Tell me about owls") == ("chat", "ngram")
+        redis_server.client().set(KEY, state.next(speculate=False).to_json())
+        wait_for(lambda: method("Tell me about owls") == ("chat", "none"), 2.0, "speculation off")
+
+
+def test_redis_killed_serving_goes_on_and_resyncs_when_it_returns(h, both_arms, tmp_path):
+    server = RedisServer().start()
+    try:
+        db = server.client()
+        state = LiveState().next(canary_weight=100.0)
+        db.set(KEY, state.to_json())
+        with h.router_over([both_arms], [both_arms], redis_url=server.url) as r:
+            assert arm_of(h, r) == "canary"
+            server.kill()
+            wait_for(lambda: r.metric("specfleet_router_redis_connected") == 0, 3.0, "connected 0")
+            for i in range(10):  # the last state, and no request waits on Redis
+                t = time.monotonic()
+                assert arm_of(h, r, f"s{i}") == "canary"
+                assert time.monotonic() - t < 0.5
+            wait_for(lambda: r.metric("specfleet_router_redis_staleness_seconds") > 1.0, 3.0, "staleness")
+            assert r.metric("specfleet_router_state_errors_total", {"reason": "unreachable"}) >= 1
+            # it comes back empty (no persistence) and the writer writes the state again
+            server = RedisServer(port=server.port).start()
+            server.client().set(KEY, state.next(canary_weight=0.0).to_json())
+            wait_for(lambda: arm_of(h, r) == "stable", 2.5, "resync")
+            assert r.metric("specfleet_router_redis_connected") == 1
+            assert r.metric("specfleet_router_state_version") == state.version + 1
+    finally:
+        server.stop()
+
+
+def test_redis_paused_requests_do_not_wait_and_the_state_is_kept(h, both_arms, redis_server):
+    state = LiveState().next(canary_weight=100.0)
+    redis_server.client().set(KEY, state.to_json())
+    with h.router_over([both_arms], [both_arms], redis_url=redis_server.url) as r:
+        assert arm_of(h, r) == "canary"
+        redis_server.pause(2.5)
+        paused_at = time.monotonic()
+        slowest = 0.0
+        while time.monotonic() - paused_at < 2.0:
+            t = time.monotonic()
+            assert arm_of(h, r) == "canary"
+            slowest = max(slowest, time.monotonic() - t)
+        assert slowest < 0.5, slowest
+        assert r.metric("specfleet_router_redis_connected") == 0  # a read timed out during the pause
+        wait_for(lambda: r.metric("specfleet_router_redis_connected") == 1, 3.0, "reconnect after the pause")
+        redis_server.client().set(KEY, state.next(canary_weight=0.0).to_json())
+        wait_for(lambda: arm_of(h, r) == "stable", 2.0, "a change after the pause")
+
+
+def test_redis_read_only_is_still_followed(h, both_arms, redis_server):
+    state = LiveState().next(canary_weight=100.0)
+    redis_server.client().set(KEY, state.to_json())
+    with h.router_over([both_arms], [both_arms], redis_url=redis_server.url) as r:
+        redis_server.read_only(True)
+        time.sleep(1.0)
+        assert arm_of(h, r) == "canary" and r.metric("specfleet_router_redis_connected") == 1
+        assert r.metric("specfleet_router_redis_staleness_seconds") < 1.5
+        redis_server.read_only(False)
+        redis_server.client().set(KEY, state.next(canary_weight=0.0).to_json())
+        wait_for(lambda: arm_of(h, r) == "stable", 2.0, "a change after read-only")
+
+
+def test_a_bad_or_missing_document_changes_nothing(h, both_arms, redis_server):
+    with h.router_over([both_arms], [both_arms], redis_url=redis_server.url, state=LiveState(canary_weight=100.0)) as r:
+        assert arm_of(h, r) == "canary"  # nothing in Redis yet: the flags' state
+        assert r.metric("specfleet_router_redis_connected") == 1
+        redis_server.client().set(KEY, '{"version": 7, "canary_weight": 250}')
+        wait_for(lambda: r.metric("specfleet_router_state_errors_total", {"reason": "invalid"}) >= 1, 2.0, "invalid")
+        assert arm_of(h, r) == "canary" and r.metric("specfleet_router_state_version") == 0
+
+
+def test_a_router_started_while_redis_is_down_serves_and_picks_the_state_up_later(h, both_arms):
+    server = RedisServer()
+    try:
+        with h.router_over([both_arms], [both_arms], redis_url=server.url) as r:
+            assert arm_of(h, r) == "stable" and r.metric("specfleet_router_redis_connected") == 0
+            server.start()
+            server.client().set(KEY, LiveState().next(canary_weight=100.0).to_json())
+            wait_for(lambda: arm_of(h, r) == "canary", 2.5, "the state once Redis is up")
+    finally:
+        server.stop()
