@@ -74,16 +74,27 @@ class RouterError(Exception):
 _KIND = {grpc.StatusCode.INVALID_ARGUMENT: "invalid", grpc.StatusCode.RESOURCE_EXHAUSTED: "overloaded",
          grpc.StatusCode.UNAVAILABLE: "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "timeout",
          grpc.StatusCode.CANCELLED: "cancelled"}
-# the worker's INVALID_ARGUMENT messages start with the field: "max_tokens must be <= 2048",
-# "prompt_token_ids[3]: 5000 is outside the vocabulary", "prompt, prompt_token_ids: set one of them"
-_FIELD = re.compile(r"^([a-z_]+)(\[\d+\])?(, [a-z_]+)*[: ]")
+_FIELD = re.compile(r"^([a-z_]+)(\[\d+\](\.[a-z_]+)?)?(, [a-z_]+)*[: ]")
 _REQUEST_FIELDS = frozenset(pb.GenerateRequest.DESCRIPTOR.fields_by_name)
+
+
+def field_of(message: str) -> str | None:
+    """The GenerateRequest field a worker's INVALID_ARGUMENT message starts with, if any.
+
+    >>> field_of("max_tokens must be <= 2048, got 9999"), field_of("prompt_token_ids[3]: 5000 is outside")
+    ('max_tokens', 'prompt_token_ids')
+    >>> field_of("messages[0].role: 'robot' is not one of"), field_of("prompt, messages: set exactly one")
+    ('messages', 'prompt')
+    >>> field_of("request: 2000000 bytes; the limit is 1048576") is None
+    True
+    """
+    m = _FIELD.match(message)
+    return m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
 
 
 def from_grpc(e: grpc.aio.AioRpcError, backend: str | None = None) -> RouterError:
     code, message = e.code(), e.details() or e.code().name
-    m = _FIELD.match(message) if code == grpc.StatusCode.INVALID_ARGUMENT else None
-    field = m.group(1) if m and m.group(1) in _REQUEST_FIELDS else None
+    field = field_of(message) if code == grpc.StatusCode.INVALID_ARGUMENT else None
     where = f" (backend {backend})" if backend and code != grpc.StatusCode.INVALID_ARGUMENT else ""
     return RouterError(_KIND.get(code, "error"), message + where, code, field)
 

@@ -11,28 +11,9 @@ import torch
 
 from specfleet_engine.proposers.ngram import NgramProposer
 from specfleet_router.testing import running_router
-from specfleet_worker.service import Invalid, Worker
 from specfleet_worker.testing import CharTokenizer, running_worker, tiny_engine
 
 torch.set_num_threads(1)
-
-_prompt_ids = Worker._prompt_ids
-
-
-def _prompt_ids_with_messages(self, msg):
-    """Until the worker renders `messages` itself (another change in flight), render them here
-    the way CharTokenizer.chat renders one user turn, so the router's chat path runs end to end."""
-    try:
-        return _prompt_ids(self, msg)
-    except Invalid:
-        if not msg.messages or msg.prompt or msg.prompt_token_ids:
-            raise
-        return self.tokenizer.encode("".join(f"<{m.role}>{m.content}</{m.role}>" for m in msg.messages))
-
-
-@pytest.fixture(autouse=True)
-def _workers_take_messages(monkeypatch):
-    monkeypatch.setattr(Worker, "_prompt_ids", _prompt_ids_with_messages)
 
 
 class SlowProposer(NgramProposer):
