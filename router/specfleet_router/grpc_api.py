@@ -10,6 +10,7 @@ errors keep the worker's status code (UNAVAILABLE when no backend is ready).
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -20,7 +21,6 @@ from specfleet_proto import worker_pb2_grpc as pb_grpc
 
 from .classify import classify, classify_messages
 from .dispatch import Route, Router, RouterError, forwarded_metadata
-from .metrics import RouterMetrics
 
 
 def prompt_type_of(msg: pb.GenerateRequest) -> str:
@@ -35,8 +35,8 @@ def prompt_type_of(msg: pb.GenerateRequest) -> str:
 
 
 class GenerationFront(pb_grpc.GenerationServicer):
-    def __init__(self, router: Router, metrics: RouterMetrics):
-        self.router, self.metrics = router, metrics
+    def __init__(self, router: Router):
+        self.router = router
 
     def _begin(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         md = {k: v for k, v in context.invocation_metadata() or ()}
@@ -66,6 +66,9 @@ class GenerationFront(pb_grpc.GenerationServicer):
                                 completion_tokens=resp.usage.completion_tokens, finish_reason=resp.finish_reason)
             await context.send_initial_metadata(tuple(route.headers().items()))
             return resp
+        except asyncio.CancelledError:  # the caller went away or its deadline passed
+            self.router.observe(route, "cancelled")
+            raise
         finally:
             self.router.in_flight -= 1
 
@@ -93,5 +96,8 @@ class GenerationFront(pb_grpc.GenerationServicer):
                                 prompt_tokens=last.usage.prompt_tokens if last else 0,
                                 completion_tokens=last.usage.completion_tokens if last else 0,
                                 finish_reason=last.finish_reason if last else None)
+        except asyncio.CancelledError:
+            self.router.observe(route, "cancelled")
+            raise
         finally:
             self.router.in_flight -= 1

@@ -27,6 +27,7 @@ from .metrics import RouterMetrics
 
 log = logging.getLogger("specfleet.router.http")
 
+MAX_REQUEST_ID = 128  # the worker's limit: a longer x-request-id is replaced, not refused
 UNROUTED = {HEADER_ARM: "-", HEADER_METHOD: "-", HEADER_PROMPT_TYPE: "-"}
 STATUS = {"invalid": 400, "overloaded": 429, "unavailable": 503, "cancelled": 503, "timeout": 504, "error": 500}
 CODES = {400: None, 404: "model_not_found", 429: "overloaded", 503: "no_ready_backend", 504: "timeout",
@@ -124,7 +125,8 @@ class HttpFront:
 
     async def _complete(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.monotonic()
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        rid = request.headers.get("x-request-id", "")
+        rid = rid if 0 < len(rid) <= MAX_REQUEST_ID else uuid.uuid4().hex
         session = request.headers.get("x-session-id")
         try:
             body = await request.json(loads=json.loads)

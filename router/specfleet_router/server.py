@@ -87,7 +87,7 @@ class RouterServer:
 
         self.grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20),
                                              ("grpc.so_reuseport", 0)])
-        pb_grpc.add_GenerationServicer_to_server(GenerationFront(self.router, self.metrics), self.grpc)
+        pb_grpc.add_GenerationServicer_to_server(GenerationFront(self.router), self.grpc)
         self.health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         self.grpc_port = self.grpc.add_insecure_port(f"{cfg.host}:{cfg.grpc_port}")

@@ -57,13 +57,14 @@ async def _async(fn):
 
 
 @contextlib.contextmanager
-def running_router(cfg: RouterConfig | None = None, **kw):
-    """A started router (ports picked free) for `cfg`, or for a RouterConfig built from `kw`."""
+def running_router(cfg: RouterConfig | None = None, discovery=None, **kw):
+    """A started router (ports picked free) for `cfg`, or for a RouterConfig built from `kw`;
+    `discovery` replaces the static list of backends."""
     cfg = cfg or RouterConfig(**{"http_port": 0, "grpc_port": 0, **kw})
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="router-loop", daemon=True)
     thread.start()
-    server = RouterServer(cfg)
+    server = RouterServer(cfg, discovery)
     try:
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(15)
         yield RunningRouter(server, loop)

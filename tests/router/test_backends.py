@@ -107,3 +107,47 @@ def test_readiness_follows_the_workers_health_both_ways(h):
         w.server.health.set(HEALTH_SERVICE, serving)
         r.wait_ready(stable=1, timeout_s=5)
         assert h.client(r).completions.create(model="specfleet", prompt="Hi", max_tokens=2).usage
+
+
+def test_backends_follow_discovery_updates(h):
+    """What the Kubernetes discovery will do (EndpointSlices change): a worker joins, another leaves."""
+    import asyncio
+
+    class Changing:
+        def __init__(self):
+            self.updates = None  # made on the router's loop
+
+        async def watch(self):
+            self.updates = asyncio.Queue()
+            while True:
+                yield await self.updates.get()
+
+    with h.text_worker() as w1, h.text_worker() as w2:
+        discovery = Changing()
+        with h.router_over(discovery=discovery) as r:
+            def publish(targets):
+                r.loop.call_soon_threadsafe(discovery.updates.put_nowait, targets)
+
+            def wait_for_ready(targets):
+                end = time.monotonic() + 5
+                while True:
+                    ready = {b.target for b in r.server.backends.pools["stable"].backends if b.healthy}
+                    if ready == set(targets):
+                        return
+                    assert time.monotonic() < end, (ready, targets)
+                    time.sleep(0.02)
+
+            while discovery.updates is None:
+                time.sleep(0.01)
+            publish({"stable": [h.target(w1)]})
+            wait_for_ready([h.target(w1)])
+            publish({"stable": [h.target(w1), h.target(w2)]})
+            wait_for_ready([h.target(w1), h.target(w2)])
+            publish({"stable": [h.target(w2)]})
+            wait_for_ready([h.target(w2)])
+            before = w2.stats().requests_total
+            for _ in range(3):
+                h.client(r).completions.create(model="specfleet", prompt="Hi", max_tokens=1)
+            assert w2.stats().requests_total == before + 3
+            assert r.metric("specfleet_router_backend_ready", {"arm": "stable", "backend": h.target(w1)}) == 0
+            assert 'backend="' + h.target(w1) not in r.get("/metrics")[1]  # its series are gone
