@@ -137,7 +137,9 @@ class HttpFront:
         except oa.BadRequest as e:
             headers = UNROUTED
             if e.prompt_type is not None:
-                headers = self.router.route(e.prompt_type.value, session or body.get("user")).headers()
+                user = body.get("user")
+                headers = self.router.route(e.prompt_type.value, session or (user if isinstance(user, str) else None)
+                                            ).headers()
             return self._error(400, str(e), e.param, headers, rid)
         if not self.models.serves(job.model):
             return self._not_found(job.model, rid)

@@ -157,6 +157,7 @@ def test_models_lists_the_deployment_and_its_alias_is_served(h, router):
     ({"messages": [{"role": "robot", "content": "hi"}]}, "messages"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}, "messages"),
     ({"model": ""}, "model"),
+    ({"user": 42}, "user"),
 ])
 def test_bad_chat_inputs_are_400_naming_the_field(h, router, kw, param):
     body = {"model": "specfleet", "messages": CHAT, "max_tokens": 4, **kw}
