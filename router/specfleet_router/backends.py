@@ -1,9 +1,9 @@
 """The workers behind the router: one pool per arm (stable, canary), each backend's readiness
 from its gRPC health, and least-outstanding-requests choice within a pool.
 
-Where backends come from is a `Discovery`: today a static list (`--backend ARM=HOST:PORT`);
-the Kubernetes one (EndpointSlices of each arm's worker Service, watched) implements the same
-protocol in `discovery_k8s.py` when the chart ships the router. A backend counts as ready while
+Where backends come from is a `Discovery`: a static list (`--backend ARM=HOST:PORT`) here; the
+Kubernetes one (EndpointSlices of each arm's worker Service, watched) implements the same
+protocol in `k8s_discovery.py`. A backend counts as ready while
 its grpc.health.v1 Watch stream says SERVING for `specfleet.v1.Generation`, and not for a while
 after a request to it failed with UNAVAILABLE (ejection), so the next request goes elsewhere
 before the health stream catches up.

@@ -152,9 +152,6 @@ class HttpFront:
             if job.stream:
                 return await self._stream(request, job, route, msg, rid, arrival, deadline, metadata)
             return await self._unary(job, route, msg, rid, arrival, deadline, metadata)
-        except (asyncio.CancelledError, ConnectionResetError):  # the client went away
-            self.router.observe(route, "cancelled")
-            raise
         finally:
             self.router.in_flight -= 1
 
@@ -165,6 +162,9 @@ class HttpFront:
         except RouterError as e:
             self.router.observe(route, e.kind)
             return self._router_error(e, job, route, rid)
+        except asyncio.CancelledError:  # the client went away
+            self.router.observe(route, "cancelled")
+            raise
         finished = time.monotonic()
         # the worker's own split of its time: what came after its first token came after ours
         first_at = finished - max(0.0, resp.latency_s - resp.time_to_first_token_s)
@@ -181,13 +181,16 @@ class HttpFront:
         except RouterError as e:
             self.router.observe(route, e.kind)
             return self._router_error(e, job, route, rid)
+        except asyncio.CancelledError:
+            self.router.observe(route, "cancelled")
+            raise
         route = up.route
         first_at = time.monotonic()
         created = int(time.time())
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **route.headers(), "x-request-id": rid})
         prompt_tokens = completion_tokens = 0
-        finish_reason = None
+        finish_reason, counted = None, False
         try:
             await resp.prepare(request)
             if job.kind == "chat":
@@ -202,6 +205,11 @@ class HttpFront:
                     prompt_tokens = m.usage.prompt_tokens
                     completion_tokens = m.usage.completion_tokens or completion_tokens
                     await resp.write(sse(oa.chunk(job, rid, created, finish_reason=finish_reason)))
+            # counted before the client can read the end, so that a scrape after it sees this request
+            self.router.observe(route, "ok", arrival=arrival, first_at=first_at, finished_at=time.monotonic(),
+                                prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                                finish_reason=finish_reason)
+            counted = True
             if job.include_usage:
                 await resp.write(sse(oa.usage_chunk(job, rid, created, prompt_tokens, completion_tokens)))
             await resp.write(b"data: [DONE]\n\n")
@@ -212,11 +220,12 @@ class HttpFront:
             await resp.write(sse(oa.error_body(status, e.message, None, CODES.get(status))))
             await resp.write(b"data: [DONE]\n\n")
             return resp
+        except (asyncio.CancelledError, ConnectionResetError):  # the client went away
+            if not counted:
+                self.router.observe(route, "cancelled")
+            raise
         finally:
             up.close()
-        self.router.observe(route, "ok", arrival=arrival, first_at=first_at, finished_at=time.monotonic(),
-                            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
-                            finish_reason=finish_reason)
         await resp.write_eof()
         return resp
 

@@ -300,3 +300,7 @@ def test_a_client_that_goes_away_mid_stream_cancels_the_workers_request(h):
             assert time.monotonic() < end, "the router still counts the request in flight"
             time.sleep(0.02)
         assert r.metric("specfleet_router_backend_outstanding_requests", {"arm": "stable", "backend": h.target(w)}) == 0
+        counts = {o: r.metric("specfleet_router_requests_total", {"arm": "stable", "prompt_type": "chat",
+                                                                  "method": "ngram", "outcome": o})
+                  for o in ("ok", "cancelled")}
+        assert counts == {"ok": 0, "cancelled": 1}
