@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("backends")
     g.add_argument("--backend", action="append", default=[], metavar="ARM=HOST:PORT",
                    help="a worker's gRPC address in the stable or canary arm; repeat for more")
+    g.add_argument("--discover-kubernetes", action="append", default=[], metavar="ARM=SERVICE",
+                   help="instead of --backend: the arm's workers are the endpoints of this Service in the "
+                        "--deployment's namespace, followed through its EndpointSlices (k8s_discovery.py)")
     g.add_argument("--no-health-check", action="store_true",
                    help="count every backend ready instead of following its grpc.health.v1 status")
     g.add_argument("--eject-seconds", type=float, default=2.0,
@@ -93,7 +96,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if problems:
         raise ValueError("; ".join(problems))
     backends = parse_backends(args.backend)
-    if not any(backends.values()):
+    if any(backends.values()) and args.discover_kubernetes:
+        raise ValueError("--backend and --discover-kubernetes: use one or the other")
+    if not any(backends.values()) and not args.discover_kubernetes:
         raise ValueError("--backend: name at least one worker, for example --backend stable=127.0.0.1:50051")
     return RouterConfig(backends=backends, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                         namespace=namespace, name=name, model_aliases=args.model_alias, state=state,
@@ -103,8 +108,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         max_request_bytes=args.max_request_bytes)
 
 
-async def serve(cfg: RouterConfig, drain_s: float) -> int:
-    server = await RouterServer(cfg).start()
+async def serve(cfg: RouterConfig, drain_s: float, discovery=None) -> int:
+    server = await RouterServer(cfg, discovery).start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -123,10 +128,15 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level)
     try:
         cfg = config_from_args(args)
+        discovery = None
+        if args.discover_kubernetes:
+            from .k8s_discovery import KubernetesDiscovery
+
+            discovery = KubernetesDiscovery.from_flags(args.discover_kubernetes, cfg.namespace)
     except ValueError as e:
         print(f"specfleet router: error: {e}", file=sys.stderr)
         return 2
-    return asyncio.run(serve(cfg, args.drain_seconds))
+    return asyncio.run(serve(cfg, args.drain_seconds, discovery))
 
 
 if __name__ == "__main__":
