@@ -1,13 +1,16 @@
 """kopf handlers: thin glue between the Kubernetes events and the pure modules.
 
 create / update / resume -> reconcile (apply every child, delete the ones no longer wanted,
-write the status); worker Deployment events -> refresh the owner's status; a daemon per
-resource runs the control loop (policy.decide); delete -> delete what this resource owns.
-Clients and sources come in through kopf's memo, so tests swap them without patching.
+write the status, then the live state in Redis); worker and router Deployment events -> refresh
+the owner's status; a daemon per resource runs the control loop (policy.decide); delete -> delete
+what this resource owns. Clients and sources come in through kopf's memo, so tests swap them
+without patching.
 """
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import datetime
 import time
@@ -16,13 +19,13 @@ from typing import Any, Sequence
 import kopf
 
 from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from . import manifests, metrics, policy
+from . import manifests, metrics, policy, redis_state
 from . import spec as specs
 from . import status as statuses
 from .kube import ApiError, Kube
 
 SDD = (GROUP, VERSION, PLURAL)
-WORKER_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY, manifests.LABEL_COMPONENT: "worker"}
+FLEET_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}  # worker and router Deployments
 OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusRule": "observability.prometheusRule",
                   "HorizontalPodAutoscaler": "scaling"}
 WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "InvalidSpec", "Unsupported",
@@ -61,7 +64,8 @@ def _canary_hash(spec: dict[str, Any]) -> str | None:
 
 
 def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: dict[str, Any] | None,
-              canary: dict[str, Any] | None, errors: list[str], m: policy.Metrics | None = None) -> statuses.Observed:
+              canary: dict[str, Any] | None, errors: list[str], m: policy.Metrics | None = None,
+              router: dict[str, Any] | None = None) -> statuses.Observed:
     prev = body.get("status") or {}
     fleet = fleet_state(loop, spec)
     stable_n, canary_n = manifests.replica_counts(spec, fleet)
@@ -74,6 +78,7 @@ def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: d
         apply_error="; ".join(errors) or None,
         stable=statuses.Workers.from_deployment(stable, stable_n),
         canary=statuses.Workers.from_deployment(canary, canary_n) if canary_n else None,
+        router=statuses.Workers.from_deployment(router, (spec.get("router") or {}).get("replicas", 2)),
         state=fleet, draft_method=manifests.effective_spec(spec, "stable", fleet)["draft"]["method"],
         k_bounds=(k["kMin"], k["kMax"]),
         config_hash=live_hash or prev.get("configHash"),
@@ -178,7 +183,8 @@ def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
 async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.LoopState | None = None,
                        m: policy.Metrics | None = None, errors: Sequence[str] = (),
                        problems: Sequence[specs.Problem] = ()) -> dict[str, Any] | None:
-    """Read the resource and its workers, compute the status, write it if it changed.
+    """Read the resource and its workers, compute the status, write it if it changed, and the
+    live state derived from them to Redis (when the fleet has one).
 
     Every status write of this operator goes through here, one at a time per resource, and reads
     what is live inside the lock: so the last write always reflects the latest observation.
@@ -191,21 +197,66 @@ async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.Loo
         prev = sdd.get("status") or {}
         spec = specs.with_defaults(sdd.get("spec") or {})
         problems = list(problems) or specs.problems(spec)
+        fleet = None
         if problems:
             observed = statuses.Observed(generation=sdd["metadata"].get("generation"), problems=tuple(problems))
             new = statuses.compute(observed, prev, _iso(time.time()))
         else:
             loop = loop or loop_state(prev)
+            fleet = fleet_state(loop, spec)
             stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
             canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
                 if spec.get("canary") else None
-            new = _status(_observed(sdd, spec, loop, stable, canary, list(errors), m), sdd, loop, spec)
+            router = await kube.get("apps/v1", "Deployment", namespace, manifests.router_name(name))
+            new = _status(_observed(sdd, spec, loop, stable, canary, list(errors), m, router), sdd, loop, spec)
             if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
                 _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
         if _changed(prev, new):
             await kube.patch(API_VERSION, KIND, namespace, name, {"status": new}, subresource="status")
         metrics.export_state(namespace, name, new)
+        if fleet is not None:
+            # inside the lock, so that writes reach Redis in the order of the states they carry (a
+            # Redis away costs this fleet's next status write its timeout, never a request)
+            await publish_live_state(memo, sdd, spec, fleet)
         return new
+
+
+async def redis_url(memo: Any, namespace: str, spec: dict[str, Any]) -> str | None:
+    """The URL of the fleet's Redis when the operator keeps its live state there, else None. A
+    secretRef is read only where the operator was allowed to (Settings.read_redis_secrets)."""
+    if not manifests.writes_live_state(spec, memo.settings):
+        return None
+    redis = spec["redis"]
+    if "url" in redis:
+        return redis["url"]
+    ref = redis["secretRef"]
+    secret = await memo.kube.get("v1", "Secret", namespace, ref["name"])
+    value = ((secret or {}).get("data") or {}).get(ref.get("key", "url"))
+    try:
+        return base64.b64decode(value).decode() if value else None
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+async def publish_live_state(memo: Any, sdd: dict[str, Any], spec: dict[str, Any],
+                             fleet: manifests.FleetState) -> None:
+    """Write the fleet's live state to its Redis (routers and workers follow it); never raises."""
+    store = memo.get("live_state")
+    if store is None:
+        return
+    ns, name = sdd["metadata"]["namespace"], sdd["metadata"]["name"]
+    try:
+        url = await redis_url(memo, ns, spec)
+    except ApiError as exc:
+        kopf.warn(sdd, reason="LiveStateNotWritten", message=f"cannot read spec.redis.secretRef: {exc}")
+        return
+    if url is None:
+        if manifests.writes_live_state(spec, memo.settings):
+            kopf.warn(sdd, reason="LiveStateNotWritten",
+                      message=f"spec.redis.secretRef: Secret {spec['redis']['secretRef']['name']} has no key "
+                              f"{spec['redis']['secretRef'].get('key', 'url')!r} holding a redis:// URL")
+        return
+    await store.write(url, ns, name, manifests.live_state(spec, fleet))
 
 
 @kopf.on.login()
@@ -223,12 +274,15 @@ async def startup(memo: Any, settings: kopf.OperatorSettings, logger: Any, **_: 
     memo.setdefault("settings", manifests.Settings())
     memo.setdefault("metrics", metrics.ScrapeSource(memo.settings))
     memo.setdefault("loop_interval", 15.0)
+    memo.setdefault("live_state", redis_state.LiveStateStore())
 
 
 @kopf.on.cleanup()
 async def cleanup(memo: Any, **_: Any) -> None:
     if memo.get("kube") is not None:
         await memo.kube.close()
+    if memo.get("live_state") is not None:
+        await memo.live_state.close()
 
 
 @kopf.on.resume(*SDD)
@@ -238,9 +292,10 @@ async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     await reconcile(body, memo)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=WORKER_LABELS)
+@kopf.on.event("apps", "v1", "deployments", labels=FLEET_LABELS)
 async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A worker Deployment moved (pods became ready, a rollout finished): refresh its owner's status."""
+    """A worker or router Deployment moved (pods became ready, a rollout finished): refresh its
+    owner's status."""
     name = body.get("metadata", {}).get("labels", {}).get(manifests.LABEL_SDD)
     if name:
         await write_status(memo, body["metadata"]["namespace"], name)
@@ -290,4 +345,12 @@ async def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
                 await memo.kube.delete(api_version, kind, ns, child)
         except ApiError as exc:
             raise kopf.TemporaryError(str(exc), delay=5) from exc
+    spec = specs.with_defaults(dict(body.get("spec") or {}))
+    if memo.get("live_state") is not None and not specs.problems(spec):
+        try:
+            url = await redis_url(memo, ns, spec)
+        except ApiError:
+            url = None  # the Secret went first: the document stays, harmless without routers
+        if url:
+            await memo.live_state.delete(url, ns, name)
     metrics.forget(ns, name)

@@ -22,7 +22,8 @@ PLURALS = {
     "Deployment": "deployments", "PodDisruptionBudget": "poddisruptionbudgets",
     "HorizontalPodAutoscaler": "horizontalpodautoscalers", "Lease": "leases",
     "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
-    "SpecDecodeDeployment": "specdecodedeployments",
+    "SpecDecodeDeployment": "specdecodedeployments", "ServiceAccount": "serviceaccounts",
+    "Role": "roles", "RoleBinding": "rolebindings", "EndpointSlice": "endpointslices",
 }
 
 

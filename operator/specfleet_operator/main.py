@@ -133,6 +133,13 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--worker-pull-policy", default=Settings.image_pull_policy,
                    choices=["Always", "IfNotPresent", "Never"])
     p.add_argument("--drain-seconds", type=int, default=Settings.drain_seconds)
+    p.add_argument("--router-image", default=env("SPECFLEET_ROUTER_IMAGE", Settings.router_image),
+                   help="image of the router the operator runs for every SpecDecodeDeployment")
+    p.add_argument("--router-pull-policy", default=Settings.router_pull_policy,
+                   choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument("--read-redis-secrets", action="store_true",
+                   help="read the Secret of spec.redis.secretRef to write the live state there (needs RBAC "
+                        "get on secrets); without it such fleets' routers take the state from flags")
     p.add_argument("--no-leader-election", action="store_true", help="run alone (one replica, or local use)")
     p.add_argument("--lease-name", default="specfleet-operator")
     p.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "specfleet-system"))
@@ -149,7 +156,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     return Options(
         namespaces=tuple(a.namespace),
         worker=Settings(worker_image=a.worker_image, image_pull_policy=a.worker_pull_policy,
-                        drain_seconds=a.drain_seconds),
+                        drain_seconds=a.drain_seconds, router_image=a.router_image,
+                        router_pull_policy=a.router_pull_policy, read_redis_secrets=a.read_redis_secrets),
         leader_election=not a.no_leader_election, lease_name=a.lease_name, lease_namespace=a.lease_namespace,
         identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,

@@ -1,7 +1,13 @@
-"""Pure builders: (SpecDecodeDeployment, fleet state, settings) -> the plain dict of each child.
+"""Pure builders: (SpecDecodeDeployment, fleet state, settings) -> the plain dict of each child,
+and the live state (specfleet_api.live_state) that the router and the workers follow.
 
 Names are deterministic (`<sdd>-stable`, `<sdd>-engine`, ...), so re-applying finds the same
 objects; owner references are added by the handlers (kopf.adopt). No I/O, no kopf, no clock.
+
+Per resource: the stable and canary worker Deployments, each arm's headless gRPC Service (the
+router discovers the pods through its EndpointSlices), and the router (Deployment, ServiceAccount,
+a Role that reads EndpointSlices, RoleBinding) behind the Service named like the resource. The
+canary's share is a share of requests, split by the router; its pod count is canary.replicas.
 """
 from __future__ import annotations
 
@@ -9,10 +15,10 @@ import copy
 import dataclasses
 import hashlib
 import json
-import math
 from typing import Any
 
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
+from specfleet_api.live_state import KBounds, LiveState
 
 from . import API_VERSION, GROUP, KIND
 
@@ -26,6 +32,12 @@ MODEL_CACHE = DEFAULT_MODEL_CACHE  # where the worker also looks for a relative 
 CONTROL_KEY = "control.json"
 WORKER_UID = 65532  # "nonroot" in distroless images
 PRESTOP_SLEEP_S = 5  # lets endpoints drop the pod before SIGTERM starts the drain
+ROLES = ("stable", "canary")
+DISCOVERY_PORT = "grpc"  # the arm Services' port the router's EndpointSlice discovery reads
+ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+#: What the router's ServiceAccount may do: read the EndpointSlices of its namespace (the operator
+#: holds the same verbs, which Kubernetes requires of whoever grants them).
+ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +49,18 @@ class Settings:
     grpc_port: int = 50051
     http_port: int = 8080
     drain_seconds: int = 30
+    router_image: str = "ghcr.io/specfleet/router:0.1.0"
+    router_pull_policy: str = "IfNotPresent"
+    router_http_port: int = 8000
+    router_grpc_port: int = 50050
+    # Whether the operator may read the Secret of spec.redis.secretRef (RBAC get on secrets): without
+    # it such a fleet's live state is not written, and its router serves the spec's state from flags.
+    read_redis_secrets: bool = False
+
+    def worker_fields(self) -> dict[str, Any]:
+        """The settings a worker pod is built from (in its config hash: a router setting rolls no worker)."""
+        return {k: v for k, v in dataclasses.asdict(self).items()
+                if k in ("worker_image", "image_pull_policy", "grpc_port", "http_port", "drain_seconds")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,7 +68,7 @@ class FleetState:
     """The operator's own decisions that shape children: control-loop mode and canary progress."""
 
     mode: str = "speculative"  # or "fallback"
-    canary_weight: int | None = None  # None: spec.canary.weight (the start)
+    canary_weight: float | None = None  # percent of requests; None: spec.canary.weight (the start)
     canary_phase: str = "Idle"  # Idle | Progressing | Promoted | Aborted
 
 
@@ -63,9 +87,10 @@ def child_name(sdd_name: str, suffix: str) -> str:
     return f"{sdd_name[:keep].rstrip('-')}-{digest}-{suffix}"
 
 
-def labels(sdd_name: str, role: str | None = None, component: str = "worker") -> dict[str, str]:
+def labels(sdd_name: str, role: str | None = None, component: str = "worker",
+           app: str = "specfleet-worker") -> dict[str, str]:
     out = {
-        "app.kubernetes.io/name": "specfleet-worker",
+        "app.kubernetes.io/name": app,
         "app.kubernetes.io/instance": sdd_name,
         LABEL_COMPONENT: component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
@@ -76,11 +101,26 @@ def labels(sdd_name: str, role: str | None = None, component: str = "worker") ->
     return out
 
 
-def selector(sdd_name: str, role: str | None = None) -> dict[str, str]:
-    out = {LABEL_SDD: sdd_name, LABEL_COMPONENT: "worker"}
+def selector(sdd_name: str, role: str | None = None, component: str = "worker") -> dict[str, str]:
+    out = {LABEL_SDD: sdd_name, LABEL_COMPONENT: component}
     if role:
         out[LABEL_ROLE] = role
     return out
+
+
+def front_service_name(sdd_name: str) -> str:
+    """The Service clients call (the router's): named like the resource."""
+    return sdd_name if len(sdd_name) <= 63 else child_name(sdd_name, "grpc")
+
+
+def arm_service_name(sdd_name: str, role: str) -> str:
+    """The headless Service of one arm's workers, whose EndpointSlices the router follows."""
+    return child_name(sdd_name, role)
+
+
+def router_name(sdd_name: str) -> str:
+    """The router's Deployment, ServiceAccount, Role, RoleBinding and PodDisruptionBudget."""
+    return child_name(sdd_name, "router")
 
 
 def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
@@ -137,7 +177,8 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
-def canary_weight(spec: dict[str, Any], state: FleetState) -> int:
+def canary_weight(spec: dict[str, Any], state: FleetState) -> float:
+    """The canary's share of requests in percent (two decimals) now: 0 without a canary or after it."""
     canary = spec.get("canary")
     if not canary or state.canary_phase in ("Promoted", "Aborted"):
         return 0
@@ -145,29 +186,77 @@ def canary_weight(spec: dict[str, Any], state: FleetState) -> int:
 
 
 def replica_counts(spec: dict[str, Any], state: FleetState) -> tuple[int | None, int]:
-    """(stable, canary) worker counts. Stable is None under an autoscaler. Without a traffic
-    router the split is by pods, so a weight above 0 is at least one canary pod."""
+    """(stable, canary) worker counts. Stable is None under an autoscaler. The router splits
+    requests, so pods no longer carry the share: the canary runs canary.replicas while it lives.
+
+    >>> s = {"replicas": 100, "canary": {"weight": 1, "replicas": 2}}
+    >>> replica_counts(s, FleetState()), replica_counts(s, FleetState(canary_phase="Promoted"))
+    ((100, 2), (100, 0))
+    """
     scaling = spec.get("scaling")
-    base = scaling["minReplicas"] if scaling else spec.get("replicas", 1)
-    weight = canary_weight(spec, state)
-    canary = math.ceil(base * weight / 100) if weight else 0
-    return (None if scaling else base), canary
+    stable = None if scaling else spec.get("replicas", 1)
+    canary = (spec.get("canary") or {}).get("replicas", 1) if canary_weight(spec, state) else 0
+    return stable, canary
 
 
-def _env(spec: dict[str, Any], sdd_name: str, role: str) -> list[dict[str, Any]]:
+def writes_live_state(spec: dict[str, Any], settings: Settings) -> bool:
+    """Whether the operator keeps this fleet's live state in Redis (spec.redis, and for a
+    secretRef the right to read that Secret); else the router serves the spec's state from flags."""
+    redis = spec.get("redis") or {}
+    return "url" in redis or ("secretRef" in redis and settings.read_redis_secrets)
+
+
+def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, updated: float = 0.0) -> LiveState:
+    """The live state (specfleet_api.live_state) derived from the spec and the loop's state: the
+    canary's request share, the routing table, speculation on or off (the loop's fallback) and each
+    arm's K bounds (kMax 0 while speculation is off, as control.json).
+
+    >>> s = {"draft": {"method": "ngram"}, "speculation": {"kMin": 1, "kMax": 8},
+    ...      "routing": {"byPromptType": {"chat": "none"}}, "canary": {"weight": 0.5,
+    ...      "overrides": {"speculation": {"kMax": 12}}}}
+    >>> ls = live_state(s, FleetState())
+    >>> ls.canary_weight, ls.default_method, ls.routes, ls.speculate, ls.k["canary"]
+    (0.5, 'ngram', {'chat': 'none'}, True, KBounds(k_min=1, k_max=12))
+    >>> fb = live_state(s, FleetState(mode="fallback"))
+    >>> fb.speculate, fb.k["stable"], fb.method_for("code")
+    (False, KBounds(k_min=0, k_max=0), 'none')
+    """
+    stable = effective_spec(spec, "stable", state)
+    routing = stable.get("routing") or {}
+    speculate = state.mode == "speculative" and stable["draft"]["method"] != "none"
+    k = {}
+    for role in ROLES if spec.get("canary") else ("stable",):
+        bounds = effective_spec(spec, role, state)["speculation"]
+        k_max = bounds["kMax"] if speculate else 0
+        k[role] = KBounds(min(bounds["kMin"], k_max), k_max)
+    return LiveState(version=version, canary_weight=round(float(canary_weight(spec, state)), 2),
+                     default_method=routing.get("default", stable["draft"]["method"]),
+                     routes=dict(routing.get("byPromptType", {})), fallback=(), speculate=speculate, k=k,
+                     updated=updated)
+
+
+def _redis_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    redis = spec.get("redis")
+    if redis and "url" in redis:
+        return [{"name": "SPECFLEET_REDIS_URL", "value": redis["url"]}]
+    if redis:
+        ref = redis["secretRef"]
+        return [{"name": "SPECFLEET_REDIS_URL",
+                 "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "url")}}}]
+    return []
+
+
+def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str) -> list[dict[str, Any]]:
+    sdd_name = sdd["metadata"]["name"]
     env: list[dict[str, Any]] = [
         {"name": MODEL_CACHE_ENV, "value": MODEL_CACHE},
         {"name": "HOME", "value": "/tmp"},
         {"name": "OTEL_SERVICE_NAME", "value": f"specfleet-{sdd_name}-{role}"},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        # the live state's key and the statistics' keys (specfleet_worker.live, .fleet)
+        {"name": "SPECFLEET_DEPLOYMENT", "value": f"{sdd['metadata']['namespace']}/{sdd_name}"},
     ]
-    redis = spec.get("redis")
-    if redis and "url" in redis:
-        env.append({"name": "SPECFLEET_REDIS_URL", "value": redis["url"]})
-    elif redis:
-        ref = redis["secretRef"]
-        env.append({"name": "SPECFLEET_REDIS_URL",
-                    "valueFrom": {"secretKeyRef": {"name": ref["name"], "key": ref.get("key", "url")}}})
+    env += _redis_env(spec)
     endpoint = spec.get("observability", {}).get("otlpEndpoint")
     if endpoint:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": endpoint})
@@ -197,11 +286,11 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     eff = effective_spec(spec, role, state)
     template = eff.get("template", {})
     image = template.get("image") or settings.worker_image
-    env = _env(eff, name, role)
+    env = _env(eff, sdd, role)
     engine = engine_config(spec, role, state)
     resources = template.get("resources", {})
     pod_hash = config_hash({"engine": engine, "env": env, "image": image, "resources": resources,
-                            "settings": dataclasses.asdict(settings)})
+                            "settings": settings.worker_fields()})
     stable_n, canary_n = replica_counts(spec, state)
     http = {"port": "http", "scheme": "HTTP"}
     container = {
@@ -285,17 +374,123 @@ def engine_configmap(sdd: dict[str, Any], spec: dict[str, Any], state: FleetStat
     }
 
 
-def grpc_service(sdd: dict[str, Any], settings: Settings) -> dict[str, Any]:
-    """The Service clients call: every worker, stable and canary (the split is by pod count)."""
+def router_service(sdd: dict[str, Any], settings: Settings) -> dict[str, Any]:
+    """The Service clients call, named like the resource: the router's OpenAI HTTP API and its gRPC
+    front (the worker's own API on the worker's port, so a gRPC client keeps its address)."""
     name = sdd["metadata"]["name"]
     return {
         "apiVersion": "v1", "kind": "Service",
-        "metadata": {"name": name if len(name) <= 63 else child_name(name, "grpc"),
-                     "namespace": sdd["metadata"]["namespace"], "labels": labels(name, component="grpc")},
-        "spec": {"type": "ClusterIP", "selector": selector(name),
-                 "ports": [{"name": "grpc", "port": settings.grpc_port, "targetPort": "grpc",
+        "metadata": {"name": front_service_name(name), "namespace": sdd["metadata"]["namespace"],
+                     "labels": labels(name, component="router", app="specfleet-router")},
+        "spec": {"type": "ClusterIP", "selector": selector(name, component="router"),
+                 "ports": [{"name": "http", "port": settings.router_http_port, "targetPort": "http",
+                            "protocol": "TCP", "appProtocol": "http"},
+                           {"name": "grpc", "port": settings.grpc_port, "targetPort": "grpc",
                             "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]},
     }
+
+
+def arm_service(sdd: dict[str, Any], role: str, settings: Settings) -> dict[str, Any]:
+    """One arm's workers, headless: no virtual IP, the router balances over the pods it finds in
+    the Service's EndpointSlices (per request, not per connection as a ClusterIP would)."""
+    name = sdd["metadata"]["name"]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": arm_service_name(name, role), "namespace": sdd["metadata"]["namespace"],
+                     "labels": labels(name, role, "grpc")},
+        "spec": {"clusterIP": "None", "selector": selector(name, role),
+                 "ports": [{"name": DISCOVERY_PORT, "port": settings.grpc_port, "targetPort": "grpc",
+                            "protocol": "TCP", "appProtocol": "kubernetes.io/h2c"}]},
+    }
+
+
+def router_args(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
+                state: FleetState = FleetState()) -> list[str]:
+    """`specfleet router` flags. With the live state in Redis the router follows it there, and its
+    flags carry only what the spec fixes; without, the flags are the state (a canary step then
+    rolls the router pods)."""
+    name, ns = sdd["metadata"]["name"], sdd["metadata"]["namespace"]
+    args = ["router", "--host", "0.0.0.0", "--http-port", str(settings.router_http_port),
+            "--grpc-port", str(settings.router_grpc_port), "--deployment", f"{ns}/{name}"]
+    if spec["model"]["name"] != name:
+        args += ["--model-alias", spec["model"]["name"]]
+    for role in ROLES:
+        args += ["--discover-kubernetes", f"{role}={arm_service_name(name, role)}"]
+    live = live_state(spec, state)
+    if not writes_live_state(spec, settings):
+        args += ["--canary-weight", f"{live.canary_weight:g}"]
+    args += ["--default-method", live.default_method]
+    for prompt_type, method in sorted(live.routes.items()):
+        args += ["--route", f"{prompt_type}={method}"]
+    return args + ["--drain-seconds", str(settings.drain_seconds)]
+
+
+def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
+                      state: FleetState = FleetState()) -> dict[str, Any]:
+    """The router: torch-free, stateless, restricted PSS, its own ServiceAccount (it reads EndpointSlices)."""
+    name = sdd["metadata"]["name"]
+    router = spec.get("router") or {}
+    env = [{"name": "HOME", "value": "/tmp"},
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+    if writes_live_state(spec, settings):
+        env += _redis_env(spec)
+    http = {"port": "http", "scheme": "HTTP"}
+    container = {
+        "name": "router",
+        "image": settings.router_image,
+        "imagePullPolicy": settings.router_pull_policy,
+        "command": ["specfleet"],
+        "args": router_args(sdd, spec, settings, state),
+        "ports": [{"name": "http", "containerPort": settings.router_http_port, "protocol": "TCP"},
+                  {"name": "grpc", "containerPort": settings.router_grpc_port, "protocol": "TCP"}],
+        "env": env,
+        "resources": copy.deepcopy(router.get("resources") or ROUTER_RESOURCES),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+        "livenessProbe": {"httpGet": {"path": "/healthz", **http}, "periodSeconds": 10, "failureThreshold": 3},
+        # /readyz is 503 until a backend is ready, and while draining
+        "readinessProbe": {"httpGet": {"path": "/readyz", **http}, "periodSeconds": 2, "failureThreshold": 2},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "securityContext": _container_security(),
+    }
+    pod_labels = labels(name, component="router", app="specfleet-router")
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": router_name(name), "namespace": sdd["metadata"]["namespace"], "labels": pod_labels},
+        "spec": {
+            "replicas": router.get("replicas", 2),
+            "selector": {"matchLabels": selector(name, component="router")},
+            "revisionHistoryLimit": 5,
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "template": {
+                "metadata": {"labels": pod_labels},
+                "spec": {
+                    "serviceAccountName": router_name(name),
+                    "automountServiceAccountToken": True,  # it watches EndpointSlices
+                    "enableServiceLinks": False,
+                    "terminationGracePeriodSeconds": settings.drain_seconds + PRESTOP_SLEEP_S + 15,
+                    "securityContext": {"runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID,
+                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "containers": [container],
+                    "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                },
+            },
+        },
+    }
+
+
+def router_rbac(sdd: dict[str, Any]) -> list[dict[str, Any]]:
+    """The router's ServiceAccount, a Role that reads the namespace's EndpointSlices, and its binding."""
+    name, ns = sdd["metadata"]["name"], sdd["metadata"]["namespace"]
+    meta = {"name": router_name(name), "namespace": ns, "labels": labels(name, component="router", app="specfleet-router")}
+    return [
+        {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": copy.deepcopy(meta),
+         "automountServiceAccountToken": True},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": copy.deepcopy(meta),
+         "rules": copy.deepcopy(ROUTER_RULES)},
+        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": copy.deepcopy(meta),
+         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": router_name(name)},
+         "subjects": [{"kind": "ServiceAccount", "name": router_name(name), "namespace": ns}]},
+    ]
 
 
 def metrics_service(sdd: dict[str, Any], role: str, settings: Settings) -> dict[str, Any]:
@@ -310,14 +505,17 @@ def metrics_service(sdd: dict[str, Any], role: str, settings: Settings) -> dict[
     }
 
 
-def pod_disruption_budget(sdd: dict[str, Any]) -> dict[str, Any]:
+def pod_disruption_budget(sdd: dict[str, Any], component: str = "worker") -> dict[str, Any]:
+    """The stable workers' (or the router's) budget."""
     name = sdd["metadata"]["name"]
+    role = "stable" if component == "worker" else None
     return {
         "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
-        "metadata": {"name": child_name(name, "stable"), "namespace": sdd["metadata"]["namespace"],
-                     "labels": labels(name, "stable", "disruption-budget")},
+        "metadata": {"name": child_name(name, "stable") if role else router_name(name),
+                     "namespace": sdd["metadata"]["namespace"],
+                     "labels": labels(name, role, "disruption-budget", app=f"specfleet-{component}")},
         # maxUnavailable (not minAvailable) so that a single-replica fleet can still be drained.
-        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name, "stable")}},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector(name, role, component)}},
     }
 
 
@@ -345,7 +543,9 @@ def service_monitor(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
         "metadata": {"name": child_name(name, "workers"), "namespace": sdd["metadata"]["namespace"],
                      "labels": {**labels(name, component="monitoring"), **monitor.get("labels", {})}},
         "spec": {
-            "selector": {"matchLabels": {LABEL_SDD: name, LABEL_COMPONENT: "metrics"}},
+            # the workers' metrics Services and the router's Service: each has its /metrics on "http"
+            "selector": {"matchLabels": {LABEL_SDD: name},
+                         "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": ["metrics", "router"]}]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.get("interval", "30s")}],
             "podTargetLabels": [LABEL_SDD, LABEL_ROLE],
         },
@@ -400,12 +600,16 @@ def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
 
 def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
              state: FleetState = FleetState()) -> list[dict[str, Any]]:
-    """Every child the SDD should have now, in apply order (config before the pods that mount it)."""
-    out = [engine_configmap(sdd, spec, state), grpc_service(sdd, settings),
+    """Every child the SDD should have now, in apply order (config before the pods that mount it,
+    the workers before the router that waits for them)."""
+    out = [engine_configmap(sdd, spec, state), arm_service(sdd, "stable", settings),
            metrics_service(sdd, "stable", settings), deployment(sdd, spec, "stable", settings, state),
            pod_disruption_budget(sdd)]
     if spec.get("canary"):
-        out += [metrics_service(sdd, "canary", settings), deployment(sdd, spec, "canary", settings, state)]
+        out += [arm_service(sdd, "canary", settings), metrics_service(sdd, "canary", settings),
+                deployment(sdd, spec, "canary", settings, state)]
+    out += [*router_rbac(sdd), router_service(sdd, settings), router_deployment(sdd, spec, settings, state),
+            pod_disruption_budget(sdd, "router")]
     if spec.get("scaling"):
         out.append(autoscaler(sdd, spec))
     obs = spec.get("observability", {})
@@ -419,14 +623,22 @@ def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
 def child_refs(sdd_name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every child the operator may create for an SDD, wanted now or not:
     what a reconcile removes when the spec drops it, and what a delete cleans up."""
+    router = router_name(sdd_name)
     return [
         ("v1", "ConfigMap", child_name(sdd_name, "engine")),
-        ("v1", "Service", sdd_name if len(sdd_name) <= 63 else child_name(sdd_name, "grpc")),
+        ("v1", "Service", front_service_name(sdd_name)),
+        ("v1", "Service", arm_service_name(sdd_name, "stable")),
+        ("v1", "Service", arm_service_name(sdd_name, "canary")),
         ("v1", "Service", child_name(sdd_name, "metrics")),
         ("v1", "Service", child_name(sdd_name, "canary-metrics")),
         ("apps/v1", "Deployment", child_name(sdd_name, "stable")),
         ("apps/v1", "Deployment", child_name(sdd_name, "canary")),
+        ("apps/v1", "Deployment", router),
+        ("v1", "ServiceAccount", router),
+        ("rbac.authorization.k8s.io/v1", "Role", router),
+        ("rbac.authorization.k8s.io/v1", "RoleBinding", router),
         ("policy/v1", "PodDisruptionBudget", child_name(sdd_name, "stable")),
+        ("policy/v1", "PodDisruptionBudget", router),
         ("autoscaling/v2", "HorizontalPodAutoscaler", child_name(sdd_name, "stable")),
         ("monitoring.coreos.com/v1", "ServiceMonitor", child_name(sdd_name, "workers")),
         ("monitoring.coreos.com/v1", "PrometheusRule", child_name(sdd_name, "alerts")),

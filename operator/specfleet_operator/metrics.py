@@ -19,7 +19,7 @@ from .policy import Metrics, RoleMetrics
 
 FALLBACK_ACTIVE = Gauge("specfleet_fallback_active", "1 while a fleet decodes without speculation",
                         ["namespace", "name"])
-CANARY_WEIGHT = Gauge("specfleet_canary_weight", "Percent of workers on the canary", ["namespace", "name"])
+CANARY_WEIGHT = Gauge("specfleet_canary_weight", "Percent of requests the router sends to the canary", ["namespace", "name"])
 #: The worker's arrival-to-last-token histogram: what a canary's p99LatencySeconds check reads.
 E2E_LATENCY = "spec_decode_e2e_request_latency_seconds"
 

@@ -42,7 +42,7 @@ class LoopState:
     fallback_since: float | None = None
     canary_phase: str = "Idle"
     canary_step: int = 0  # 0: at spec.canary.weight; i: at steps[i-1]
-    canary_weight: int | None = None
+    canary_weight: float | None = None  # percent of requests
     step_since: float | None = None
     failed_checks: int = 0
     last_analysis: float | None = None
@@ -55,8 +55,8 @@ class Policy:
     fallback_enabled: bool = True
     recovery_alpha: float = 0.5
     recover_after_s: float = 600.0
-    canary_weight: int | None = None  # None: no canary
-    steps: tuple[tuple[int, float], ...] = ()  # (weight, pause seconds)
+    canary_weight: float | None = None  # percent of requests; None: no canary
+    steps: tuple[tuple[float, float], ...] = ()  # (weight percent, pause seconds)
     analysis_interval_s: float = 60.0
     failure_limit: int = 3
     checks: tuple[tuple[str, float | None, float | None], ...] = ()  # (metric, min, max)
@@ -158,7 +158,7 @@ def decide_canary(metrics: Metrics, state: LoopState, policy: Policy, now: float
         return Decision(dataclasses.replace(state, canary_phase="Progressing", canary_step=0,
                                             canary_weight=policy.canary_weight, step_since=now,
                                             failed_checks=0, last_analysis=now),
-                        (("CanaryStarted", f"canary at {policy.canary_weight}% of workers"),))
+                        (("CanaryStarted", f"canary at {policy.canary_weight}% of requests"),))
     if state.last_analysis is not None and now - state.last_analysis < policy.analysis_interval_s:
         return Decision(state)
     failed = _failed_checks(metrics.canary, policy)
@@ -178,7 +178,7 @@ def decide_canary(metrics: Metrics, state: LoopState, policy: Policy, now: float
         weight = policy.steps[state.canary_step][0]
         return Decision(dataclasses.replace(state, canary_step=state.canary_step + 1, canary_weight=weight,
                                             step_since=now),
-                        (("CanaryStepped", f"canary moved to {weight}% of workers"),))
+                        (("CanaryStepped", f"canary moved to {weight}% of requests"),))
     return Decision(dataclasses.replace(state, canary_phase="Promoted", canary_weight=0),
                     (("CanaryPromoted", "the canary passed every step and replaces the stable workers"),))
 

@@ -18,12 +18,12 @@ import yaml
 from specfleet_api.engine_config import (
     INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason,
 )
-from specfleet_api.enums import METHODS
+from specfleet_api.enums import METHODS, PROMPT_TYPES
 
 from . import manifests
 
-__all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "parse_duration", "problems", "rejection_reason",
-           "served_problems", "spec_schema", "with_defaults"]
+__all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "is_percentage", "parse_duration", "problems",
+           "rejection_reason", "served_problems", "spec_schema", "with_defaults"]
 
 _DURATION = re.compile(r"(\d+)(ms|s|m|h)")
 _UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
@@ -110,7 +110,11 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
                            f"speculation must satisfy kMin <= kInitial <= kMax (got {k_min}, {k_init}, {k_max})"))
     if method in WEIGHTED_METHODS and "uri" not in draft:
         out.append(Problem("spec.draft.uri", "draft.uri is required for draft.method draft-model, eagle and medusa"))
-    for prompt_type, routed in (spec.get("routing") or {}).get("byPromptType", {}).items():
+    routes = (spec.get("routing") or {}).get("byPromptType", {})
+    if not set(routes) <= set(PROMPT_TYPES):
+        out.append(Problem("spec.routing.byPromptType",
+                           f"routing.byPromptType keys must be prompt types: {', '.join(PROMPT_TYPES)}"))
+    for prompt_type, routed in routes.items():
         if routed not in METHODS:
             out.append(Problem(f"spec.routing.byPromptType.{prompt_type}", f"{routed!r} is not a draft method"))
     out += _canary_problems(spec.get("canary"))
@@ -161,13 +165,35 @@ def _has_path(obj: dict[str, Any], dotted: str) -> bool:
     return True
 
 
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def is_percentage(weight: float) -> bool:
+    """Whether a canary weight has at most two decimals, judged as the CRD's CEL rule does (an
+    int-rounded hundredfold within 1e-6, so that 0.07's binary 7.000000000000001 passes).
+
+    >>> is_percentage(0.07), is_percentage(12.5), is_percentage(100), is_percentage(1.005)
+    (True, True, True, False)
+    """
+    hundredfold = float(weight) * 100.0
+    return abs(float(int(hundredfold + 0.5)) - hundredfold) < 1e-6
+
+
 def _canary_problems(canary: dict[str, Any] | None) -> list[Problem]:
     if canary is None:
         return []
     out = []
     weights = [step.get("weight") for step in canary.get("steps", [])]
-    if not 0 <= canary.get("weight", 1) <= 100 or not all(isinstance(w, int) and 0 <= w <= 100 for w in weights):
-        out.append(Problem("spec.canary", "canary weights must be between 0 and 100"))
+    start = canary.get("weight", 1)
+    if not all(_is_number(w) and 0.01 <= w <= 100 for w in [start, *weights]):
+        out.append(Problem("spec.canary", "canary weights must be between 0.01 and 100"))
+    elif not is_percentage(start):
+        out.append(Problem("spec.canary.weight",
+                           "canary.weight must be a percentage with at most two decimals (0.01 to 100)"))
+    elif not all(is_percentage(w) for w in weights):
+        out.append(Problem("spec.canary.steps",
+                           "canary.steps weights must be percentages with at most two decimals (0.01 to 100)"))
     elif weights:
         if not all(w > canary.get("weight", 1) for w in weights):
             out.append(Problem("spec.canary.steps", "canary.steps weights must rise above canary.weight"))

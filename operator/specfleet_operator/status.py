@@ -45,6 +45,7 @@ class Observed:
     apply_error: str | None = None
     stable: Workers | None = None
     canary: Workers | None = None
+    router: Workers | None = None  # the router Deployment; None: not created yet
     state: FleetState = FleetState()
     draft_method: str = "ngram"
     k_bounds: tuple[int, int] | None = None
@@ -85,12 +86,18 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
         ready = (False, "Creating", "the stable workers are being created")
     elif stable.desired == 0:
         ready = (False, "ScaledToZero", "spec asks for 0 workers")
-    elif stable.rolled_out and (canary is None or canary.rolled_out):
-        ready = (True, "WorkersReady", f"{stable.ready}/{stable.desired} stable workers ready")
-    else:
+    elif not (stable.rolled_out and (canary is None or canary.rolled_out)):
         ready = (False, "WorkersNotReady", f"{stable.ready}/{stable.desired} stable workers ready")
+    elif o.router is None:
+        ready = (False, "RouterNotReady", "the router is being created")
+    elif not o.router.rolled_out:
+        ready = (False, "RouterNotReady", f"{o.router.ready}/{o.router.desired} router pods ready")
+    else:
+        ready = (True, "WorkersReady", f"{stable.ready}/{stable.desired} stable workers ready, "
+                 f"{o.router.ready} router pods ready")
 
-    rolling = not invalid and stable is not None and not (stable.rolled_out and (canary is None or canary.rolled_out))
+    rolling = not invalid and stable is not None and not (
+        stable.rolled_out and (canary is None or canary.rolled_out) and (o.router is None or o.router.rolled_out))
     progressing = (True, "RollingOut", "workers are being rolled out") if rolling else \
         (False, "RolloutComplete" if not invalid else rejected, "no rollout in progress")
 
@@ -131,6 +138,8 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     if stable is not None:
         status["replicas"] = {"desired": stable.desired + (canary.desired if canary else 0),
                               "ready": stable.ready + (canary.ready if canary else 0)}
+    if o.router is not None:
+        status["router"] = {"desired": o.router.desired, "ready": o.router.ready}
     status["canary"] = {"weight": o.state.canary_weight or 0, "step": o.canary_step, "phase": phase,
                         "failedChecks": o.failed_checks}
     if o.last_analysis:

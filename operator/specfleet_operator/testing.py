@@ -29,7 +29,9 @@ from .spec import crd
 #: What becomes of each file in deploy/examples/ (by stem): "served" (workers run it; every role's
 #: engine.json passes `specfleet serve --check-config`) or "rejected" before any pod is created
 #: (reserved values: CEL at the API server, else the operator's Ready=False, Unsupported).
-EXAMPLE_VERDICTS = {"ngram": "served", "canary-1pct": "served", "draft-model": "served", "eagle-tree": "rejected"}
+#: `local` is the one-machine example `specfleet up` starts by default.
+EXAMPLE_VERDICTS = {"ngram": "served", "canary-1pct": "served", "draft-model": "served", "eagle-tree": "rejected",
+                    "local": "served"}
 
 
 def _now() -> str:

@@ -149,3 +149,47 @@ def test_long_release_names_are_truncated_to_63():
     out = helm.Chart.load(str(CHART)).render({}, name="r" * 60, namespace="ns", is_install=True)
     docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
     assert all(len(d["metadata"]["name"]) <= 63 for d in docs)
+
+
+def _grants(rules, wanted):
+    """Whether `rules` allow every verb of `wanted` (one RBAC rule) on its resources."""
+    return all(any(group in r["apiGroups"] and resource in r["resources"] and verb in r["verbs"] for r in rules)
+               for group in wanted["apiGroups"] for resource in wanted["resources"] for verb in wanted["verbs"])
+
+
+@pytest.mark.parametrize("values", [{}, {"watchNamespaces": ["team-a"]}], ids=["cluster-wide", "namespaced"])
+def test_the_operator_may_create_each_fleets_router_and_grant_it_what_it_reads(values):
+    """Kubernetes lets a ServiceAccount grant only what it holds (no escalate, no bind): the
+    operator holds the router Role's rules, and may manage the router's objects."""
+    docs, _ = render(values)
+    rules = _rules(docs, "ClusterRole") + _rules(docs, "Role")
+    for wanted in manifests.ROUTER_RULES:
+        assert _grants(rules, wanted), wanted
+    for group, resource in [("", "serviceaccounts"), ("rbac.authorization.k8s.io", "roles"),
+                            ("rbac.authorization.k8s.io", "rolebindings"), ("apps", "deployments"),
+                            ("", "services"), ("policy", "poddisruptionbudgets")]:
+        assert _grants(rules, {"apiGroups": [group], "resources": [resource], "verbs": ["get", "create", "patch", "delete"]})
+    assert not _grants(rules, {"apiGroups": ["rbac.authorization.k8s.io"], "resources": ["clusterroles"],
+                               "verbs": ["create"]})
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--router-image=ghcr.io/specfleet/router:0.1.0" in args and "--read-redis-secrets" not in args
+
+
+def test_reading_redis_secrets_is_opt_in():
+    docs, _ = render({"router": {"readRedisSecrets": True, "image": "registry.local/router:dev"}})
+    rules = _rules(docs, "ClusterRole")
+    assert {"apiGroups": [""], "resources": ["secrets"], "verbs": ["get"]} in rules
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    args = deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--read-redis-secrets" in args and "--router-image=registry.local/router:dev" in args
+    off, _ = render({})
+    assert not any("secrets" in r["resources"] for r in _rules(off, "ClusterRole"))
+
+
+def test_the_operator_flags_the_chart_passes_exist():
+    from specfleet_operator.main import parse_args
+    docs, _ = render({"router": {"readRedisSecrets": True}})
+    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
+    options = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert options.worker.router_image == "ghcr.io/specfleet/router:0.1.0" and options.worker.read_redis_secrets

@@ -78,16 +78,30 @@ def _program(rule):
     return _PROGRAMS[rule]
 
 
+def as_typed(obj, node):
+    """`obj` as CEL sees it in the API server: a `type: number` field is a double even when the
+    YAML wrote an integer (weight: 1), so rules may do double arithmetic on it."""
+    if node.get("type") == "number" and isinstance(obj, int) and not isinstance(obj, bool):
+        return float(obj)
+    if isinstance(obj, dict):
+        props, extra = node.get("properties", {}), node.get("additionalProperties")
+        return {k: as_typed(v, props.get(k, extra if isinstance(extra, dict) else {})) for k, v in obj.items()}
+    if isinstance(obj, list) and isinstance(node.get("items"), dict):
+        return [as_typed(v, node["items"]) for v in obj]
+    return obj
+
+
 def cel_failures(obj, node=SCHEMA, path="$"):
     """Messages of every x-kubernetes-validations rule that `obj` breaks; a rule's
     messageExpression, when it has one, gives the message (as the API server reports it)."""
     out = []
+    typed = as_typed(obj, node)
     for rule in node.get("x-kubernetes-validations", []):
-        verdict = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(obj)})
+        verdict = _program(rule["rule"]).evaluate({"self": celpy.json_to_cel(typed)})
         assert isinstance(verdict, ct.BoolType), f"{path}: {rule['rule']} evaluated to {verdict!r}"
         if not verdict:
             if "messageExpression" in rule:
-                message = _program(rule["messageExpression"]).evaluate({"self": celpy.json_to_cel(obj)})
+                message = _program(rule["messageExpression"]).evaluate({"self": celpy.json_to_cel(typed)})
                 assert isinstance(message, (str, ct.StringType)), f"{path}: {rule['messageExpression']} -> {message!r}"
                 out.append(str(message))
             else:
@@ -129,8 +143,10 @@ def test_examples_pass_schema_and_cel_or_are_rejected_as_not_supported_yet(path)
         assert "RESERVED, NOT SERVED YET" in path.read_text()  # the file says so to whoever reads it
 
 
-def test_there_are_the_four_examples():
-    assert {p.stem for p in EXAMPLES} == set(EXAMPLE_VERDICTS)
+def test_every_example_has_a_verdict():
+    stems = {p.stem for p in EXAMPLES}
+    assert stems <= set(EXAMPLE_VERDICTS), f"say whether {sorted(stems - set(EXAMPLE_VERDICTS))} is served"
+    assert {"ngram", "canary-1pct", "draft-model", "eagle-tree"} <= stems
     methods = {yaml.safe_load(p.read_text())["spec"]["draft"]["method"] for p in EXAMPLES}
     assert methods == {"ngram", "draft-model", "eagle"}
 
@@ -151,6 +167,13 @@ BAD = {
     "canary override k": ({"canary": {"overrides": {"speculation": {"kMin": 6, "kMax": 2}}}}, "kMin must not exceed"),
     "metric without bound": ({"canary": {"analysis": {"metrics": [{"name": "alpha"}]}}}, "needs min or max"),
     "redis both": ({"redis": {"url": "redis://r", "secretRef": {"name": "s"}}}, "exactly one of redis.url"),
+    "canary weight with three decimals": ({"canary": {"weight": 1.234}}, "canary.weight must be a percentage with"),
+    "canary step with three decimals": ({"canary": {"weight": 1, "steps": [{"weight": 5.555}]}},
+                                        "canary.steps weights must be percentages with at most two decimals"),
+    "canary steps below a fractional start": ({"canary": {"weight": 0.5, "steps": [{"weight": 0.25}]}},
+                                              "rise above canary.weight"),
+    "route for an unknown prompt type": ({"routing": {"byPromptType": {"poetry": "ngram"}}},
+                                         "routing.byPromptType keys must be prompt types"),
 }
 
 
@@ -295,6 +318,8 @@ def test_tree_branching_is_served_as_a_chain_only(path):
 
 @pytest.mark.parametrize("over", [
     {"draft": {"method": "magic"}}, {"quantization": "int3"}, {"canary": {"weight": 101}},
+    {"canary": {"weight": 0}}, {"canary": {"weight": 0.001}}, {"canary": {"weight": "1%"}},
+    {"canary": {"replicas": 0}}, {"canary": {"steps": [{"weight": 0}]}}, {"router": {"replicas": 0}},
     {"speculation": {"kMax": 99}}, {"slo": {"window": "five minutes"}}, {"model": {"name": "m"}},
 ])
 def test_schema_rejects_enums_ranges_and_required(over):
@@ -304,7 +329,8 @@ def test_schema_rejects_enums_ranges_and_required(over):
         validate_openapi(doc)
 
 
-weights = st.integers(0, 100)
+# 0.01 to 100 in thousandths: schema-valid weights, a tenth of them with a third decimal
+weights = st.integers(10, 100_000).map(lambda n: n / 1000)
 spec_strategy = st.fixed_dictionaries({
     "method": st.sampled_from(enums.METHODS), "uri": st.booleans(),
     "quantization": st.sampled_from(enums.QUANTIZATIONS), "dtype": st.sampled_from(enums.DTYPES),
@@ -337,3 +363,50 @@ def test_operator_checks_agree_with_cel(drawn):
     doc = defaulted({**GOOD, "spec": s})
     validate_openapi(doc)
     assert (cel_failures(doc) == []) == (specs.problems(doc["spec"]) == [])
+
+
+def _weight_node():
+    return specs.spec_schema()["properties"]["canary"]["properties"]["weight"]
+
+
+@pytest.mark.parametrize("weight, ok", [
+    (1, True), (0.01, True), (0.07, True), (0.29, True), (12.5, True), (33.33, True), (99.99, True), (100, True),
+    (0.011, False), (1.005, False), (12.345, False), (99.999, False), (0.015, False),
+])
+def test_a_canary_weight_is_a_request_share_with_two_decimals(weight, ok):
+    """0.07 and 0.29 are 7.000000000000001 and 28.999999999999996 in hundredths: CEL's rule and
+    the operator's check must both accept them, and both refuse a third decimal."""
+    node = _weight_node()
+    validate_openapi({**GOOD, "spec": {**GOOD["spec"], "canary": {"weight": weight}}})
+    assert (cel_failures(weight, node, "spec.canary.weight") == []) == ok
+    assert specs.is_percentage(weight) == ok
+    step = specs.spec_schema()["properties"]["canary"]["properties"]["steps"]["items"]
+    assert (cel_failures({"weight": weight}, step, "spec.canary.steps[0]") == []) == ok
+    doc = _with({"canary": {"weight": weight}})
+    assert (specs.problems(doc["spec"]) == []) == ok
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(1, 10_000), st.integers(0, 9))
+def test_every_two_decimal_weight_passes_and_every_third_decimal_fails(hundredths, thousandth):
+    weight = hundredths / 100 if thousandth == 0 else (hundredths * 10 + thousandth) / 1000
+    if weight > 100:
+        return
+    node = _weight_node()
+    assert (cel_failures(weight, node, "spec.canary.weight") == []) == (thousandth == 0)
+    assert specs.is_percentage(weight) == (thousandth == 0)
+
+
+def test_canary_replicas_default_to_one_and_the_weight_means_requests():
+    canary = specs.spec_schema()["properties"]["canary"]["properties"]
+    assert canary["replicas"]["default"] == 1 and canary["weight"]["type"] == "number"
+    assert "requests" in canary["weight"]["description"]
+    assert defaulted({**GOOD, "spec": {**GOOD["spec"], "canary": {}}})["spec"]["canary"]["replicas"] == 1
+
+
+def test_routing_keys_are_the_routers_prompt_types():
+    node = specs.spec_schema()["properties"]["routing"]["properties"]["byPromptType"]
+    (rule,) = node["x-kubernetes-validations"]
+    assert rule["message"] == f"routing.byPromptType keys must be prompt types: {', '.join(enums.PROMPT_TYPES)}"
+    assert cel_failures({t: "ngram" for t in enums.PROMPT_TYPES}, node) == []
+    assert cel_failures({"chat": "ngram", "poetry": "none"}, node) == [rule["message"]]

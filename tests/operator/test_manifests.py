@@ -1,7 +1,9 @@
 """Pure builders: no cluster."""
 import json
 
+import kubernetes_validate
 import pytest
+from specfleet_api.live_state import KBounds, LiveState
 
 from specfleet_operator import manifests as m
 from specfleet_operator.spec import with_defaults
@@ -21,8 +23,11 @@ def by_kind(objs):
 
 def test_children_have_deterministic_names_and_labels():
     kids = by_kind(m.children(SDD, spec(), m.Settings()))
-    assert set(kids) == {("ConfigMap", "demo-engine"), ("Service", "demo"), ("Service", "demo-metrics"),
-                         ("Deployment", "demo-stable"), ("PodDisruptionBudget", "demo-stable")}
+    assert set(kids) == {("ConfigMap", "demo-engine"), ("Service", "demo"), ("Service", "demo-stable"),
+                         ("Service", "demo-metrics"), ("Deployment", "demo-stable"),
+                         ("PodDisruptionBudget", "demo-stable"), ("ServiceAccount", "demo-router"),
+                         ("Role", "demo-router"), ("RoleBinding", "demo-router"), ("Deployment", "demo-router"),
+                         ("PodDisruptionBudget", "demo-router")}
     for obj in kids.values():
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["labels"][m.LABEL_SDD] == "demo"
@@ -91,11 +96,11 @@ def test_config_hash_rolls_on_spec_change_only():
     assert pod_hash(spec()) == pod_hash(spec(slo={"alphaFloor": 0.9}))
 
 
-def test_canary_gets_its_overrides_and_a_one_percent_share():
+def test_canary_gets_its_overrides_and_its_own_pod_count():
     s = spec(replicas=100, canary={"weight": 1, "overrides": {"speculation": {"kMax": 12}, "image": "w:2"}})
     kids = by_kind(m.children(SDD, s, m.Settings()))
     stable, canary = kids[("Deployment", "demo-stable")], kids[("Deployment", "demo-canary")]
-    assert (stable["spec"]["replicas"], canary["spec"]["replicas"]) == (100, 1)
+    assert (stable["spec"]["replicas"], canary["spec"]["replicas"]) == (100, 1)  # canary.replicas defaults to 1
     assert canary["spec"]["template"]["spec"]["containers"][0]["image"] == "w:2"
     assert stable["spec"]["selector"]["matchLabels"][m.LABEL_ROLE] == "stable"
     assert canary["spec"]["selector"]["matchLabels"][m.LABEL_ROLE] == "canary"
@@ -103,8 +108,13 @@ def test_canary_gets_its_overrides_and_a_one_percent_share():
     assert json.loads(cm["data"]["engine-canary.json"])["speculation"]["kMax"] == 12
     assert json.loads(cm["data"]["engine-canary.json"])["role"] == "canary"
     assert json.loads(cm["data"]["engine.json"])["speculation"]["kMax"] == 8
-    # the gRPC Service sends traffic to both roles
-    assert m.LABEL_ROLE not in kids[("Service", "demo")]["spec"]["selector"]
+    # clients call the router (the Service named like the resource); each arm's workers have a
+    # headless Service of their own, which the router discovers
+    assert kids[("Service", "demo")]["spec"]["selector"] == {m.LABEL_SDD: "demo", m.LABEL_COMPONENT: "router"}
+    for role in ("stable", "canary"):
+        arm = kids[("Service", f"demo-{role}")]["spec"]
+        assert arm["clusterIP"] == "None" and arm["selector"][m.LABEL_ROLE] == role
+        assert arm["ports"][0]["name"] == m.DISCOVERY_PORT
     # promotion makes the overrides stable and the canary empty
     promoted = m.FleetState(canary_phase="Promoted")
     assert m.engine_config(s, "stable", promoted)["speculation"]["kMax"] == 12
@@ -157,3 +167,137 @@ def test_child_names_are_dns_labels(name):
         child = m.child_name(name, suffix)
         assert len(child) <= 63 and child.endswith(suffix)
     assert m.child_name("y" * 63, "stable") != m.child_name("y" * 62 + "z", "stable")
+
+
+@pytest.mark.parametrize("replicas, weight, canary_pods", [(2, 1, 1), (4, 50, 1), (100, 1, 1), (10, 0.01, 3)])
+def test_the_canary_pod_count_is_canary_replicas_whatever_the_weight(replicas, weight, canary_pods):
+    """The old split gave ceil(replicas x weight / 100) pods: 1% was 50% of the pods at 2 replicas."""
+    canary = {"weight": weight} if canary_pods == 1 else {"weight": weight, "replicas": canary_pods}
+    s = spec(replicas=replicas, canary=canary)
+    assert m.replica_counts(s, m.FleetState()) == (replicas, canary_pods)
+    assert m.live_state(s, m.FleetState()).canary_weight == weight
+    kids = by_kind(m.children(SDD, s, m.Settings()))
+    assert kids[("Deployment", "demo-canary")]["spec"]["replicas"] == canary_pods
+    assert kids[("Deployment", "demo-stable")]["spec"]["replicas"] == replicas
+    for phase in ("Promoted", "Aborted"):
+        assert m.replica_counts(s, m.FleetState(canary_phase=phase)) == (replicas, 0)
+
+
+def test_every_child_validates_against_the_kubernetes_schemas():
+    s = spec(canary={"weight": 2.5, "replicas": 2}, redis={"url": "redis://r:6379/0"},
+             observability={"serviceMonitor": {"enabled": True}}, router={"replicas": 3})
+    for obj in m.children(SDD, s, m.Settings()):
+        if obj["apiVersion"].startswith("monitoring.coreos.com"):
+            continue
+        kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def test_the_router_is_restricted_probed_and_bounded():
+    kids = by_kind(m.children(SDD, spec(router={"replicas": 3}), m.Settings(router_image="r:9")))
+    router = kids[("Deployment", "demo-router")]
+    assert router["spec"]["replicas"] == 3
+    pod = router["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == "demo-router" and pod["automountServiceAccountToken"] is True
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    (c,) = pod["containers"]
+    assert c["image"] == "r:9" and c["command"] == ["specfleet"] and c["args"][0] == "router"
+    sc = c["securityContext"]
+    assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+    assert sc["readOnlyRootFilesystem"] is True and sc["runAsNonRoot"] is True
+    assert sc["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http", "scheme": "HTTP"}
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http", "scheme": "HTTP"}
+    assert c["resources"]["requests"]["cpu"] and c["resources"]["limits"]["memory"]
+    ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+    assert ports == {"http": 8000, "grpc": 50050}
+    front = kids[("Service", "demo")]["spec"]["ports"]
+    assert {(p["name"], p["port"], p["targetPort"]) for p in front} == {("http", 8000, "http"), ("grpc", 50051, "grpc")}
+    # the router's own pods: the Service, the PDB and the Deployment agree on the selector
+    assert kids[("PodDisruptionBudget", "demo-router")]["spec"]["selector"]["matchLabels"] == \
+        router["spec"]["selector"]["matchLabels"] == kids[("Service", "demo")]["spec"]["selector"]
+    assert router["spec"]["selector"]["matchLabels"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
+
+
+def test_the_router_may_only_read_endpointslices_in_its_namespace():
+    kids = by_kind(m.children(SDD, spec(), m.Settings()))
+    role, binding = kids[("Role", "demo-router")], kids[("RoleBinding", "demo-router")]
+    assert role["metadata"]["namespace"] == "ml"
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "demo-router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-router", "namespace": "ml"}]
+    assert not any(o["kind"] in ("ClusterRole", "ClusterRoleBinding") for o in kids.values())
+
+
+def _flags(args):
+    out = {}
+    for flag, value in zip(args, args[1:]):
+        if flag.startswith("--"):
+            out.setdefault(flag, []).append(value)
+    return out
+
+
+def test_router_flags_without_redis_carry_the_state():
+    s = spec(model={"name": "smollm2-135m", "uri": "u"}, routing={"default": "ngram",
+                                                                  "byPromptType": {"chat": "none", "code": "ngram"}},
+             canary={"weight": 0.25})
+    args = m.router_args(SDD, s, m.Settings())
+    flags = _flags(args)
+    assert flags["--deployment"] == ["ml/demo"] and flags["--model-alias"] == ["smollm2-135m"]
+    assert flags["--discover-kubernetes"] == ["stable=demo-stable", "canary=demo-canary"]
+    assert flags["--canary-weight"] == ["0.25"] and flags["--route"] == ["chat=none", "code=ngram"]
+    assert flags["--host"] == ["0.0.0.0"] and "--backend" not in flags
+    env = {e["name"] for e in m.router_deployment(SDD, s, m.Settings())["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert "SPECFLEET_REDIS_URL" not in env
+    # a canary step (the loop's state) moves the flag: without Redis the router pods roll
+    stepped = m.router_args(SDD, s, m.Settings(), m.FleetState(canary_weight=5, canary_phase="Progressing"))
+    assert _flags(stepped)["--canary-weight"] == ["5"]
+
+
+def test_router_with_redis_follows_it_and_its_pods_do_not_roll_on_a_canary_step():
+    s = spec(redis={"url": "redis://r:6379/0"}, canary={"weight": 1})
+    before = m.router_deployment(SDD, s, m.Settings())
+    after = m.router_deployment(SDD, s, m.Settings(), m.FleetState(canary_weight=25, canary_phase="Progressing"))
+    assert before == after and "--canary-weight" not in before["spec"]["template"]["spec"]["containers"][0]["args"]
+    env = {e["name"]: e for e in before["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPECFLEET_REDIS_URL"]["value"] == "redis://r:6379/0"
+
+
+def test_a_redis_secret_is_followed_only_where_the_operator_may_read_it():
+    s = spec(redis={"secretRef": {"name": "r", "key": "u"}})
+    assert not m.writes_live_state(s, m.Settings())
+    assert "--canary-weight" in m.router_args(SDD, s, m.Settings())
+    allowed = m.Settings(read_redis_secrets=True)
+    assert m.writes_live_state(s, allowed) and "--canary-weight" not in m.router_args(SDD, s, allowed)
+    env = {e["name"]: e for e in m.router_deployment(SDD, s, allowed)["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPECFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "u"}
+
+
+def test_a_router_setting_rolls_no_worker():
+    s = spec()
+    assert m.deployment(SDD, s, "stable", m.Settings()) == m.deployment(SDD, s, "stable", m.Settings(router_image="x"))
+
+
+def test_workers_know_their_deployment_for_the_live_state_key():
+    env = {e["name"]: e for e in m.deployment(SDD, spec(), "canary", m.Settings())["spec"]["template"]["spec"][
+        "containers"][0]["env"]}
+    assert env["SPECFLEET_DEPLOYMENT"]["value"] == "ml/demo"
+
+
+def test_live_state_from_spec_and_loop_state():
+    s = spec(speculation={"kMin": 1, "kMax": 6, "kInitial": 3},
+             routing={"default": "ngram", "byPromptType": {"chat": "none", "code": "ngram"}},
+             canary={"weight": 12.5, "overrides": {"speculation": {"kMax": 10}}})
+    live = m.live_state(s, m.FleetState())
+    assert live == LiveState(version=0, canary_weight=12.5, default_method="ngram",
+                             routes={"chat": "none", "code": "ngram"}, fallback=(), speculate=True,
+                             k={"stable": KBounds(1, 6), "canary": KBounds(1, 10)})
+    assert live.problems() == []  # a document the router and the workers accept
+    assert LiveState.from_json(live.to_json()) == live
+    fb = m.live_state(s, m.FleetState(mode="fallback", canary_weight=12.5, canary_phase="Progressing"))
+    assert fb.speculate is False and fb.k == {"stable": KBounds(0, 0), "canary": KBounds(0, 0)}
+    assert fb.method_for("code") == "none" and fb.problems() == []
+    promoted = m.live_state(s, m.FleetState(canary_phase="Promoted"))
+    assert promoted.canary_weight == 0 and promoted.k["stable"] == KBounds(1, 10)
+    assert m.live_state(spec(draft={"method": "none"}), m.FleetState()).speculate is False

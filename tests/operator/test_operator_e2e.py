@@ -15,7 +15,9 @@ CHILD_PLURALS = {"ConfigMap": ("v1", "configmaps"), "Service": ("v1", "services"
                  "Deployment": ("apps/v1", "deployments"), "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
                  "HorizontalPodAutoscaler": ("autoscaling/v2", "horizontalpodautoscalers"),
                  "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
-                 "PrometheusRule": ("monitoring.coreos.com/v1", "prometheusrules")}
+                 "PrometheusRule": ("monitoring.coreos.com/v1", "prometheusrules"),
+                 "ServiceAccount": ("v1", "serviceaccounts"), "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+                 "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings")}
 
 
 def example(name):
@@ -51,10 +53,14 @@ async def test_example_creates_every_child_owned_labelled_and_secured(cluster, k
             raise
         kids = children_of(cluster, "smollm2-draft")
         assert set(kids) == {("ConfigMap", "smollm2-draft-engine"), ("Service", "smollm2-draft"),
+                             ("Service", "smollm2-draft-stable"),
                              ("Service", "smollm2-draft-metrics"), ("Deployment", "smollm2-draft-stable"),
                              ("PodDisruptionBudget", "smollm2-draft-stable"),
                              ("HorizontalPodAutoscaler", "smollm2-draft-stable"),
-                             ("ServiceMonitor", "smollm2-draft-workers"), ("PrometheusRule", "smollm2-draft-alerts")}
+                             ("ServiceMonitor", "smollm2-draft-workers"), ("PrometheusRule", "smollm2-draft-alerts"),
+                             ("Deployment", "smollm2-draft-router"), ("ServiceAccount", "smollm2-draft-router"),
+                             ("Role", "smollm2-draft-router"), ("RoleBinding", "smollm2-draft-router"),
+                             ("PodDisruptionBudget", "smollm2-draft-router")}
         for obj in kids.values():
             (owner,) = obj["metadata"]["ownerReferences"]
             assert owner == {"apiVersion": API_VERSION, "kind": KIND, "name": "smollm2-draft",
@@ -71,6 +77,10 @@ async def test_example_creates_every_child_owned_labelled_and_secured(cluster, k
         assert engine["quantization"] == "int8" and engine["role"] == "stable"
         status = cluster.live(API_VERSION, SDDS, "default", "smollm2-draft")["status"]
         assert status["observedGeneration"] == 1 and status["kRange"] == "1-6"
+        assert status["router"] == {"desired": 2, "ready": 2}
+        router = kids[("Deployment", "smollm2-draft-router")]["spec"]["template"]["spec"]
+        assert router["serviceAccountName"] == "smollm2-draft-router"
+        assert "--discover-kubernetes" in router["containers"][0]["args"]
         await wait_for(lambda: events(cluster, "Created"), 10, "Created event")
     finally:
         await op.stop_and_join()
@@ -109,7 +119,9 @@ async def test_delete_removes_every_child_and_the_finalizer(cluster, kube):
     try:
         await kube.create(example("canary-1pct"))
         await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
-        assert len(children_of(cluster, "smollm2-canary")) == 7
+        # engine ConfigMap; front, stable, canary, 2 metrics Services; 2 worker Deployments + PDB; the
+        # router's Deployment, ServiceAccount, Role, RoleBinding, PDB
+        assert len(children_of(cluster, "smollm2-canary")) == 14
         await kube.delete(API_VERSION, KIND, "default", "smollm2-canary")
         await wait_for(lambda: cluster.live(API_VERSION, SDDS, "default", "smollm2-canary") is None, 20, "SDD gone")
         assert children_of(cluster, "smollm2-canary") == {}
@@ -193,11 +205,12 @@ async def test_restart_mid_reconcile_creates_no_duplicates_and_no_writes(cluster
     try:
         await wait_for(lambda: all(ready(cluster, n) for n in names), 30, "all Ready after restart")
         deployments = [d["metadata"]["name"] for d in cluster.all_live("apps/v1", "deployments")]
-        assert sorted(deployments) == sorted(f"{n}-{r}" for n in names for r in ("stable", "canary"))
+        assert sorted(deployments) == sorted(f"{n}-{r}" for n in names for r in ("stable", "canary", "router"))
         assert cluster.writes("POST", "/deployments") >= len(deployments)  # a 409 on a retried create is fine
     finally:
         await op2.stop_and_join()
-    writes = lambda: sum(cluster.writes(v, p) for v in ("POST", "PATCH") for p in ("/deployments", "/services", "/configmaps"))
+    writes = lambda: sum(cluster.writes(v, p) for v in ("POST", "PATCH") for p in (
+        "/deployments", "/services", "/configmaps", "/serviceaccounts", "/roles", "/rolebindings"))
     before = writes()
     op3 = OperatorThread(cluster.endpoint, "op-c").start()  # a restart with nothing to do
     try:

@@ -4,15 +4,17 @@ from specfleet_operator.spec import Problem
 from specfleet_operator.status import Observed, Workers, compute, condition
 
 T0, T1 = "2025-01-01T00:00:00Z", "2025-01-01T00:05:00Z"
+ROUTER = Workers(desired=2, ready=2, updated=2)
 
 
 def test_ready_when_every_worker_is_ready():
-    s = compute(Observed(generation=3, stable=Workers(desired=2, ready=2, updated=2), k_bounds=(1, 6)), None, T0)
+    s = compute(Observed(generation=3, stable=Workers(desired=2, ready=2, updated=2), k_bounds=(1, 6),
+                         router=ROUTER), None, T0)
     ready = condition(s, "Ready")
     assert ready["status"] == "True" and ready["observedGeneration"] == 3 and ready["lastTransitionTime"] == T0
     assert condition(s, "Progressing")["status"] == "False"
     assert s["observedGeneration"] == 3 and s["replicas"] == {"desired": 2, "ready": 2}
-    assert s["kRange"] == "1-6" and s["mode"] == "speculative"
+    assert s["kRange"] == "1-6" and s["mode"] == "speculative" and s["router"] == {"desired": 2, "ready": 2}
     assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded", "Speculating",
                                                     "CanaryProgressing"}
     for c in s["conditions"]:
@@ -26,10 +28,10 @@ def test_rolling_out_is_progressing_not_ready():
 
 
 def test_transition_time_kept_while_status_unchanged():
-    first = compute(Observed(generation=1, stable=Workers(desired=1, ready=1, updated=1)), None, T0)
-    again = compute(Observed(generation=2, stable=Workers(desired=1, ready=1, updated=1)), first, T1)
+    first = compute(Observed(generation=1, stable=Workers(desired=1, ready=1, updated=1), router=ROUTER), None, T0)
+    again = compute(Observed(generation=2, stable=Workers(desired=1, ready=1, updated=1), router=ROUTER), first, T1)
     assert condition(again, "Ready")["lastTransitionTime"] == T0
-    down = compute(Observed(generation=2, stable=Workers(desired=1, ready=0, updated=1)), again, T1)
+    down = compute(Observed(generation=2, stable=Workers(desired=1, ready=0, updated=1), router=ROUTER), again, T1)
     assert condition(down, "Ready")["lastTransitionTime"] == T1
 
 
@@ -51,9 +53,10 @@ def test_fallback_shows_in_mode_conditions_and_k():
 
 def test_canary_progress_reported():
     s = compute(Observed(generation=1, stable=Workers(100, 100, 100), canary=Workers(1, 1, 1),
-                         state=FleetState(canary_weight=1, canary_phase="Progressing"), canary_step=0,
-                         failed_checks=1), None, T0)
-    assert s["canary"] == {"weight": 1, "step": 0, "phase": "Progressing", "failedChecks": 1}
+                         state=FleetState(canary_weight=0.5, canary_phase="Progressing"), canary_step=0,
+                         failed_checks=1, router=ROUTER), None, T0)
+    assert s["canary"] == {"weight": 0.5, "step": 0, "phase": "Progressing", "failedChecks": 1}
+    assert condition(s, "Ready")["status"] == "True"
     assert condition(s, "CanaryProgressing")["status"] == "True"
     assert s["replicas"] == {"desired": 101, "ready": 101}
 
@@ -74,3 +77,17 @@ def test_a_spec_no_worker_serves_is_unsupported_not_ready_and_not_speculating():
     assert (speculating["status"], speculating["reason"]) == ("False", "Unsupported")
     mixed = compute(Observed(generation=1, problems=(eagle, Problem("spec", "set exactly one of ..."))), None, T0)
     assert condition(mixed, "Ready")["reason"] == "InvalidSpec"  # something the user must fix comes first
+
+
+def test_not_ready_until_the_router_is():
+    """Workers without a ready router are unreachable: the fleet is not Ready, and says why."""
+    workers = Workers(desired=2, ready=2, updated=2)
+    for router, message in [(None, "the router is being created"),
+                            (Workers(desired=2, ready=1, updated=2), "1/2 router pods ready")]:
+        s = compute(Observed(generation=1, stable=workers, router=router), None, T0)
+        ready = condition(s, "Ready")
+        assert (ready["status"], ready["reason"], ready["message"]) == ("False", "RouterNotReady", message)
+    rolling = compute(Observed(generation=1, stable=workers, router=Workers(desired=2, ready=1, updated=1)), None, T0)
+    assert condition(rolling, "Progressing")["status"] == "True"
+    ok = compute(Observed(generation=1, stable=workers, router=ROUTER), None, T0)
+    assert condition(ok, "Ready")["status"] == "True" and condition(ok, "Progressing")["status"] == "False"

@@ -67,8 +67,14 @@ app.kubernetes.io/part-of: specfleet
   resources: [deployments]
   verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
-  resources: [services, configmaps]
+  resources: [services, configmaps, serviceaccounts]
   verbs: [get, create, patch, delete]
+- apiGroups: [rbac.authorization.k8s.io]
+  resources: [roles, rolebindings]
+  verbs: [get, create, patch, delete]
+- apiGroups: [discovery.k8s.io]
+  resources: [endpointslices]
+  verbs: [get, list, watch]
 - apiGroups: [policy]
   resources: [poddisruptionbudgets]
   verbs: [get, create, patch, delete]
@@ -81,4 +87,9 @@ app.kubernetes.io/part-of: specfleet
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- if .Values.router.readRedisSecrets }}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [get]
+{{- end }}
 {{- end }}

@@ -1,0 +1,132 @@
+"""The live state in Redis, written by the operator (redis_state.LiveStateStore) from the spec and the
+loop's state, against a real redis-server: versions that only grow, no write when nothing changed,
+a Redis that is away or paused costs a timeout and no exception, and the document is one the
+router's own reader takes."""
+import asyncio
+import dataclasses
+import time
+
+from specfleet_api.live_state import KBounds, LiveState, state_key
+from specfleet_local.redis_server import free_port
+from specfleet_router.metrics import RouterMetrics
+from specfleet_router.state import RedisState
+
+from specfleet_operator import API_VERSION, KIND
+from specfleet_operator.policy import Metrics, RoleMetrics
+from specfleet_operator.redis_state import LiveStateStore
+from specfleet_operator.testing import FixedMetrics, OperatorThread, ready, sdd_body, wait_for
+
+WANTED = LiveState(canary_weight=1.0, routes={"chat": "none"}, k={"stable": KBounds(0, 8)})
+
+
+def stored(client, ns="default", name="chat"):
+    raw = client.get(state_key(ns, name))
+    return LiveState.from_json(raw) if raw is not None else None
+
+
+async def test_versions_grow_and_an_unchanged_state_is_not_written(redis_server):
+    client = redis_server.client()
+    store = LiveStateStore(clock=lambda: 1000.0)
+    try:
+        first = await store.write(redis_server.url, "default", "chat", WANTED)
+        assert first.version == 1 and stored(client) == first and first.updated == 1000.0
+        store.clock = lambda: 2000.0
+        again = await store.write(redis_server.url, "default", "chat", dataclasses.replace(WANTED, version=77))
+        assert again == first and stored(client).updated == 1000.0  # same content: nothing written
+        changed = await store.write(redis_server.url, "default", "chat", dataclasses.replace(WANTED, canary_weight=5.0))
+        assert changed.version == 2 and stored(client).canary_weight == 5.0
+        # Redis lost everything: the next document still counts up from what this operator wrote
+        client.flushall()
+        assert (await store.write(redis_server.url, "default", "chat", WANTED)).version == 3
+        # another writer went further: one above the stored version
+        client.set(state_key("default", "chat"), dataclasses.replace(WANTED, version=40).to_json())
+        assert (await store.write(redis_server.url, "default", "chat", dataclasses.replace(WANTED, speculate=False))
+                ).version == 41
+        # garbage under the key is replaced
+        client.set(state_key("default", "chat"), b"{not json")
+        assert (await store.write(redis_server.url, "default", "chat", WANTED)).version == 42
+        assert stored(client).version == 42
+        assert await store.delete(redis_server.url, "default", "chat") and stored(client) is None
+    finally:
+        await store.close()
+
+
+async def test_redis_away_or_paused_costs_one_timeout_not_an_exception(redis_server):
+    store = LiveStateStore(timeout_s=0.3, retry_after_s=1.0)
+    try:
+        t0 = time.monotonic()
+        assert await store.write(f"redis://127.0.0.1:{free_port()}/0", "default", "chat", WANTED) is None
+        assert time.monotonic() - t0 < 2.0
+        client = redis_server.client()
+        client.execute_command("CLIENT", "PAUSE", "1500", "ALL")
+        t0 = time.monotonic()
+        assert await store.write(redis_server.url, "default", "chat", WANTED) is None
+        assert 0.25 < time.monotonic() - t0 < 1.2  # the timeout, once
+        t0 = time.monotonic()
+        assert await store.write(redis_server.url, "default", "other", WANTED) is None
+        assert time.monotonic() - t0 < 0.1  # within retry_after_s of the failure: not tried at all
+        await asyncio.sleep(1.6)  # the pause and the back-off end: the next write goes through
+        doc = await store.write(redis_server.url, "default", "chat", WANTED)
+        assert doc is not None and stored(client) == doc
+    finally:
+        await store.close()
+
+
+async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_server):
+    """Spec -> Redis: the canary's request share, the routes and each arm's K bounds; a spec change
+    and the loop's fallback each write a higher version; a flushed Redis is written again at the
+    next tick; the router's reader (specfleet_router.state) takes every document."""
+    source = FixedMetrics(Metrics(stable=RoleMetrics(alpha=0.6, speedup=1.4)))
+    op = OperatorThread(cluster.endpoint, "op-a", metrics=source, loop_interval=0.2).start()
+    client = redis_server.client()
+    router_view = RedisState(redis_server.url, "default", "live", LiveState(), RouterMetrics())
+
+    async def router_takes(doc):
+        assert await router_view.poll_once() and router_view.current == doc
+    try:
+        await kube.create(sdd_body("live", redis={"url": redis_server.url}, speculation={"kMin": 1, "kMax": 6},
+                                   routing={"byPromptType": {"chat": "none", "code": "ngram"}},
+                                   canary={"weight": 0.5, "replicas": 2, "overrides": {"speculation": {"kMax": 12}}}))
+        await wait_for(lambda: ready(cluster, "live"), 20, "Ready")
+        first = await wait_for(lambda: stored(client, name="live"), 20, "the live state in Redis")
+        assert (first.canary_weight, first.routes, first.speculate) == (0.5, {"chat": "none", "code": "ngram"}, True)
+        assert first.k == {"stable": KBounds(1, 6), "canary": KBounds(1, 12)} and first.default_method == "ngram"
+        await router_takes(first)
+        canary = cluster.live("apps/v1", "deployments", "default", "live-canary")
+        assert canary["spec"]["replicas"] == 2  # canary.replicas, not a share of the stable pods
+
+        await kube.patch(API_VERSION, KIND, "default", "live", {"spec": {"canary": {"weight": 2.5}}})
+        second = await wait_for(lambda: (d := stored(client, name="live")) and d.canary_weight == 2.5 and d,
+                                20, "the new weight in Redis")
+        assert second.version > first.version
+        await router_takes(second)
+
+        source.value = Metrics(stable=RoleMetrics(alpha=0.1, speedup=0.9))  # the SLO is missed
+        third = await wait_for(lambda: (d := stored(client, name="live")) and not d.speculate and d,
+                               20, "the fallback in Redis")
+        assert third.version > second.version and third.k["stable"] == KBounds(0, 0)
+        assert third.method_for("code") == "none"
+        await router_takes(third)
+
+        client.flushall()
+        fourth = await wait_for(lambda: stored(client, name="live"), 10, "written again after a flush")
+        assert fourth.version > third.version and not fourth.speculate
+
+        await kube.delete(API_VERSION, KIND, "default", "live")
+        await wait_for(lambda: stored(client, name="live") is None, 20, "the document deleted with the fleet")
+    finally:
+        await op.stop_and_join()
+        await router_view.close()
+
+
+async def test_no_redis_no_document_and_the_router_gets_the_state_in_flags(cluster, kube, redis_server):
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        await kube.create(sdd_body("flags", canary={"weight": 0.25}))
+        await wait_for(lambda: ready(cluster, "flags"), 20, "Ready")
+        router = cluster.live("apps/v1", "deployments", "default", "flags-router")
+        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
+        assert args[args.index("--canary-weight") + 1] == "0.25"
+        assert redis_server.client().keys("*") == []
+    finally:
+        await op.stop_and_join()
