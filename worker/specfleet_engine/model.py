@@ -14,8 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels.cpu_gemm import _KernelState
-from .quant import Int8WeightOnlyLinear, PackedLinear, replace_linears
+from .quant import replace_linears
 
 
 @dataclass
@@ -191,23 +190,13 @@ class RMSNorm(nn.Module):
 
 
 def linear(layer: nn.Module, x: Tensor, residual: Tensor | None = None) -> Tensor:
-    """layer(x) (+ residual) without nn.Module's call machinery for plain and transposed linears."""
-    kind = type(layer)
-    if kind is TransposedLinear:
-        d = layer.__dict__["_buffers"]
-        if d["bias"] is None:
-            return torch.mm(x, d["weight_t"]) if residual is None else torch.addmm(residual, x, d["weight_t"])
-        y = torch.addmm(d["bias"], x, d["weight_t"])
-    elif kind is nn.Linear:
-        d = layer.__dict__["_parameters"]
-        y = F.linear(x, d["weight"], d["bias"])
-    elif kind is Int8WeightOnlyLinear and layer._kernel and x.is_cpu:
-        y = _KernelState.linear(x, layer._buffers["weight_packed"], layer._buffers["scales"], layer._parameters["bias"])
-    elif kind is PackedLinear:
-        d = layer.__dict__["_buffers"]
-        y = _KernelState.linear_f32(x, d["weight_packed"], layer.out_features, d["bias"])
-    else:
-        y = layer(x)
+    """layer(x) (+ residual) without nn.Module's call machinery: our layers (TransposedLinear,
+    PackedLinear, Int8WeightOnlyLinear) each apply themselves in their `linear` method, the one
+    home of their math (their `forward` calls it too); a plain nn.Linear goes to F.linear."""
+    own = getattr(type(layer), "linear", None)  # a class lookup: no nn.Module.__getattr__
+    if own is not None:
+        return own(layer, x, residual)
+    y = F.linear(x, layer.weight, layer.bias) if type(layer) is nn.Linear else layer(x)
     return y if residual is None else residual + y
 
 
@@ -224,8 +213,16 @@ class TransposedLinear(nn.Module):
         self.register_buffer("bias", None if linear_.bias is None else linear_.bias.data.clone())
         self.in_features, self.out_features = linear_.in_features, linear_.out_features
 
+    def linear(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        # x: [T, in] -> [T, out] (+ residual, fused into the GEMM)
+        w, b = self._buffers["weight_t"], self._buffers["bias"]
+        if b is None:
+            return torch.mm(x, w) if residual is None else torch.addmm(residual, x, w)
+        y = torch.addmm(b, x, w)
+        return y if residual is None else residual + y
+
     def forward(self, x: Tensor) -> Tensor:
-        return linear(self, x)
+        return self.linear(x)
 
 
 def transpose_linears(model: nn.Module) -> nn.Module:

@@ -83,12 +83,24 @@ class Int8WeightOnlyLinear(nn.Module):
             self._scales_bf16 = (key, s.to(torch.bfloat16))
         return self._scales_bf16[1]
 
+    def linear(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """forward(x) (+ residual), called by the model without nn.Module's call machinery."""
+        if self._kernel and x.is_cpu:
+            y = _KernelState.linear(x, self._buffers["weight_packed"], self._buffers["scales"],
+                                    self._parameters["bias"])
+        else:
+            y = self._forward_any(x)
+        return y if residual is None else residual + y
+
     def forward(self, x: Tensor) -> Tensor:
         # x: [..., K] -> [..., N] in x's dtype. The kernel takes any float dtype and leading dims
         # itself: at a few microseconds a layer, Python-side reshapes and casts would show.
         if self._kernel and x.is_cpu:
             return _KernelState.linear(x, self._buffers["weight_packed"], self._buffers["scales"],
                                        self._parameters["bias"])
+        return self._forward_any(x)
+
+    def _forward_any(self, x: Tensor) -> Tensor:
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.in_features)
         if x.is_cpu:
@@ -122,8 +134,13 @@ class PackedLinear(nn.Module):
     def weight(self) -> Tensor:
         return unpack_int8_weight(self.weight_packed, self.out_features)
 
+    def linear(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """forward(x) (+ residual), called by the model without nn.Module's call machinery."""
+        y = _KernelState.linear_f32(x, self._buffers["weight_packed"], self.out_features, self._buffers["bias"])
+        return y if residual is None else residual + y
+
     def forward(self, x: Tensor) -> Tensor:
-        return _KernelState.linear_f32(x, self._buffers["weight_packed"], self.out_features, self._buffers["bias"])
+        return self.linear(x)
 
 
 def pack_linears(model: nn.Module) -> bool:
