@@ -52,11 +52,21 @@ class KBounds:
 
 
 @dataclass(frozen=True)
+class Routing:
+    """An arm's own routing table, where it differs from the deployment's (a canary that tries
+    another draft method)."""
+
+    default_method: str
+    routes: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class LiveState:
     """One deployment's live state. `canary_weight` is the canary arm's share of requests in
-    percent (two decimals); `routes` maps a prompt type to a draft method (`default` for the
-    rest); a prompt type in `fallback` runs `none`; `speculate` False turns speculation off for
-    the whole deployment (its fallback); `k` holds each arm's K bounds."""
+    percent (two decimals); `routes` maps a prompt type to a draft method (`default_method` for
+    the rest), for every arm that `arms` does not give a table of its own; a prompt type in
+    `fallback` runs `none`; `speculate` False turns speculation off for the whole deployment (its
+    fallback); `k` holds each arm's K bounds."""
 
     version: int = 0
     canary_weight: float = 0.0
@@ -66,22 +76,36 @@ class LiveState:
     speculate: bool = True
     k: dict[str, KBounds] = field(default_factory=dict)
     updated: float = 0.0  # when the writer wrote it (seconds since the epoch)
+    arms: dict[str, Routing] = field(default_factory=dict)  # arm -> its own table, where it differs
 
-    def method_for(self, prompt_type: str) -> str:
-        """The draft method a request of this prompt type runs with."""
+    def method_for(self, prompt_type: str, arm: str = "stable") -> str:
+        """The draft method a request of this prompt type runs with on this arm.
+
+        >>> s = LiveState(routes={"code": "none"}, arms={"canary": Routing("draft-model")})
+        >>> s.method_for("code"), s.method_for("chat"), s.method_for("code", "canary")
+        ('none', 'ngram', 'draft-model')
+        """
         if not self.speculate or prompt_type in self.fallback:
             return "none"
+        own = self.arms.get(arm)
+        if own is not None:
+            return own.routes.get(prompt_type, own.default_method)
         return self.routes.get(prompt_type, self.default_method)
 
     def problems(self) -> list[str]:
         out = []
         if not 0.0 <= self.canary_weight <= 100.0 or round(self.canary_weight, 2) != self.canary_weight:
             out.append(f"canary_weight: {self.canary_weight} is not a percentage with at most two decimals")
-        for where, method in [("default_method", self.default_method)] + [
-                (f"routes[{t!r}]", m) for t, m in self.routes.items()]:
-            if method not in METHODS:
-                out.append(f"{where}: {method!r} is not a draft method ({', '.join(METHODS)})")
-        for t in list(self.routes) + list(self.fallback):
+        tables = [("", self.default_method, self.routes)] + [
+            (f"arms[{arm!r}].", r.default_method, r.routes) for arm, r in self.arms.items()]
+        for prefix, default, routes in tables:
+            for where, method in [("default_method", default)] + [(f"routes[{t!r}]", m) for t, m in routes.items()]:
+                if method not in METHODS:
+                    out.append(f"{prefix}{where}: {method!r} is not a draft method ({', '.join(METHODS)})")
+        for arm in self.arms:
+            if arm not in ARMS:
+                out.append(f"arms[{arm!r}]: not an arm of {ARMS}")
+        for t in list(self.routes) + list(self.fallback) + [t for r in self.arms.values() for t in r.routes]:
             if t not in PROMPT_TYPES:
                 out.append(f"prompt type {t!r} is not one of {', '.join(PROMPT_TYPES)}")
         for arm, b in self.k.items():
@@ -93,6 +117,8 @@ class LiveState:
         raw = asdict(self)
         raw["fallback"] = list(self.fallback)
         raw["k"] = {arm: {"kMin": b.k_min, "kMax": b.k_max} for arm, b in self.k.items()}
+        if not self.arms:
+            del raw["arms"]  # readers that predate per-arm tables see the same document
         return json.dumps(raw, sort_keys=True)
 
     @classmethod
@@ -106,7 +132,10 @@ class LiveState:
                         fallback=tuple(str(t) for t in raw.get("fallback") or ()),
                         speculate=bool(raw.get("speculate", True)),
                         k={arm: KBounds(int(b["kMin"]), int(b["kMax"])) for arm, b in (raw.get("k") or {}).items()},
-                        updated=float(raw.get("updated", 0.0)))
+                        updated=float(raw.get("updated", 0.0)),
+                        arms={str(arm): Routing(str(r["default_method"]),
+                                                {str(k): str(v) for k, v in (r.get("routes") or {}).items()})
+                              for arm, r in (raw.get("arms") or {}).items()})
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"live state: not a state document ({type(e).__name__}: {e})") from None
         problems = state.problems()
@@ -118,6 +147,7 @@ class LiveState:
         """The next version with `changes` applied, stamped now."""
         raw = {**asdict(self), **changes}
         raw["k"] = {arm: b if isinstance(b, KBounds) else KBounds(**b) for arm, b in raw["k"].items()}
+        raw["arms"] = {arm: r if isinstance(r, Routing) else Routing(**r) for arm, r in raw["arms"].items()}
         raw["fallback"] = tuple(raw["fallback"])
         raw["version"] = self.version + 1
         raw["updated"] = time.time()

@@ -18,7 +18,7 @@ import json
 from typing import Any
 
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
-from specfleet_api.live_state import KBounds, LiveState
+from specfleet_api.live_state import KBounds, LiveState, Routing
 
 from . import API_VERSION, GROUP, KIND
 
@@ -220,6 +220,9 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
     >>> fb = live_state(s, FleetState(mode="fallback"))
     >>> fb.speculate, fb.k["stable"], fb.method_for("code")
     (False, KBounds(k_min=0, k_max=0), 'none')
+    >>> s["canary"]["overrides"]["draft"] = {"method": "none"}          # the canary tries plain decoding
+    >>> ls = live_state(s, FleetState()); ls.method_for("code"), ls.method_for("code", "canary")
+    ('ngram', 'none')
     """
     stable = effective_spec(spec, "stable", state)
     routing = stable.get("routing") or {}
@@ -229,10 +232,17 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
         bounds = effective_spec(spec, role, state)["speculation"]
         k_max = bounds["kMax"] if speculate else 0
         k[role] = KBounds(min(bounds["kMin"], k_max), k_max)
+    table = Routing(routing.get("default", stable["draft"]["method"]), dict(routing.get("byPromptType", {})))
+    arms = {}
+    if spec.get("canary"):  # a canary that tries another method gets a table of its own
+        canary = effective_spec(spec, "canary", state)
+        own = canary.get("routing") or {}
+        canary_table = Routing(own.get("default", canary["draft"]["method"]), dict(own.get("byPromptType", {})))
+        if canary_table != table:
+            arms["canary"] = canary_table
     return LiveState(version=version, canary_weight=round(float(canary_weight(spec, state)), 2),
-                     default_method=routing.get("default", stable["draft"]["method"]),
-                     routes=dict(routing.get("byPromptType", {})), fallback=(), speculate=speculate, k=k,
-                     updated=updated)
+                     default_method=table.default_method, routes=table.routes, fallback=(), speculate=speculate,
+                     k=k, updated=updated, arms=arms)
 
 
 def _redis_env(spec: dict[str, Any]) -> list[dict[str, Any]]:

@@ -143,7 +143,7 @@ class Router:
         only: nothing here waits on Redis). Whether the arm can serve is the dispatch's business."""
         state = self.state.current
         arm = arm_for(session, state.canary_weight, self.rng)
-        return Route(arm, arm, state.method_for(prompt_type), prompt_type, state.version)
+        return Route(arm, arm, state.method_for(prompt_type, arm), prompt_type, state.version)
 
     def _next_backend(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route]:
         """The arm's least busy backend not tried yet; the other arm's when this arm has no
@@ -154,11 +154,14 @@ class Router:
             return b, route  # nothing left in the arm but backends that shed load: no fallback for that
         other = other_arm(route.arm)
         b = self.backends.pools[other].pick(tried)
-        return (b, replace(route, arm=other)) if b is not None else (None, route)
+        if b is None:
+            return None, route
+        # the arm that serves decides the method: an arm may have a table of its own
+        return b, replace(route, arm=other, method=self.state.current.method_for(route.prompt_type, other))
 
     async def _attempts(self, route: Route, msg: pb.GenerateRequest, deadline: float | None,
                         metadata: tuple[tuple[str, str], ...], start):
-        """Calls `start(backend, timeout)` on backends until one gives a first answer; returns
+        """Calls `start(backend, route, timeout)` on backends until one gives a first answer; returns
         (backend, route, answer). Retries once on UNAVAILABLE; tries every backend on
         RESOURCE_EXHAUSTED."""
         tried: list[Backend] = []
@@ -182,7 +185,7 @@ class Router:
             tried.append(backend)
             self.backends.acquire(backend)
             try:
-                answer = await start(backend, timeout)
+                answer = await start(backend, route, timeout)
             except grpc.aio.AioRpcError as e:
                 self.backends.release(backend)
                 if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -206,10 +209,8 @@ class Router:
     async def generate(self, route: Route, msg: pb.GenerateRequest, *, deadline: float | None = None,
                        metadata: tuple[tuple[str, str], ...] = ()) -> tuple[Route, pb.GenerateResponse]:
         """The whole completion (the worker's unary call)."""
-        msg = self._stamped(route, msg)
-
-        async def start(b: Backend, timeout):
-            return await b.generation.Generate(msg, timeout=timeout, metadata=metadata)
+        async def start(b: Backend, to: Route, timeout):
+            return await b.generation.Generate(self._stamped(to, msg), timeout=timeout, metadata=metadata)
 
         backend, route, resp = await self._attempts(route, msg, deadline, metadata, start)
         self.backends.release(backend)
@@ -218,11 +219,10 @@ class Router:
     async def stream(self, route: Route, msg: pb.GenerateRequest, *, deadline: float | None = None,
                      metadata: tuple[tuple[str, str], ...] = ()) -> Upstream:
         """A stream that has produced its first message (so any retry is behind it)."""
-        msg = self._stamped(route, msg)
         calls = {}
 
-        async def start(b: Backend, timeout):
-            call = calls[b] = b.generation.GenerateStream(msg, timeout=timeout, metadata=metadata)
+        async def start(b: Backend, to: Route, timeout):
+            call = calls[b] = b.generation.GenerateStream(self._stamped(to, msg), timeout=timeout, metadata=metadata)
             try:
                 first = await call.read()
             except BaseException:

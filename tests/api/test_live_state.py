@@ -6,7 +6,7 @@ import doctest
 import pytest
 
 from specfleet_api import live_state
-from specfleet_api.live_state import KBounds, LiveState
+from specfleet_api.live_state import KBounds, LiveState, Routing
 
 
 def test_docstring_examples():
@@ -23,11 +23,22 @@ def test_round_trip_and_next_version():
     assert LiveState(speculate=False).method_for("chat") == "none"
 
 
+def test_an_arm_with_its_own_table():
+    s = LiveState(version=1, routes={"code": "none"}, arms={"canary": Routing("draft-model", {"rag": "none"})})
+    assert LiveState.from_json(s.to_json()) == s
+    assert s.method_for("code", "stable") == "none" and s.method_for("code", "canary") == "draft-model"
+    assert s.method_for("rag", "canary") == "none" and s.next(canary_weight=2.0).arms == s.arms
+    assert "arms" not in LiveState(version=1).to_json()  # older readers see the document they know
+    assert LiveState(version=1, fallback=("code",), arms=s.arms).method_for("code", "canary") == "none"
+
+
 @pytest.mark.parametrize("doc,field", [
     ('{"version": 1, "canary_weight": 1.234}', "canary_weight"),
     ('{"version": 1, "routes": {"code": "eagle2"}}', "routes['code']"),
     ('{"version": 1, "fallback": ["poetry"]}', "poetry"),
     ('{"version": 1, "k": {"stable": {"kMin": 5, "kMax": 2}}}', "k['stable']"),
+    ('{"version": 1, "arms": {"canary": {"default_method": "medusa2"}}}', "arms['canary'].default_method"),
+    ('{"version": 1, "arms": {"blue": {"default_method": "ngram"}}}', "arms['blue']"),
     ('{"canary_weight": 1}', "version"),
     ("not json", "not a state document"),
 ])

@@ -77,3 +77,17 @@ def test_bad_flags_say_what_is_wrong(argv, wrong):
     args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", *argv])
     with pytest.raises(ValueError, match=wrong):
         config_from_args(args)
+
+
+def test_an_arm_with_its_own_routing_table_gets_its_own_method(h, both_arms):
+    from specfleet_api.live_state import Routing
+
+    state = LiveState(canary_weight=50.0, routes={"code": "none"}, arms={"canary": Routing("ngram", {"chat": "none"})})
+    with h.router_over([both_arms], [both_arms], state=state) as r:
+        router = r.server.router
+        seen = {}
+        for i in range(200):
+            route = router.route("chat", f"user-{i}")
+            seen.setdefault(route.arm, set()).add(route.method)
+        assert seen == {"stable": {"ngram"}, "canary": {"none"}}
+        assert {router.route("code", f"u{i}").method for i in range(50)} == {"none", "ngram"}
