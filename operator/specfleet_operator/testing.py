@@ -17,7 +17,6 @@ from typing import Any, Callable
 import attrs
 import kmock
 import kopf
-import yaml
 from kmock._internal import enums
 
 from . import API_VERSION, KIND

@@ -3,7 +3,7 @@ import doctest
 import pytest
 import torch
 
-from specfleet_engine import sampling, verify
+from specfleet_engine import sampling
 from specfleet_engine.sampling import SamplingParams, logits_to_probs
 from specfleet_engine.verify import verify_greedy
 
