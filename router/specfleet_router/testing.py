@@ -8,6 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import os
+import queue
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -75,3 +80,65 @@ def running_router(cfg: RouterConfig | None = None, discovery=None, **kw):
             loop.call_soon_threadsafe(loop.stop)
             thread.join(15)
             loop.close()
+
+
+class RouterProcess:
+    """`specfleet router --http-port 0 --grpc-port 0 ARGS` as a child process (no
+    SPECFLEET_REDIS_URL from the environment); `start` returns once it logged where it listens. A
+    thread keeps reading its JSON logs, so a full pipe never blocks it."""
+
+    def __init__(self, *args: str):
+        self.cmd = [sys.executable, "-m", "specfleet_cli.main", "router", "--http-port", "0", "--grpc-port", "0",
+                    *args]
+        self.env = {k: v for k, v in os.environ.items() if k != "SPECFLEET_REDIS_URL"}
+        self.proc: subprocess.Popen | None = None
+        self.http_port = self.grpc_port = 0
+        self.lines: list[str] = []
+
+    def start(self, timeout_s: float = 30.0) -> RouterProcess:
+        self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True, env=self.env)
+        ports: queue.Queue[dict] = queue.Queue()
+
+        def read():
+            for line in self.proc.stderr:
+                self.lines.append(line)
+                if '"listening"' in line:
+                    ports.put(json.loads(line))
+
+        threading.Thread(target=read, daemon=True).start()
+        try:
+            rec = ports.get(timeout=timeout_s)
+        except queue.Empty:
+            self.kill()
+            raise TimeoutError(f"the router did not log where it listens within {timeout_s} s: "
+                               f"{''.join(self.lines)[-2000:]}") from None
+        self.http_port, self.grpc_port = rec["http_port"], rec["grpc_port"]
+        self.url = f"http://127.0.0.1:{self.http_port}"
+        self.base_url = self.url + "/v1"
+        self.grpc_target = f"127.0.0.1:{self.grpc_port}"
+        return self
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.url + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    def wait_ready(self, timeout_s: float = 30.0) -> None:
+        end = time.monotonic() + timeout_s
+        while self.get("/readyz")[0] != 200:
+            if time.monotonic() > end:
+                raise TimeoutError(f"the router was not ready within {timeout_s} s: {self.get('/readyz')}")
+            time.sleep(0.05)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+
+    def __enter__(self) -> RouterProcess:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.kill()
