@@ -20,6 +20,7 @@ from .dispatch import Router
 from .grpc_api import GenerationFront
 from .http_api import HttpFront, Models
 from .metrics import RouterMetrics
+from .openai_api import error_body
 from .state import RedisState, StaticState
 
 log = logging.getLogger("specfleet.router")
@@ -78,8 +79,10 @@ class RouterServer:
         front = HttpFront(self.router, Models(cfg.name, cfg.model_aliases), self.metrics,
                           request_timeout_s=cfg.request_timeout_s, default_temperature=cfg.default_temperature,
                           ready=self.ready, max_request_bytes=cfg.max_request_bytes)
+        app = front.app()
+        app.middlewares.append(self._refuse_while_draining)
         # a client that goes away cancels its handler, and with it the worker's request
-        self.runner = web.AppRunner(front.app(), handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, cfg.host, cfg.http_port, shutdown_timeout=1.0)
         await site.start()
@@ -98,10 +101,21 @@ class RouterServer:
                                      "redis": bool(cfg.redis_url), "backends": cfg.backends})
         return self
 
+    @web.middleware
+    async def _refuse_while_draining(self, request: web.Request, handler):
+        # new work during a drain would keep it from ever ending under a steady load
+        if self.draining and request.method == "POST":
+            return web.json_response(error_body(503, "the router is shutting down; retry on another replica",
+                                                None, "draining"), status=503, headers={"Connection": "close"})
+        return await handler(request)
+
     async def drain(self, grace_s: float) -> bool:
-        """Not ready, then wait for the requests in flight (True: all finished within the grace)."""
+        """Not ready, new requests refused (HTTP 503, gRPC UNAVAILABLE), then wait for the requests
+        in flight (True: all finished within the grace)."""
         self.draining = True
         await self.health.set("", health_pb2.HealthCheckResponse.NOT_SERVING)
+        # grpc.aio stops taking new calls at once and gives those in flight the grace
+        self._grpc_stopping = asyncio.get_running_loop().create_task(self.grpc.stop(grace_s))
         log.info("draining", extra={"in_flight": self.in_flight(), "grace_s": grace_s})
         end = asyncio.get_running_loop().time() + grace_s
         while self.in_flight() and asyncio.get_running_loop().time() < end:
