@@ -31,6 +31,7 @@ log = logging.getLogger("specfleet.router.backends")
 ARMS = (STABLE, CANARY)
 HEALTH_SERVICE = "specfleet.v1.Generation"
 EJECT_S = 2.0  # after an UNAVAILABLE, how long a backend is passed over unless its health says SERVING again
+FORGET_GRACE_S = 30.0  # a backend discovery removed keeps its channel this long for the requests on it
 CHANNEL_OPTIONS = [
     # grpc's own reconnect backoff grows to 120 s; a worker that comes back must be seen in seconds
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -126,8 +127,11 @@ class Backends:
     """The pools, kept in step with a Discovery, and each backend's health followed."""
 
     def __init__(self, discovery: Discovery, metrics: RouterMetrics, *, health_check: bool = True,
-                 eject_s: float = EJECT_S, clock: Callable[[], float] = time.monotonic):
+                 eject_s: float = EJECT_S, forget_grace_s: float = FORGET_GRACE_S,
+                 clock: Callable[[], float] = time.monotonic):
         self.discovery, self.metrics = discovery, metrics
+        self.forget_grace_s = forget_grace_s
+        self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}  # removed backends, closing after their grace
         self.health_check, self.eject_s, self.clock = health_check, eject_s, clock
         self.pools = {arm: Pool(arm, clock) for arm in ARMS}
         self._task: asyncio.Task | None = None
@@ -190,7 +194,10 @@ class Backends:
     def _forget(self, b: Backend) -> None:
         if b.task is not None:
             b.task.cancel()
-        asyncio.get_running_loop().create_task(b.channel.close(grace=None))
+        # a removed endpoint is usually a pod draining: what it is serving still completes (the channel
+        # takes no new calls, and none are routed to it); it is cut only after the grace
+        self._closing = {t: c for t, c in self._closing.items() if not t.done()}
+        self._closing[asyncio.get_running_loop().create_task(b.channel.close(grace=self.forget_grace_s))] = b.channel
         for gauge in (self.metrics.backend_ready, self.metrics.backend_outstanding):
             try:
                 gauge.remove(b.arm, b.target)
@@ -224,9 +231,10 @@ class Backends:
             delay = min(delay * 2, 1.0)
 
     async def close(self) -> None:
-        tasks = [t for t in [self._task, *(b.task for p in self.pools.values() for b in p.backends)] if t]
+        tasks = [t for t in [self._task, *self._closing, *(b.task for p in self.pools.values() for b in p.backends)]
+                 if t]
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await asyncio.gather(*(b.channel.close(grace=None) for p in self.pools.values() for b in p.backends),
-                             return_exceptions=True)
+        channels = [*self._closing.values(), *(b.channel for p in self.pools.values() for b in p.backends)]
+        await asyncio.gather(*(c.close(grace=None) for c in channels), return_exceptions=True)
