@@ -15,7 +15,8 @@ from specfleet_api.enums import DTYPE_CHOICES, SERVED_METHODS, SERVED_QUANTIZATI
 DESCRIPTION = """\
 specfleet: lossless speculative decoding, managed as a self-correcting fleet.
 
-Run `specfleet demo` for the local default: the benchmark on SmolLM2-135M-Instruct.
+Run `specfleet up -f deploy/examples/local.yaml --demo` for the local default (what ./dev run does):
+the fleet on this machine, a short Spec-Bench workload through its OpenAI API.
 """
 
 
@@ -30,7 +31,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # serve, operator and router own their flags: hand everything after the subcommand straight over
+    # serve, operator, router, up and status own their flags: hand everything after the subcommand straight over
     if argv and argv[0] == "serve":
         from specfleet_worker.main import main as serve_main
 
@@ -43,6 +44,14 @@ def main(argv: list[str] | None = None) -> int:
         from specfleet_router.main import main as router_main
 
         return router_main(argv[1:])
+    if argv and argv[0] == "up":
+        from specfleet_local.up import main as up_main
+
+        return up_main(argv[1:])
+    if argv and argv[0] == "status":
+        from specfleet_local.status import main as status_main
+
+        return status_main(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
     parser = argparse.ArgumentParser(prog="specfleet", description=DESCRIPTION,
@@ -72,6 +81,10 @@ def main(argv: list[str] | None = None) -> int:
                    add_help=False)
     sub.add_parser("router", help="run the OpenAI-compatible router in front of the workers; "
                                   "`specfleet router --help` lists its flags", add_help=False)
+    sub.add_parser("up", help="run one SpecDecodeDeployment's fleet on this machine (Redis, workers, router); "
+                              "`specfleet up --help` lists its flags", add_help=False)
+    sub.add_parser("status", help="the fleet `specfleet up` runs, as `kubectl get sdd -o wide` shows it; "
+                                  "`specfleet status --help` lists its flags", add_help=False)
 
     args = parser.parse_args(argv)
     try:

@@ -1,7 +1,8 @@
 """A `redis-server` process of our own on loopback: for `specfleet up` and for tests.
 
 Persistence off (the fleet's state is derived from the resource, never only in Redis), a free
-port picked here, and the process ended when the context exits. Chaos tests use `kill`,
+port picked here, and the process ended when the context exits; `detached` (for `specfleet up`)
+puts it in a session of its own, tied to this process's life (`procs.spawn`). Chaos tests use `kill`,
 `pause` and `read_only` to play the failures the fleet must survive.
 """
 
@@ -14,6 +15,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from .procs import spawn
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
@@ -23,13 +26,13 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", binary: str = "redis-server",
-                 workdir: Path | None = None):
+                 workdir: Path | None = None, detached: bool = False):
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(f"{binary} not found: install it (Debian: apt-get install redis-server; "
                                     "./dev setup does)")
         self.binary, self.host, self.port = path, host, port or free_port(host)
-        self.workdir = workdir
+        self.workdir, self.detached = workdir, detached
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -41,7 +44,8 @@ class RedisServer:
                "--protected-mode", "yes", "--loglevel", "warning"]
         if self.workdir is not None:
             cmd += ["--dir", str(self.workdir)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        popen = spawn if self.detached else subprocess.Popen
+        self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         end = time.monotonic() + timeout_s
         while time.monotonic() < end:
             if self.proc.poll() is not None:
