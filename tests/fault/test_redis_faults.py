@@ -11,6 +11,7 @@ from specfleet_api.live_state import LiveState, state_key
 from specfleet_router.faults import run_load
 
 KEY = state_key("team-a", "chat")
+PAUSE_S = 4.0  # outlasts the load, so that the router has noticed before the load after it
 
 
 @pytest.mark.parametrize("fault", ["kill", "pause", "read_only"])
@@ -25,7 +26,7 @@ def test_a_redis_fault_mid_load_loses_nothing_and_resyncs_after(fault, h, arms, 
             if fault == "kill":
                 redis_server.kill()
             elif fault == "pause":
-                redis_server.pause(2.0)
+                redis_server.pause(PAUSE_S)
             else:
                 redis_server.read_only(True)
             end = time.monotonic() + 5
@@ -40,11 +41,15 @@ def test_a_redis_fault_mid_load_loses_nothing_and_resyncs_after(fault, h, arms, 
         assert {o.arm for o in report.outcomes} == {"canary"}, "served on another state than the last one"
         assert max(o.latency_s for o in report.outcomes) < 5.0, "a request waited on Redis"
         assert r.metric("specfleet_router_state_version") == state.version
+        # the load above may end before a paused read times out: more, now that the router has noticed
+        assert fault == "read_only" or not r.metric("specfleet_router_redis_connected")
+        during = run_load(r.base_url, model="chat", requests=32, clients=8, max_tokens=4)
+        assert not during.failed() and {o.arm for o in during.outcomes} == {"canary"}, during.summary()
 
         if fault == "kill":
             redis_server.start()  # the same port, empty: nothing to apply yet
         elif fault == "pause":
-            time.sleep(max(0.0, report.fault_at + 2.0 - time.monotonic()))
+            time.sleep(max(0.0, report.fault_at + PAUSE_S - time.monotonic()))
         else:
             with pytest.raises(Exception, match="(?i)replica"):
                 redis_server.client().set(KEY, state.next(canary_weight=0.0).to_json())
