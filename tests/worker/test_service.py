@@ -204,6 +204,7 @@ def test_metrics_carry_the_runbook_names_and_count_what_happened(worker):
 
     stats = worker.stats()
     assert value("spec_decode_requests_total") == n
+    assert value("spec_decode_generation_tokens_total") == n * 200  # the prefill's first token included
     assert value("spec_decode_e2e_request_latency_seconds_count") == n
     assert value("spec_decode_num_draft_tokens_total") == stats.num_draft_tokens > 0
     assert value("spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens > 0

@@ -280,6 +280,7 @@ class Scheduler:
             seq = out.seq
             if out.stats is None:  # the prefill's first token
                 req.first_token_at = now
+                self.metrics.generation_tokens.labels(self.metrics.model).inc(len(out.new_tokens))
             else:
                 st = out.stats
                 req.k_sum += seq.k
