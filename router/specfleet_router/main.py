@@ -105,7 +105,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         redis_url=args.redis_url or None, redis_poll_s=args.redis_poll_seconds,
                         request_timeout_s=args.request_timeout, default_temperature=args.default_temperature,
                         health_check=not args.no_health_check, eject_s=args.eject_seconds, retries=args.retries,
-                        max_request_bytes=args.max_request_bytes)
+                        max_request_bytes=args.max_request_bytes, drain_s=args.drain_seconds)
 
 
 async def serve(cfg: RouterConfig, drain_s: float, discovery=None) -> int:

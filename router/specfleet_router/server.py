@@ -44,6 +44,7 @@ class RouterConfig:
     eject_s: float = 2.0
     retries: int = 1
     max_request_bytes: int = 1 << 20
+    drain_s: float = 30.0  # what requests in flight get: on SIGTERM, and on a backend discovery removed
 
 
 class RouterServer:
@@ -72,7 +73,8 @@ class RouterServer:
             self.state.start()
         else:
             self.state = StaticState(cfg.state, self.metrics)
-        self.backends = Backends(self.discovery, self.metrics, health_check=cfg.health_check, eject_s=cfg.eject_s)
+        self.backends = Backends(self.discovery, self.metrics, health_check=cfg.health_check, eject_s=cfg.eject_s,
+                                 forget_grace_s=cfg.drain_s)
         self.backends.start()
         self.router = Router(self.backends, self.state, self.metrics, retries=cfg.retries)
 

@@ -91,3 +91,11 @@ def test_an_arm_with_its_own_routing_table_gets_its_own_method(h, both_arms):
             seen.setdefault(route.arm, set()).add(route.method)
         assert seen == {"stable": {"ngram"}, "canary": {"none"}}
         assert {router.route("code", f"u{i}").method for i in range(50)} == {"none", "ngram"}
+
+
+def test_drain_seconds_is_also_the_grace_of_a_backend_discovery_removed():
+    from specfleet_router.server import RouterServer
+
+    args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", "--drain-seconds", "7"])
+    cfg = config_from_args(args)
+    assert cfg.drain_s == 7.0 and RouterServer(cfg).backends.forget_grace_s == 7.0
