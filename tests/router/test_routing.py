@@ -94,8 +94,19 @@ def test_an_arm_with_its_own_routing_table_gets_its_own_method(h, both_arms):
 
 
 def test_drain_seconds_is_also_the_grace_of_a_backend_discovery_removed():
+    import asyncio
+
     from specfleet_router.server import RouterServer
 
-    args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", "--drain-seconds", "7"])
+    args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", "--drain-seconds", "7",
+                                      "--http-port", "0", "--grpc-port", "0", "--no-health-check"])
     cfg = config_from_args(args)
-    assert cfg.drain_s == 7.0 and RouterServer(cfg).backends.forget_grace_s == 7.0
+
+    async def grace() -> float:
+        server = await RouterServer(cfg).start()
+        try:
+            return server.backends.forget_grace_s
+        finally:
+            await server.stop(0)
+
+    assert cfg.drain_s == 7.0 and asyncio.run(asyncio.wait_for(grace(), timeout=30)) == 7.0
