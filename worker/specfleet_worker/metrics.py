@@ -105,7 +105,8 @@ class Metrics:
                                  m, registry=r)
         self.running = Gauge("spec_decode_running_requests", "Requests in the running batch", m, registry=r)
         self.kv_blocks_used = Gauge("spec_decode_kv_blocks_used", "KV cache blocks in use", m, registry=r)
-        self.kv_blocks_total = Gauge("spec_decode_kv_blocks_total", "KV cache blocks in all", m, registry=r)
+        self.kv_blocks_total = Gauge("spec_decode_kv_blocks_capacity", "KV cache blocks in all (a gauge: not named _total, "
+                                     "which Prometheus reserves for counters)", m, registry=r)
 
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_errors": 0}
         self.window = new_window()
