@@ -296,7 +296,10 @@ async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """A worker or router Deployment moved (pods became ready, a rollout finished): refresh its
     owner's status."""
-    name = body.get("metadata", {}).get("labels", {}).get(manifests.LABEL_SDD)
+    # the owner reference holds the full name; the label is shortened past 63 characters
+    owners = [ref["name"] for ref in body.get("metadata", {}).get("ownerReferences", [])
+              if ref.get("kind") == KIND]
+    name = owners[0] if owners else body.get("metadata", {}).get("labels", {}).get(manifests.LABEL_SDD)
     if name:
         await write_status(memo, body["metadata"]["namespace"], name)
 

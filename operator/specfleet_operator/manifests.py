@@ -15,6 +15,7 @@ import copy
 import dataclasses
 import hashlib
 import json
+import re
 from typing import Any
 
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
@@ -72,29 +73,64 @@ class FleetState:
     canary_phase: str = "Idle"  # Idle | Progressing | Promoted | Aborted
 
 
+def _digest(sdd_name: str) -> str:
+    return hashlib.sha256(sdd_name.encode()).hexdigest()[:8]
+
+
+def _dns_base(sdd_name: str) -> tuple[str, bool]:
+    """The resource's name as a DNS-1035 label prefix (lowercase letters, digits and '-', starting
+    with a letter), and whether it had to change. A resource name is a DNS-1123 subdomain, so
+    model-style names (`qwen2.5-7b`, `7b-chat`) need this before they can name a Service."""
+    base = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", sdd_name.lower())).strip("-")
+    if not base[:1].isalpha():
+        base = f"m-{base}".rstrip("-")
+    return base, base != sdd_name
+
+
 def child_name(sdd_name: str, suffix: str) -> str:
-    """`<sdd>-<suffix>`, shortened with a stable hash so it stays a valid 63-character DNS label.
+    """`<sdd>-<suffix>` as a valid DNS-1035 label (every child kind accepts one, Services need it).
+    A name that had to change (dots, a leading digit, over 63 characters) gets an 8-character hash
+    of the original, so `qwen2.5-7b` and `qwen2-5-7b` never share children.
+
     >>> child_name("llama", "stable")
     'llama-stable'
+    >>> child_name("qwen2.5-7b", "stable")
+    'qwen2-5-7b-5f5e975c-stable'
+    >>> child_name("7b-chat", "router")
+    'm-7b-chat-e14c5e17-router'
     >>> len(child_name("x" * 80, "canary-metrics"))
     63
     """
-    name = f"{sdd_name}-{suffix}"
-    if len(name) <= 63:
+    base, changed = _dns_base(sdd_name)
+    name = f"{base}-{suffix}" if suffix else base
+    if not changed and len(name) <= 63:
         return name
-    digest = hashlib.sha256(sdd_name.encode()).hexdigest()[:8]
-    keep = 63 - len(suffix) - len(digest) - 2
-    return f"{sdd_name[:keep].rstrip('-')}-{digest}-{suffix}"
+    tail = f"-{_digest(sdd_name)}" + (f"-{suffix}" if suffix else "")
+    return f"{base[:63 - len(tail)].rstrip('-')}{tail}"
+
+
+def label_value(sdd_name: str) -> str:
+    """The resource's name as a label value (at most 63 characters; a resource name is otherwise
+    already a valid one), shortened with the same hash as child_name.
+
+    >>> label_value("llama-3.1-8b-instruct")
+    'llama-3.1-8b-instruct'
+    >>> len(label_value("x" * 80))
+    63
+    """
+    if len(sdd_name) <= 63:
+        return sdd_name
+    return f"{sdd_name[:54].rstrip('-.')}-{_digest(sdd_name)}"
 
 
 def labels(sdd_name: str, role: str | None = None, component: str = "worker",
            app: str = "specfleet-worker") -> dict[str, str]:
     out = {
         "app.kubernetes.io/name": app,
-        "app.kubernetes.io/instance": sdd_name,
+        "app.kubernetes.io/instance": label_value(sdd_name),
         LABEL_COMPONENT: component,
         "app.kubernetes.io/managed-by": MANAGED_BY,
-        LABEL_SDD: sdd_name,
+        LABEL_SDD: label_value(sdd_name),
     }
     if role:
         out[LABEL_ROLE] = role
@@ -102,15 +138,16 @@ def labels(sdd_name: str, role: str | None = None, component: str = "worker",
 
 
 def selector(sdd_name: str, role: str | None = None, component: str = "worker") -> dict[str, str]:
-    out = {LABEL_SDD: sdd_name, LABEL_COMPONENT: component}
+    out = {LABEL_SDD: label_value(sdd_name), LABEL_COMPONENT: component}
     if role:
         out[LABEL_ROLE] = role
     return out
 
 
 def front_service_name(sdd_name: str) -> str:
-    """The Service clients call (the router's): named like the resource."""
-    return sdd_name if len(sdd_name) <= 63 else child_name(sdd_name, "grpc")
+    """The Service clients call (the router's): named like the resource where that is a valid
+    Service name."""
+    return child_name(sdd_name, "")
 
 
 def arm_service_name(sdd_name: str, role: str) -> str:
@@ -554,7 +591,7 @@ def service_monitor(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
                      "labels": {**labels(name, component="monitoring"), **monitor.get("labels", {})}},
         "spec": {
             # the workers' metrics Services and the router's Service: each has its /metrics on "http"
-            "selector": {"matchLabels": {LABEL_SDD: name},
+            "selector": {"matchLabels": {LABEL_SDD: label_value(name)},
                          "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": ["metrics", "router"]}]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.get("interval", "30s")}],
             "podTargetLabels": [LABEL_SDD, LABEL_ROLE],
@@ -597,7 +634,7 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.1,
 def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     name, ns, slo = sdd["metadata"]["name"], sdd["metadata"]["namespace"], spec["slo"]
     rule = spec["observability"]["prometheusRule"]
-    rules = alert_rules(f'namespace="{ns}", {PROM_LABEL_SDD}="{name}"',
+    rules = alert_rules(f'namespace="{ns}", {PROM_LABEL_SDD}="{label_value(name)}"',
                         slo["window"], slo["alphaDropAlert"], slo["speedupFloor"])
     rules[-1]["expr"] = f'max(specfleet_fallback_active{{namespace="{ns}", name="{name}"}}) == 1'
     return {

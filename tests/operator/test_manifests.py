@@ -1,5 +1,6 @@
 """Pure builders: no cluster."""
 import json
+import re
 
 import kubernetes_validate
 import pytest
@@ -190,6 +191,41 @@ def test_every_child_validates_against_the_kubernetes_schemas():
         if obj["apiVersion"].startswith("monitoring.coreos.com"):
             continue
         kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name, as the API server checks it
+LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+MODEL_STYLE = ["llama-3.1-8b-instruct", "qwen2.5-7b", "7b-chat", "a" + "-b.c" * 30]  # the last is 121 chars
+
+
+@pytest.mark.parametrize("name", MODEL_STYLE)
+def test_model_style_names_give_valid_child_names_and_labels(name):
+    """The schemas leave names and label values as plain strings, so the formats are checked here."""
+    sdd = {"metadata": {"name": name, "namespace": "ml", "uid": "u-1"}}
+    s = spec(canary={"weight": 5}, observability={"serviceMonitor": {"enabled": True},
+                                                 "prometheusRule": {"enabled": True}})
+    kids = m.children(sdd, s, m.Settings())
+    for obj in kids:
+        meta = obj["metadata"]
+        assert len(meta["name"]) <= 63 and DNS_1035.match(meta["name"]), meta["name"]
+        for key, value in meta["labels"].items():
+            assert len(value) <= 63 and LABEL_VALUE.match(value), (key, value)
+        pod_labels = obj.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+        assert all(len(v) <= 63 and LABEL_VALUE.match(v) for v in pod_labels.values())
+        if not obj["apiVersion"].startswith("monitoring.coreos.com"):
+            kubernetes_validate.validate(obj, "1.30", strict=True)
+    assert m.children(sdd, s, m.Settings()) == kids  # deterministic
+    # the cleanup and the status look the children up by the same names
+    assert {o["metadata"]["name"] for o in kids} <= {n for _, _, n in m.child_refs(name)}
+    rule = next(o for o in kids if o["kind"] == "PrometheusRule")
+    assert f'{m.PROM_LABEL_SDD}="{m.label_value(name)}"' in rule["spec"]["groups"][0]["rules"][0]["expr"]
+
+
+def test_names_that_differ_only_in_dots_get_different_children():
+    assert m.child_name("qwen2.5-7b", "stable") != m.child_name("qwen2-5-7b", "stable")
+    assert m.front_service_name("qwen2.5-7b") != m.front_service_name("qwen2-5-7b")
+    assert m.front_service_name("demo") == "demo"  # a name that is already valid is kept
+    assert m.label_value("x" * 80) != m.label_value("x" * 79 + "y")
 
 
 def test_the_router_is_restricted_probed_and_bounded():
