@@ -9,6 +9,7 @@ import pytest
 import yaml
 
 from specfleet_operator import manifests
+from specfleet_operator.spec import with_defaults
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "specfleet"
@@ -78,6 +79,48 @@ def test_values_are_all_documented():
 def test_crd_copy_is_byte_identical():
     assert (CHART / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_bytes() == \
         (ROOT / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_bytes()
+
+
+# The Kubernetes release each feature the operator or the CRD uses first appeared in (GA or beta
+# on by default): the chart's kubeVersion must be at least the highest of those in use.
+FEATURE_SINCE = {"lifecycle.preStop.sleep": (1, 30), "x-kubernetes-validations fieldPath": (1, 28),
+                 "CEL isSorted()": (1, 27), "x-kubernetes-validations": (1, 25)}
+
+
+def _walk(node, path=()):
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield path + (key,), value
+            yield from _walk(value, path + (key,))
+    elif isinstance(node, list):
+        for item in node:
+            yield from _walk(item, path)
+
+
+def features_used():
+    crd = yaml.safe_load((ROOT / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_text())
+    sdd = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u"}}
+    spec = with_defaults({"model": {"name": "m", "uri": "/m"}, "replicas": 1, "canary": {"weight": 1}})
+    used = set()
+    for obj in [crd, *manifests.children(sdd, spec, manifests.Settings())]:
+        for path, value in _walk(obj):
+            if path[-3:] == ("lifecycle", "preStop", "sleep"):
+                used.add("lifecycle.preStop.sleep")
+            if path[-1] == "x-kubernetes-validations":
+                used.add("x-kubernetes-validations")
+                used |= {"x-kubernetes-validations fieldPath" for rule in value if "fieldPath" in rule}
+                used |= {"CEL isSorted()" for rule in value if "isSorted()" in rule["rule"]}
+    return used
+
+
+def test_chart_kube_version_covers_every_feature_used():
+    used = features_used()
+    assert {"lifecycle.preStop.sleep", "x-kubernetes-validations fieldPath"} <= used  # the scan finds them
+    need = max(FEATURE_SINCE[f] for f in used)
+    kube_version = yaml.safe_load((CHART / "Chart.yaml").read_text())["kubeVersion"]
+    have = tuple(int(x) for x in re.fullmatch(r">=(\d+)\.(\d+)\.\d+(-0)?", kube_version).group(1, 2))
+    assert have >= need, f"Chart.yaml kubeVersion {kube_version} but {used} need >= {need}"
+    assert f"Kubernetes ≥ {need[0]}.{need[1]}" in (ROOT / "docs" / "operator.md").read_text()
 
 
 def test_dashboard_json_is_the_same_in_deploy_and_covers_the_panels():
