@@ -230,6 +230,32 @@ def test_reading_redis_secrets_is_opt_in():
     assert not any("secrets" in r["resources"] for r in _rules(off, "ClusterRole"))
 
 
+def _operator_args(docs):
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    return dep["spec"]["template"]["spec"]["containers"][0]["args"]
+
+
+def test_two_releases_in_one_namespace_elect_on_their_own_leases():
+    chart = helm.Chart.load(str(CHART))
+    leases = []
+    for release in ("specfleet", "team-b"):
+        out = chart.render({}, name=release, namespace="shared", is_install=True)
+        docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+        (lease,) = [a.split("=", 1)[1] for a in _operator_args(docs) if a.startswith("--lease-name=")]
+        assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", lease) and len(lease) <= 63
+        leases.append(lease)
+    assert leases == ["specfleet", "team-b-specfleet"]
+
+
+def test_several_replicas_without_leader_election_are_refused():
+    with pytest.raises(helm.HelmError, match="replicaCount is 3 but leaderElection.enabled is false"):
+        render({"replicaCount": 3, "leaderElection": {"enabled": False}})
+    docs, _ = render({"replicaCount": 1, "leaderElection": {"enabled": False}})
+    assert "--no-leader-election" in _operator_args(docs)
+    docs, _ = render({"replicaCount": 3})
+    assert "--no-leader-election" not in _operator_args(docs)
+
+
 def test_the_operator_flags_the_chart_passes_exist():
     from specfleet_operator.main import parse_args
     docs, _ = render({"router": {"readRedisSecrets": True}})
