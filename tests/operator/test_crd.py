@@ -29,6 +29,9 @@ def test_copies_are_byte_identical():
     canonical = CRD_FILE.read_bytes()
     assert (ROOT / "charts" / "specfleet" / "crds" / CRD_FILE.name).read_bytes() == canonical
     assert (ROOT / "operator" / "specfleet_operator" / "crd.yaml").read_bytes() == canonical
+    # `kubectl apply -f` and Helm read every YAML file in these folders: the CRD must be the only one
+    for folder in (ROOT / "crds", ROOT / "charts" / "specfleet" / "crds"):
+        assert sorted(p.name for p in folder.iterdir() if p.suffix in (".yaml", ".yml", ".json")) == [CRD_FILE.name]
 
 
 def test_crd_is_a_valid_kubernetes_object():

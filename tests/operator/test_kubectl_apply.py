@@ -53,3 +53,39 @@ async def test_kubectl_apply_examples(cluster, tmp_path):
         assert not any(d.startswith(f"{n}-") for n in rejected for d in deployments), deployments
     finally:
         await op.stop_and_join()
+
+
+def _kubeconfig(cluster, tmp_path):
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": cluster.endpoint}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": "default"}}]}))
+    return kubeconfig
+
+
+async def test_kubectl_apply_crds_folder_applies_only_the_crd(cluster, tmp_path):
+    """kubectl reads every .yaml in a folder; the kustomization there is `Kustomization` (a name
+    kustomize accepts and kubectl skips), so `kubectl apply -f crds/` sees only the CRD."""
+    proc = await asyncio.create_subprocess_exec(
+        kubectl_path(), f"--kubeconfig={_kubeconfig(cluster, tmp_path)}", "apply", "--validate=false",
+        "-f", str(ROOT / "crds"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    out, _ = await asyncio.wait_for(proc.communicate(), 60)
+    text = out.decode()
+    assert proc.returncode == 0, text
+    assert text.strip().splitlines() == [
+        "customresourcedefinition.apiextensions.k8s.io/specdecodedeployments.serving.specfleet.dev created"], text
+    crd = cluster.live("apiextensions.k8s.io/v1", "customresourcedefinitions", None,
+                       "specdecodedeployments.serving.specfleet.dev")
+    assert crd["spec"]["names"]["kind"] == "SpecDecodeDeployment"
+
+
+def test_kustomize_base_still_includes_the_crd():
+    out = subprocess.run([kubectl_path(), "kustomize", str(ROOT / "deploy" / "base")],
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    kinds = [d["kind"] for d in yaml.safe_load_all(out) if d]
+    assert kinds.count("CustomResourceDefinition") == 1 and "Deployment" in kinds
+    canonical = yaml.safe_load((ROOT / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_text())
+    (crd,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"]
+    assert crd["spec"] == canonical["spec"]
