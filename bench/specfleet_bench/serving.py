@@ -3,8 +3,9 @@ speculation on and off in the same run, on Spec-Bench prompts.
 
 Not a test: it measures. By default it starts a worker in this process on SmolLM2-135M-Instruct
 (a free loopback port) and drives it over real gRPC; --target HOST:PORT drives a running worker
-instead. For each concurrency, speculation is switched off and on through the Admin service (the
-same worker, no restart), and every prompt is sent by that many client threads. Greedy outputs
+instead (with --admin-target HOST:PORT, its Admin port: `specfleet serve --admin-port`, 50060
+on loopback by default). For each concurrency, speculation is switched off and on through the
+Admin service (the same worker, no restart), and every prompt is sent by that many client threads. Greedy outputs
 with speculation on must equal those with it off; the table says whether they did.
 
     python -m specfleet_bench.serving --limit 8 --max-tokens 64 --concurrency 1,4   # a quick look
@@ -34,6 +35,8 @@ from specfleet_proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HOST:PORT of a running worker (default: start one here)")
+    p.add_argument("--admin-target", default="127.0.0.1:50060",
+                   help="HOST:PORT of that worker's Admin service (its --admin-port); ignored without --target")
     p.add_argument("--model", default="smollm2-135m", help="model for the in-process worker")
     p.add_argument("--questions", type=Path, default=None, help="Spec-Bench JSON lines (default: the dev set)")
     p.add_argument("--limit", type=int, default=0, help="prompts per run (0: all); taken round-robin over categories")
@@ -109,7 +112,7 @@ def start_local_worker(args, max_batch: int):
     cfg = EngineConfig(model_name=args.model, k_max=args.k_max)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     engine = build_engine(cfg, threads=args.threads, max_batch_size=max_batch)
-    server = WorkerServer("127.0.0.1", 0, 0, max_workers=max_batch + 16).start()
+    server = WorkerServer("127.0.0.1", 0, 0, admin_port=0, max_workers=max_batch + 16).start()
     server.attach(make_worker(engine, cfg, max_batch_size=max_batch, max_queue=max_batch * 4,
                               max_tokens_limit=max(args.max_tokens, 2048)))
     return server, f"127.0.0.1:{server.grpc_port}"
@@ -128,11 +131,12 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = pick_prompts(args.questions or default_questions(), args.limit)
     server = None
-    target = args.target
+    target, admin_target = args.target, args.admin_target
     if target is None:
         server, target = start_local_worker(args, max(levels))
+        admin_target = f"127.0.0.1:{server.admin_port}"
     channel = grpc.insecure_channel(target)
-    gen, admin = pb_grpc.GenerationStub(channel), pb_grpc.AdminStub(channel)
+    gen, admin = pb_grpc.GenerationStub(channel), pb_grpc.AdminStub(grpc.insecure_channel(admin_target))
     model = admin.GetConfig(pb.GetConfigRequest()).model
     # warm-up: the first forwards pay for allocations that a steady worker has already made
     gen.Generate(pb.GenerateRequest(prompt="Hello", apply_chat_template=True, max_tokens=8))

@@ -240,7 +240,8 @@ class Fleet:
         grpc_port, http_port = (a.worker_ports + 2 * n, a.worker_ports + 2 * n + 1) if a.worker_ports else (0, 0)
         cmd = [sys.executable, "-m", "specfleet_cli.main", "serve", "--config", str(config_dir / "engine.json"),
                "--host", HOST, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
-               "--drain-seconds", str(a.drain_seconds), "--threads", str(threads), *a.worker_arg]
+               # Admin on a free loopback port: the default one would collide between workers on one host
+               "--admin-port", "0", "--drain-seconds", str(a.drain_seconds), "--threads", str(threads), *a.worker_arg]
         env = {"SPECFLEET_REDIS_URL": self.redis.url, "SPECFLEET_DEPLOYMENT": p.deployment, "POD_NAME": name,
                "OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_SERVICE_NAME": f"specfleet-{p.name}-{arm}",
                "OMP_NUM_THREADS": str(threads)}

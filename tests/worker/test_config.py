@@ -196,6 +196,7 @@ def test_the_control_file_is_applied_when_it_changes(tmp_path):
 def test_process_flags_and_defaults_follow_the_contract():
     a = parse_args([])
     assert (a.host, a.grpc_port, a.http_port, a.drain_seconds, a.config) == ("127.0.0.1", 50051, 8080, 30.0, None)
+    assert (a.admin_host, a.admin_port) == ("127.0.0.1", 50060)  # Admin is unauthenticated: loopback unless told
     a = parse_args(["--config", "/etc/specfleet/engine.json", "--host", "0.0.0.0", "--grpc-port", "1",
                     "--http-port", "2", "--drain-seconds", "5"])
     assert (a.host, a.grpc_port, a.http_port, a.drain_seconds) == ("0.0.0.0", 1, 2, 5.0)

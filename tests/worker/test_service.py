@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specfleet_engine.sampling import SamplingParams
 from specfleet_worker import logs
-from specfleet_worker.testing import CharTokenizer, pb, running_worker, tiny_engine, wait_idle
+from specfleet_worker.testing import CharTokenizer, pb, pb_grpc, running_worker, tiny_engine, wait_idle
 
 PROMPT = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]
 TIMEOUT_S = 30  # the most any wait in these tests takes before it fails
@@ -130,7 +130,7 @@ def test_health_reflection_and_http_probes_follow_the_life_cycle():
         refl = reflection_pb2_grpc.ServerReflectionStub(r.channel)
         answer = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")])))
         names = {s.name for s in answer.list_services_response.service}
-        assert {"specfleet.v1.Generation", "specfleet.v1.Admin", "grpc.health.v1.Health"} <= names
+        assert {"specfleet.v1.Generation", "grpc.health.v1.Health"} <= names and "specfleet.v1.Admin" not in names
         assert urllib.request.urlopen(r.http + "/healthz").status == 200
         assert urllib.request.urlopen(r.http + "/readyz").status == 200
         with pytest.raises(urllib.error.HTTPError) as e:
@@ -249,3 +249,23 @@ def test_logs_are_json_lines_with_the_request_id(worker):
     done = [r for r in records if r.get("request_id") == "log-me"]
     assert done and done[-1]["msg"] == "request finished" and done[-1]["output_tokens"] == 3
     assert any(r.get("request_id") == "bad-one" and "max_tokens" in r["error"] for r in records)
+
+
+def test_admin_is_served_on_its_own_port_only():
+    # UpdateConfig turns speculation off and moves K, unauthenticated: the public port must not serve it
+    with running_worker() as r:
+        assert r.server.admin_port not in (0, r.server.grpc_port, r.server.http_port)
+        public_admin = pb_grpc.AdminStub(r.channel)
+        for call, req in ((public_admin.UpdateConfig, pb.UpdateConfigRequest(speculation_enabled=False)),
+                          (public_admin.GetStats, pb.GetStatsRequest())):
+            with pytest.raises(grpc.RpcError) as e:
+                call(req, timeout=TIMEOUT_S)
+            assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        assert r.admin.GetConfig(pb.GetConfigRequest(), timeout=TIMEOUT_S).speculation_enabled  # refused: no change
+        assert not r.admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=False),
+                                        timeout=TIMEOUT_S).speculation_enabled
+        refl = reflection_pb2_grpc.ServerReflectionStub(r.admin_channel)
+        answer = next(refl.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]),
+                                                timeout=TIMEOUT_S))
+        assert "specfleet.v1.Admin" in {s.name for s in answer.list_services_response.service}
+

@@ -66,7 +66,7 @@ def start_worker(tmp_path, *extra: str):
                                   "draft": {"method": "ngram"}, "role": "stable"}))
     proc = subprocess.Popen(
         [sys.executable, "-m", "specfleet_worker.main", "--config", str(config), "--grpc-port", "0",
-         "--http-port", "0", "--threads", "1", "--drain-seconds", str(GRACE_S), *extra],
+         "--http-port", "0", "--admin-port", "0", "--threads", "1", "--drain-seconds", str(GRACE_S), *extra],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
     worker = Worker(proc)
     try:
@@ -76,6 +76,7 @@ def start_worker(tmp_path, *extra: str):
         raise
     ports = next((r for r in lines if r["msg"] == "listening"), None)
     assert ports, lines
+    worker.admin_port = ports["admin_port"]
     return worker, ports["grpc_port"], ports["http_port"]
 
 
@@ -96,7 +97,7 @@ def test_sigterm_under_load_finishes_in_flight_requests_refuses_new_ones_and_exi
     proc = worker.proc
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     gen = pb_grpc.GenerationStub(channel)
-    admin = pb_grpc.AdminStub(channel)
+    admin = pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{worker.admin_port}"))
     n, max_tokens = 8, 480
     # every wait on it times out: a drain that never starts a queued request fails, not hangs
     started = threading.Barrier(n + 1, timeout=GRACE_S)
@@ -175,7 +176,7 @@ def test_a_request_in_flight_past_the_grace_period_is_cut_off_and_the_exit_code_
         calls = [gen.GenerateStream(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=480,
                                                        ignore_eos=True), timeout=60) for _ in range(n)]
         next(calls[0])
-        admin = pb_grpc.AdminStub(channel)
+        admin = pb_grpc.AdminStub(grpc.insecure_channel(f"127.0.0.1:{worker.admin_port}"))
 
         def all_in_some_queued():  # all n in the worker, some still queued behind the one running
             s = admin.GetStats(pb.GetStatsRequest(), timeout=RPC_S)

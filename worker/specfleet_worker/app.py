@@ -1,5 +1,7 @@
-"""The worker's listeners: gRPC (generation, admin, grpc.health.v1, reflection) and HTTP
-(/metrics, /healthz, /readyz), and the life cycle around them.
+"""The worker's listeners: public gRPC (generation, grpc.health.v1, reflection), the admin gRPC
+port (`specfleet.v1.Admin` alone: it turns speculation off and moves K, so it listens on loopback
+unless told otherwise, and in pods only the operator may reach it), HTTP (/metrics, /healthz,
+/readyz), and the life cycle around them.
 
 Both ports come up before the model loads: health says NOT_SERVING and /readyz 503 until
 `attach`; `drain` (SIGTERM) flips them back, refuses new requests and lets those in flight
@@ -24,13 +26,15 @@ from .service import AdminServicer, GenerationServicer, Worker
 
 log = logging.getLogger("specfleet.worker")
 
-SERVICES = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
+SERVICES = [pb.DESCRIPTOR.services_by_name["Generation"].full_name]  # on the public port
+ADMIN_SERVICES = [pb.DESCRIPTOR.services_by_name["Admin"].full_name]  # on the admin port only
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 class WorkerServer:
     def __init__(self, host: str = "127.0.0.1", grpc_port: int = 50051, http_port: int = 8080, *,
+                 admin_host: str = "127.0.0.1", admin_port: int = 50060,
                  max_workers: int = 64, max_receive_bytes: int = 64 << 20):
         self.worker: Worker | None = None
         self.draining = False
@@ -41,12 +45,16 @@ class WorkerServer:
                                 options=[("grpc.max_receive_message_length", max_receive_bytes),
                                          ("grpc.so_reuseport", 0)])
         pb_grpc.add_GenerationServicer_to_server(GenerationServicer(self), self.grpc)
-        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.grpc)
         self.health = health.HealthServicer(experimental_non_blocking=True)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.grpc)
         reflection.enable_server_reflection(SERVICES + [health.SERVICE_NAME, reflection.SERVICE_NAME], self.grpc)
         self._set_health(NOT_SERVING)
         self.grpc_port = self.grpc.add_insecure_port(f"{host}:{grpc_port}")
+        # Admin on a server of its own, so that no route from the public port reaches it.
+        self.admin = grpc.server(ThreadPoolExecutor(4, thread_name_prefix="admin"), options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_AdminServicer_to_server(AdminServicer(self), self.admin)
+        reflection.enable_server_reflection(ADMIN_SERVICES + [reflection.SERVICE_NAME], self.admin)
+        self.admin_port = self.admin.add_insecure_port(f"{admin_host}:{admin_port}")
         self.http = ThreadingHTTPServer((host, http_port), _http_handler(self))
         self.http.daemon_threads = True
         self.http_port = self.http.server_address[1]
@@ -62,8 +70,10 @@ class WorkerServer:
 
     def start(self) -> WorkerServer:
         self.grpc.start()
+        self.admin.start()
         self._http_thread.start()
-        log.info("listening", extra={"grpc_port": self.grpc_port, "http_port": self.http_port})
+        log.info("listening", extra={"grpc_port": self.grpc_port, "http_port": self.http_port,
+                                     "admin_port": self.admin_port})
         return self
 
     def attach(self, worker: Worker) -> None:
@@ -88,6 +98,7 @@ class WorkerServer:
         if self.worker is not None:
             self.worker.scheduler.stop()
         self.grpc.stop(grace_s).wait()
+        self.admin.stop(0).wait()
         self.http.shutdown()
         self.http.server_close()
 

@@ -37,6 +37,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1", help="listen address (pods pass 0.0.0.0)")
     p.add_argument("--grpc-port", type=int, default=50051, help="0 picks a free port (logged)")
     p.add_argument("--http-port", type=int, default=8080, help="/metrics, /healthz, /readyz; 0 picks a free port")
+    p.add_argument("--admin-host", default="127.0.0.1",
+                   help="listen address of the Admin service (unauthenticated: it turns speculation off and moves "
+                        "K); pods pass 0.0.0.0 behind a NetworkPolicy that admits only the operator")
+    p.add_argument("--admin-port", type=int, default=50060, help="the Admin service's gRPC port; 0 picks a free port")
     p.add_argument("--drain-seconds", type=float, default=30.0, help="grace period after SIGTERM")
     p.add_argument("--max-batch-size", type=int, default=16, help="requests in the running batch")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more: RESOURCE_EXHAUSTED")
@@ -229,7 +233,8 @@ def main(argv: list[str] | None = None) -> int:
     from .app import WorkerServer
     from .tracing import make_tracer
 
-    server = WorkerServer(args.host, args.grpc_port, args.http_port,
+    server = WorkerServer(args.host, args.grpc_port, args.http_port, admin_host=args.admin_host,
+                          admin_port=args.admin_port,
                           max_workers=args.max_batch_size + args.max_queue + 16,
                           max_receive_bytes=max(args.max_request_bytes * 2, 64 << 20)).start()
     stop = threading.Event()

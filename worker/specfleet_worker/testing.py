@@ -49,7 +49,8 @@ class Running:
         self.engine = self.worker.engine
         self.channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
         self.gen = pb_grpc.GenerationStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
+        self.admin_channel = grpc.insecure_channel(f"127.0.0.1:{server.admin_port}")
+        self.admin = pb_grpc.AdminStub(self.admin_channel)
         self.http = f"http://127.0.0.1:{server.http_port}"
 
     def stats(self) -> pb.WorkerStats:
@@ -60,7 +61,7 @@ class Running:
 def running_worker(engine: Engine | None = None, cfg: EngineConfig = TINY, **kw):
     exporter = InMemorySpanExporter()
     engine = engine if engine is not None else tiny_engine()
-    server = WorkerServer("127.0.0.1", 0, 0, max_workers=48).start()
+    server = WorkerServer("127.0.0.1", 0, 0, admin_port=0, max_workers=48).start()
     worker = make_worker(engine, cfg, tracer=make_tracer("test", exporter=exporter), **kw)
     server.attach(worker)
     r = Running(server, exporter)
@@ -68,6 +69,7 @@ def running_worker(engine: Engine | None = None, cfg: EngineConfig = TINY, **kw)
         yield r
     finally:
         r.channel.close()
+        r.admin_channel.close()
         server.stop(0)
 
 
@@ -90,31 +92,34 @@ def listening_ports(record: dict) -> tuple[int, int] | None:
 
 
 class WorkerProcess:
-    """`specfleet serve --config <config> --grpc-port 0 --http-port 0` as a child process: a thread
+    """`specfleet serve --config <config> --grpc-port 0 --http-port 0 --admin-port 0` as a child process: a thread
     reads its JSON log lines as they come (a full pipe never blocks the worker, no read blocks the
     test); `start` returns once it logged `ready`, with the ports from its `listening` line."""
 
     def __init__(self, config: str | os.PathLike, *args: str, env: dict[str, str] | None = None):
         self.cmd = [sys.executable, "-m", "specfleet_worker.main", "--config", str(config), "--grpc-port", "0",
-                    "--http-port", "0", *args]
+                    "--http-port", "0", "--admin-port", "0", *args]
         self.env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "", **(env or {})}
         self.records: queue.Queue[dict] = queue.Queue()
         self.seen: list[dict] = []
         self.proc: subprocess.Popen | None = None
-        self.grpc_port = self.http_port = 0
+        self.grpc_port = self.http_port = self.admin_port = 0
 
     def start(self, timeout_s: float = 60.0) -> WorkerProcess:
         self.proc = subprocess.Popen(self.cmd, stderr=subprocess.PIPE, text=True, env=self.env)
         threading.Thread(target=self._read, daemon=True).start()
         try:
             for rec in self.until("ready", timeout_s):
-                self.grpc_port, self.http_port = listening_ports(rec) or (self.grpc_port, self.http_port)
+                if listening_ports(rec):
+                    self.grpc_port, self.http_port = listening_ports(rec)
+                    self.admin_port = int(rec["admin_port"])
         except BaseException:
             self.kill()
             raise
         self.channel = grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}")
         self.gen = pb_grpc.GenerationStub(self.channel)
-        self.admin = pb_grpc.AdminStub(self.channel)
+        self.admin_channel = grpc.insecure_channel(f"127.0.0.1:{self.admin_port}")
+        self.admin = pb_grpc.AdminStub(self.admin_channel)
         self.http = f"http://127.0.0.1:{self.http_port}"
         return self
 
@@ -145,6 +150,7 @@ class WorkerProcess:
         """SIGTERM (drain, then exit); its exit code. Killed after timeout_s."""
         if hasattr(self, "channel"):
             self.channel.close()
+            self.admin_channel.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
             try:
