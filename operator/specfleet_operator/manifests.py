@@ -36,6 +36,9 @@ PRESTOP_SLEEP_S = 5  # lets endpoints drop the pod before SIGTERM starts the dra
 ROLES = ("stable", "canary")
 DISCOVERY_PORT = "grpc"  # the arm Services' port the router's EndpointSlice discovery reads
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+# A worker without spec.template.resources: sized for the small models the image bundles, served on
+# the CPU; no CPU limit, so decoding is not throttled. spec.template.resources replaces it whole.
+WORKER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 #: What the router's ServiceAccount may do: read the EndpointSlices of its namespace (the operator
 #: holds the same verbs, which Kubernetes requires of whoever grants them).
 ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
@@ -335,7 +338,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     image = template.get("image") or settings.worker_image
     env = _env(eff, sdd, role)
     engine = engine_config(spec, role, state)
-    resources = template.get("resources", {})
+    resources = template.get("resources") or WORKER_RESOURCES
     pod_hash = config_hash({"engine": engine, "env": env, "image": image, "resources": resources,
                             "settings": settings.worker_fields()})
     stable_n, canary_n = replica_counts(spec, state)

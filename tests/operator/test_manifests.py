@@ -228,6 +228,17 @@ def test_names_that_differ_only_in_dots_get_different_children():
     assert m.label_value("x" * 80) != m.label_value("x" * 79 + "y")
 
 
+def test_workers_have_default_resources_that_the_spec_replaces():
+    (c,) = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]["containers"]
+    assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+    assert c["resources"] is not m.WORKER_RESOURCES  # a copy: editing one pod's dict cannot move the default
+    gpu = {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}}
+    custom = m.deployment(SDD, spec(template={"resources": gpu}), "stable", m.Settings())
+    assert custom["spec"]["template"]["spec"]["containers"][0]["resources"] == gpu
+    canary = m.deployment(SDD, spec(canary={"weight": 1}), "canary", m.Settings())
+    assert canary["spec"]["template"]["spec"]["containers"][0]["resources"] == m.WORKER_RESOURCES
+
+
 def test_the_router_is_restricted_probed_and_bounded():
     kids = by_kind(m.children(SDD, spec(router={"replicas": 3}), m.Settings(router_image="r:9")))
     router = kids[("Deployment", "demo-router")]
