@@ -52,6 +52,9 @@ class Settings:
     image_pull_policy: str = "IfNotPresent"
     grpc_port: int = 50051
     http_port: int = 8080
+    # The worker's Admin service, on a port of its own and in no Service: the chart's NetworkPolicy
+    # (networkPolicy.adminPort, same number) admits only the operator to it.
+    admin_port: int = 50060
     drain_seconds: int = 30
     router_image: str = "ghcr.io/specfleet/router:0.1.0"
     router_pull_policy: str = "IfNotPresent"
@@ -64,7 +67,8 @@ class Settings:
     def worker_fields(self) -> dict[str, Any]:
         """The settings a worker pod is built from (in its config hash: a router setting rolls no worker)."""
         return {k: v for k, v in dataclasses.asdict(self).items()
-                if k in ("worker_image", "image_pull_policy", "grpc_port", "http_port", "drain_seconds")}
+                if k in ("worker_image", "image_pull_policy", "grpc_port", "http_port", "admin_port",
+                          "drain_seconds")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -350,6 +354,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "command": ["specfleet"],
         "args": ["serve", "--config", f"{CONFIG_DIR}/engine.json", "--host", "0.0.0.0",
                  "--grpc-port", str(settings.grpc_port), "--http-port", str(settings.http_port),
+                 "--admin-host", "0.0.0.0", "--admin-port", str(settings.admin_port),
                  "--drain-seconds", str(settings.drain_seconds)],
         "ports": [{"name": "grpc", "containerPort": settings.grpc_port, "protocol": "TCP"},
                   {"name": "http", "containerPort": settings.http_port, "protocol": "TCP"}],
