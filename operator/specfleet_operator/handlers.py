@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import dataclasses
 import datetime
 import time
@@ -285,11 +286,21 @@ async def cleanup(memo: Any, **_: Any) -> None:
         await memo.live_state.close()
 
 
+def _working(memo: Any, what: str, body: Any) -> Any:
+    """Register the work with the liveness heartbeat (health.py), when the operator runs one."""
+    heartbeat = memo.get("heartbeat") if hasattr(memo, "get") else None
+    if heartbeat is None:
+        return contextlib.nullcontext()
+    meta = body.get("metadata", {})
+    return heartbeat.working(f"{what} {meta.get('namespace')}/{meta.get('name')}")
+
+
 @kopf.on.resume(*SDD)
 @kopf.on.create(*SDD)
 @kopf.on.update(*SDD, field="spec")
 async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await reconcile(body, memo)
+    with _working(memo, "reconcile", body):
+        await reconcile(body, memo)
 
 
 @kopf.on.event("apps", "v1", "deployments", labels=FLEET_LABELS)
@@ -313,7 +324,8 @@ async def control_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonSto
         if stopped:
             break
         try:
-            await tick(body, memo)
+            with _working(memo, "control-loop tick", body):
+                await tick(body, memo)
         except (ApiError, OSError) as exc:
             kopf.warn(body, reason="ControlLoop", message=f"control loop tick failed, will retry: {exc}")
 

@@ -20,6 +20,7 @@ import kopf
 
 from . import GROUP
 from . import handlers  # noqa: F401  (registers the handlers with kopf)
+from .health import Heartbeat
 from .kube import Kube
 from .leader import LeaseElector
 from .manifests import Settings
@@ -43,6 +44,7 @@ class Options:
     metrics_port: int | None = None
     workers: int = 32  # concurrent reconciles
     release_on_exit: bool = True  # False mimics a crash: the standby waits the Lease out
+    heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)  # what /healthz reads
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -78,6 +80,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         watcher = asyncio.create_task(watch())
 
     kube = Kube(connection)
+    beating = asyncio.create_task(options.heartbeat.run())
     elector = LeaseElector(kube, options.lease_namespace, options.lease_name, options.identity,
                            duration_s=options.lease_duration_s, renew_s=options.renew_s, retry_s=options.retry_s)
     try:
@@ -93,7 +96,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         if leading is not None:
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
-                             **(memo or {}))
+                             heartbeat=options.heartbeat, **(memo or {}))
         kopf_stop = asyncio.Event()
         running = asyncio.create_task(kopf.operator(
             settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,
@@ -115,6 +118,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
             return 1
         return 0
     finally:
+        beating.cancel()
         if leading is not None:
             leading.clear()
         if options.leader_election and options.release_on_exit:
@@ -147,8 +151,11 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--lease-duration", type=float, default=15.0, help="seconds")
     p.add_argument("--loop-interval", type=float, default=15.0, help="control-loop period, seconds")
     p.add_argument("--liveness", default="", help="kopf's liveness endpoint, e.g. http://0.0.0.0:8080/healthz "
-                   "(only the leader runs kopf, so probes use the metrics port instead)")
-    p.add_argument("--metrics-port", type=int, default=8081, help="Prometheus metrics; 0 turns them off")
+                   "(only the leader runs kopf, so probes use /healthz on the metrics port instead)")
+    p.add_argument("--metrics-port", type=int, default=8081,
+                   help="/metrics and the liveness /healthz; 0 turns them off")
+    p.add_argument("--liveness-stale-after", type=float, default=60.0,
+                   help="seconds without an event-loop beat, or of one reconcile, after which /healthz answers 503")
     p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
@@ -161,15 +168,16 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         leader_election=not a.no_leader_election, lease_name=a.lease_name, lease_namespace=a.lease_namespace,
         identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,
-        metrics_port=a.metrics_port or None, workers=a.workers)
+        metrics_port=a.metrics_port or None, workers=a.workers,
+        heartbeat=Heartbeat(stale_after_s=a.liveness_stale_after))
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Entry point for `specfleet operator [flags]`; returns the exit status."""
     options = parse_args(argv)
     if options.metrics_port:
-        from prometheus_client import start_http_server
-        start_http_server(options.metrics_port)
+        from .health import serve
+        serve(options.metrics_port, options.heartbeat)
 
     async def main() -> int:
         stop = asyncio.Event()

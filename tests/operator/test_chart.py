@@ -256,6 +256,14 @@ def test_several_replicas_without_leader_election_are_refused():
     assert "--no-leader-election" not in _operator_args(docs)
 
 
+def test_the_operator_liveness_probe_is_the_heartbeat_in_chart_and_kustomize():
+    docs, _ = render({})
+    kustomized = yaml.safe_load_all((ROOT / "deploy" / "base" / "deployment.yaml").read_text())
+    for dep in [d for d in docs if d["kind"] == "Deployment"] + [d for d in kustomized if d]:
+        probe = dep["spec"]["template"]["spec"]["containers"][0]["livenessProbe"]["httpGet"]
+        assert probe == {"path": "/healthz", "port": "metrics"}
+
+
 def test_the_operator_flags_the_chart_passes_exist():
     from specfleet_operator.main import parse_args
     docs, _ = render({"router": {"readRedisSecrets": True}})
