@@ -40,6 +40,7 @@ RUN pip install --no-cache-dir ".[worker]" \
 
 USER 65532:65532
 # gRPC (specfleet.v1.Generation, grpc.health.v1) and HTTP (/metrics, /healthz, /readyz)
-EXPOSE 50051 8080
+# gRPC (Generation, health), HTTP (metrics, probes), Admin (own port: no Service exposes it)
+EXPOSE 50051 8080 50060
 ENTRYPOINT ["specfleet", "serve"]
 CMD ["--config", "/etc/specfleet/engine.json", "--host", "0.0.0.0"]
