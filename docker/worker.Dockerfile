@@ -39,8 +39,8 @@ RUN pip install --no-cache-dir ".[worker]" \
     && chown 65532:65532 /var/cache/specfleet
 
 USER 65532:65532
-# gRPC (specfleet.v1.Generation, grpc.health.v1) and HTTP (/metrics, /healthz, /readyz)
-# gRPC (Generation, health), HTTP (metrics, probes), Admin (own port: no Service exposes it)
+# gRPC (specfleet.v1.Generation, grpc.health.v1), HTTP (/metrics, /healthz, /readyz), and Admin on
+# its own port, which no Service exposes
 EXPOSE 50051 8080 50060
 ENTRYPOINT ["specfleet", "serve"]
 CMD ["--config", "/etc/specfleet/engine.json", "--host", "0.0.0.0"]
