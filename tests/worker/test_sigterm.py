@@ -171,7 +171,7 @@ def test_a_request_in_flight_past_the_grace_period_is_cut_off_and_the_exit_code_
     proc = worker.proc
     channel = grpc.insecure_channel(f"127.0.0.1:{grpc_port}")
     gen = pb_grpc.GenerationStub(channel)
-    n = 6
+    n = 12  # a backlog of several seconds: the poll sees it even when the requests trickle in under load
     try:
         calls = [gen.GenerateStream(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=480,
                                                        ignore_eos=True), timeout=60) for _ in range(n)]
