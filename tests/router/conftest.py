@@ -3,7 +3,6 @@ tokenizer, real gRPC on loopback) and routers in front of them (specfleet_router
 from __future__ import annotations
 
 import contextlib
-import time
 
 import openai
 import pytest
@@ -11,23 +10,11 @@ import torch
 
 from specfleet_engine.proposers.ngram import NgramProposer
 from specfleet_router.testing import running_router
-from specfleet_worker.testing import CharTokenizer, running_worker, tiny_engine
+from specfleet_worker.testing import CharTokenizer, SlowProposer, running_worker, tiny_engine
 
 torch.set_num_threads(1)
 
 
-class SlowProposer(NgramProposer):
-    """An n-gram proposer that takes its time: keeps a request running while a test looks."""
-
-    name = "slow"
-
-    def __init__(self, delay_s: float):
-        super().__init__()
-        self.delay_s = delay_s
-
-    def propose(self, seqs, ks):
-        time.sleep(self.delay_s)
-        return super().propose(seqs, ks)
 
 
 def target(w) -> str:

@@ -18,7 +18,7 @@ from specfleet_worker.config import EngineConfig, LiveConfig
 from specfleet_worker.live import LiveStateFollower, parse_deployment, redis_client
 from specfleet_worker.main import main as serve_main
 from specfleet_worker.main import watch_control_file
-from specfleet_worker.testing import TINY, pb, running_worker
+from specfleet_worker.testing import TINY, pb, running_worker, wait_for
 
 NS, NAME, ARM = "default", "demo", "canary"
 APPLIED_WITHIN_S = 2.0  # the bar: a change reaches every worker within 2 s
@@ -26,15 +26,6 @@ FAST_S = 1.0  # a request of 8 tokens on the tiny model takes a few tens of ms; 
 RPC_S = 30
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.02)
 
 
 class Records(logging.Handler):

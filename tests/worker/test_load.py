@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -13,7 +12,7 @@ import pytest
 from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.sampling import SamplingParams
 from specfleet_proto import worker_pb2_grpc as pb_grpc
-from specfleet_worker.testing import pb, running_worker, tiny_engine, wait_idle
+from specfleet_worker.testing import SlowProposer, pb, running_worker, tiny_engine, wait_idle
 
 
 def make_prompts(n: int, seed: int = 1) -> list[list[int]]:
@@ -94,18 +93,6 @@ def test_cancelling_a_tenth_of_the_streams_leaves_the_others_exact_and_nothing_l
     assert aborts == len(cancel)
 
 
-class SlowProposer(NgramProposer):
-    """An n-gram proposer that takes its time: keeps requests running while a test looks."""
-
-    name = "slow"
-
-    def __init__(self, delay_s: float):
-        super().__init__()
-        self.delay_s = delay_s
-
-    def propose(self, seqs, ks):
-        time.sleep(self.delay_s)
-        return super().propose(seqs, ks)
 
 
 def test_overload_rejects_exactly_the_requests_beyond_one_running_and_one_queued():

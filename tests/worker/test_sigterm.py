@@ -21,6 +21,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
+from specfleet_worker.testing import wait_for
 
 GRACE_S = 20
 RPC_S = 5  # any one control call (stats, health, a refused request) answers within this
@@ -80,16 +81,6 @@ def start_worker(tmp_path, *extra: str):
     return worker, ports["grpc_port"], ports["http_port"]
 
 
-def wait_for(condition, timeout_s: float, what: str):
-    """Polls condition() until it returns something true; fails the test after timeout_s."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
-        time.sleep(0.005)
 
 
 def test_sigterm_under_load_finishes_in_flight_requests_refuses_new_ones_and_exits(tmp_path):

@@ -19,7 +19,7 @@ import grpc
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from specfleet_engine.engine import Engine
-from specfleet_engine.proposers import default_proposers
+from specfleet_engine.proposers import NgramProposer, default_proposers
 from specfleet_worker.app import WorkerServer
 from specfleet_worker.config import EngineConfig
 from specfleet_worker.main import make_worker
@@ -38,6 +38,35 @@ def tiny_engine(tokenizer=None, proposers=None, **kw) -> Engine:
     kw.setdefault("k_policy", "fixed")  # the scheduler's K controller owns K, as in serving
     return Engine(tiny_model(seed=0, scale=4.0), tokenizer,
                   proposers=proposers if proposers is not None else default_proposers(), **kw)
+
+
+class SlowProposer(NgramProposer):
+    """An n-gram proposer that takes its time: keeps requests running while a test looks."""
+
+    name = "slow"
+
+    def __init__(self, delay_s: float):
+        super().__init__()
+        self.delay_s = delay_s
+
+    def propose(self, seqs, ks):
+        time.sleep(self.delay_s)
+        return super().propose(seqs, ks)
+
+
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.01):
+    """Polls condition() until it returns something true, and returns that; fails the calling
+    test (pytest.fail) after timeout_s."""
+    import pytest
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(poll_s)
 
 
 class Running:
