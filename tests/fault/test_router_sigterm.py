@@ -22,6 +22,10 @@ def test_the_router_sigtermed_mid_load_drains_and_exits_0(h, arms):
             assert o.started > report.fault_at - 0.05, f"request {o.index} sent before the SIGTERM failed: {o}"
             assert not o.streamed, f"request {o.index} was cut mid-stream: {o}"
             assert o.error == "connection" or (o.error == "503" and "shutting down" in o.message), o
-        late = [o for o in report.outcomes if o.started > report.fault_at + 0.2]
+        # once a client has been refused ("shutting down", or the port closed), no request sent after that is taken
+        refused = report.failed()
+        assert refused, report.summary()
+        draining_seen = min(o.ended for o in refused)
+        late = [o for o in report.outcomes if o.started > draining_seen + 0.05]
         assert late and not any(o.ok for o in late), "the draining router took new requests"
         assert '"drained": true' in "".join(router.lines)
