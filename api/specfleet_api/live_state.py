@@ -77,6 +77,10 @@ class LiveState:
     k: dict[str, KBounds] = field(default_factory=dict)
     updated: float = 0.0  # when the writer wrote it (seconds since the epoch)
     arms: dict[str, Routing] = field(default_factory=dict)  # arm -> its own table, where it differs
+    probe_share: float = 0.0  # percent of a fallen-back type's / cluster's requests that still speculate
+    fallback_clusters: tuple[str, ...] = ()  # prompt clusters (`<router>/<n>`) in fallback
+    mirror_share: float = 0.0  # percent of greedy requests mirrored to a second backend (drift check)
+    drift_epoch: str = ""  # the canary run the routers' drift counts belong to ("" : none)
 
     def method_for(self, prompt_type: str, arm: str = "stable") -> str:
         """The draft method a request of this prompt type runs with on this arm.
@@ -85,15 +89,38 @@ class LiveState:
         >>> s.method_for("code"), s.method_for("chat"), s.method_for("code", "canary")
         ('none', 'ngram', 'draft-model')
         """
-        if not self.speculate or prompt_type in self.fallback:
-            return "none"
+        return self.route(prompt_type, arm)[0]
+
+    def in_fallback(self, prompt_type: str, cluster: str | None = None) -> bool:
+        """Whether requests of this type (and cluster) run plain decoding, probes aside."""
+        return (not self.speculate or prompt_type in self.fallback
+                or (cluster is not None and cluster in self.fallback_clusters))
+
+    def route(self, prompt_type: str, arm: str = "stable", cluster: str | None = None,
+              draw: float = 100.0) -> tuple[str, bool]:
+        """(method, probe) for one request: the arm's table, or `none` in fallback except for the
+        probes: a request whose `draw` (uniform in [0, 100), from its id) falls under `probe_share`
+        still speculates, so that the loop keeps observing what speculation would do.
+
+        >>> s = LiveState(fallback=("code",), probe_share=5.0)
+        >>> s.route("code", draw=3.0), s.route("code", draw=50.0), s.route("chat", draw=3.0)
+        (('ngram', True), ('none', False), ('ngram', False))
+        """
         own = self.arms.get(arm)
-        if own is not None:
-            return own.routes.get(prompt_type, own.default_method)
-        return self.routes.get(prompt_type, self.default_method)
+        method = own.routes.get(prompt_type, own.default_method) if own is not None \
+            else self.routes.get(prompt_type, self.default_method)
+        if not self.in_fallback(prompt_type, cluster):
+            return method, False
+        if method != "none" and draw < self.probe_share:
+            return method, True
+        return "none", False
 
     def problems(self) -> list[str]:
         out = []
+        for what in ("probe_share", "mirror_share"):
+            share = getattr(self, what)
+            if not 0.0 <= share <= 100.0:
+                out.append(f"{what}: {share} is not a percentage")
         if not 0.0 <= self.canary_weight <= 100.0 or round(self.canary_weight, 2) != self.canary_weight:
             out.append(f"canary_weight: {self.canary_weight} is not a percentage with at most two decimals")
         tables = [("", self.default_method, self.routes)] + [
@@ -116,6 +143,11 @@ class LiveState:
     def to_json(self) -> str:
         raw = asdict(self)
         raw["fallback"] = list(self.fallback)
+        raw["fallback_clusters"] = list(self.fallback_clusters)
+        for key, default in (("probe_share", 0.0), ("fallback_clusters", []), ("mirror_share", 0.0),
+                             ("drift_epoch", "")):
+            if raw[key] == default:
+                del raw[key]  # readers that predate the loop's fields see the same document
         raw["k"] = {arm: {"kMin": b.k_min, "kMax": b.k_max} for arm, b in self.k.items()}
         if not self.arms:
             del raw["arms"]  # readers that predate per-arm tables see the same document
@@ -135,7 +167,11 @@ class LiveState:
                         updated=float(raw.get("updated", 0.0)),
                         arms={str(arm): Routing(str(r["default_method"]),
                                                 {str(k): str(v) for k, v in (r.get("routes") or {}).items()})
-                              for arm, r in (raw.get("arms") or {}).items()})
+                              for arm, r in (raw.get("arms") or {}).items()},
+                        probe_share=float(raw.get("probe_share", 0.0)),
+                        fallback_clusters=tuple(str(c) for c in raw.get("fallback_clusters") or ()),
+                        mirror_share=float(raw.get("mirror_share", 0.0)),
+                        drift_epoch=str(raw.get("drift_epoch", "")))
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"live state: not a state document ({type(e).__name__}: {e})") from None
         problems = state.problems()
@@ -149,6 +185,7 @@ class LiveState:
         raw["k"] = {arm: b if isinstance(b, KBounds) else KBounds(**b) for arm, b in raw["k"].items()}
         raw["arms"] = {arm: r if isinstance(r, Routing) else Routing(**r) for arm, r in raw["arms"].items()}
         raw["fallback"] = tuple(raw["fallback"])
+        raw["fallback_clusters"] = tuple(raw["fallback_clusters"])
         raw["version"] = self.version + 1
         raw["updated"] = time.time()
         return LiveState(**raw)

@@ -21,7 +21,7 @@ from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .windows import read_windows
+from specfleet_api.windows import read_windows
 
 WINDOW_WAIT_S = 7.0  # workers publish their windows every 5 s
 

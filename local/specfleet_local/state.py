@@ -19,7 +19,7 @@ from typing import Any, Protocol
 from specfleet_api.live_state import LiveState, state_key
 from specfleet_operator import manifests
 
-from .windows import Window, read_windows
+from specfleet_api.windows import Window, read_windows
 
 log = logging.getLogger("specfleet.local")
 

@@ -23,7 +23,7 @@ from specfleet_api.enums import PROMPT_TYPES
 from specfleet_api.live_state import ARMS, LiveState, state_key
 
 from . import runfile
-from .windows import Window, read_windows, sum_windows
+from specfleet_api.windows import Window, read_windows, sum_windows
 
 
 def fetch(url: str, timeout_s: float = 2.0) -> tuple[int, str]:

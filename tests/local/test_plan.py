@@ -12,7 +12,8 @@ import pytest
 import yaml
 
 from specfleet_api.live_state import KBounds, LiveState, Routing, state_key
-from specfleet_local import demo, plan, state, status, windows
+from specfleet_api import windows
+from specfleet_local import demo, plan, state, status
 from specfleet_local.plan import SpecError, load_resource, make_plan
 from specfleet_local.state import StateWriter, initial_state
 from specfleet_operator import manifests

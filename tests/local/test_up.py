@@ -89,7 +89,7 @@ def test_help_lists_the_flags_and_up_never_imports_torch():
             "        if name.split('.')[0] in ('torch', 'triton'):\n"
             "            raise ImportError(f'{name} is blocked: specfleet up stays torch-free')\n"
             "sys.meta_path.insert(0, Block())\n"
-            "for m in ('up', 'status', 'demo', 'plan', 'state', 'windows', 'procs', 'runfile', 'redis_server'):\n"
+            "for m in ('up', 'status', 'demo', 'plan', 'state', 'procs', 'runfile', 'redis_server'):\n"
             "    importlib.import_module('specfleet_local.' + m)\n"
             "import specfleet_bench.questions, openai\n"
             "from specfleet_cli.main import main\n"

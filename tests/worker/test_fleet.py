@@ -12,7 +12,7 @@ import pytest
 from specfleet_worker import fleet
 from specfleet_worker.fleet import FleetPublisher, Windows
 from specfleet_worker.live import redis_client
-from specfleet_worker.metrics import TypeCounts
+from specfleet_api.windows import TypeCounts
 from specfleet_worker.testing import TINY, pb, running_worker
 
 KEY = "specfleet:v1:default/demo:window:canary:pod-a"

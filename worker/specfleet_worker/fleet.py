@@ -30,7 +30,7 @@ from collections.abc import Callable
 from specfleet_api.live_state import window_key
 
 from .live import REDIS_URL_ENV, deployment_from_env, redis_client
-from .metrics import TypeCounts
+from specfleet_api.windows import TypeCounts
 
 log = logging.getLogger("specfleet.worker")
 

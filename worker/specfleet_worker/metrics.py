@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from specfleet_api.windows import TypeCounts
 from specfleet_engine.acceptance import Acceptance, window
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -24,30 +24,6 @@ K_BUCKETS = tuple(range(0, 17))
 def new_window() -> Acceptance:
     """The gauges' window: about the last 512 decoding steps, no prior (an empty window reads 0)."""
     return window(512, weight=0.0, recover=0.0)
-
-
-@dataclass
-class TypeCounts:
-    """What one prompt type's requests did on this worker since it started; a fleet window is the
-    difference of two. A step's seconds are shared among its sequences (`SpeedupMeter.shares`);
-    the latencies are what the histograms observe."""
-
-    requests: int = 0  # finished (stop, length or abort)
-    output_tokens: int = 0
-    steps: int = 0  # decoding steps: target forwards after the prefill
-    drafts: int = 0  # of which verified at least one draft token
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    plain_seconds: float = 0.0  # what plain decoding would have spent on the same steps
-    busy_seconds: float = 0.0  # what they took
-    ttft_seconds_sum: float = 0.0
-    ttft_count: int = 0
-    tpot_seconds_sum: float = 0.0
-    tpot_count: int = 0
-
-    def minus(self, earlier: TypeCounts) -> TypeCounts:
-        return TypeCounts(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
-                             for f in dataclasses.fields(self)})
 
 
 class Metrics:

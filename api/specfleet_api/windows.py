@@ -1,0 +1,291 @@
+"""What the fleet observes, as it travels through Redis: the workers' windows per (arm, prompt
+type), the routers' windows per prompt cluster, and the routers' output-drift counts.
+
+Each worker publishes, per prompt type, what its requests did over its last 60 s (`TypeCounts`,
+keys in `specfleet_api.live_state`); a reader sums a field over the pods of an arm. The control
+loop (operator and `specfleet up`), `specfleet status` and the demo read them here. Torch-free and
+Prometheus-free: the worker, the router, the operator and the local fleet all import it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+
+from .live_state import ARMS, PREFIX, window_key
+
+log = logging.getLogger("specfleet.windows")
+
+
+@dataclasses.dataclass
+class TypeCounts:
+    """What one prompt type's requests did on one worker since it started; a fleet window is the
+    difference of two. A step's seconds are shared among its sequences (the speedup meter's
+    shares); the latencies are what the histograms observe. The `spec_` fields count only the
+    requests that ran a draft method: in fallback those are the probes, so that the probe's speedup
+    is not diluted by the plain requests beside it."""
+
+    requests: int = 0  # finished (stop, length or abort)
+    output_tokens: int = 0
+    steps: int = 0  # decoding steps: target forwards after the prefill
+    drafts: int = 0  # of which verified at least one draft token
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    plain_seconds: float = 0.0  # what plain decoding would have spent on the same steps
+    busy_seconds: float = 0.0  # what they took
+    ttft_seconds_sum: float = 0.0
+    ttft_count: int = 0
+    tpot_seconds_sum: float = 0.0
+    tpot_count: int = 0
+    errors: int = 0  # requests that failed inside the worker
+    spec_requests: int = 0  # finished requests that ran a draft method
+    spec_plain_seconds: float = 0.0
+    spec_busy_seconds: float = 0.0
+
+    def minus(self, earlier: TypeCounts) -> TypeCounts:
+        return TypeCounts(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                             for f in dataclasses.fields(self)})
+
+COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(TypeCounts))
+
+
+@dataclasses.dataclass(frozen=True)
+class Window:
+    """One (arm, prompt type)'s counts summed over its pods; `seconds` is the longest window among
+    them (a young worker's covers its life so far)."""
+
+    counts: TypeCounts = dataclasses.field(default_factory=TypeCounts)
+    pods: int = 0
+    seconds: float = 0.0
+
+    @property
+    def alpha(self) -> float | None:
+        """Accepted / drafted tokens; None when nothing was drafted."""
+        c = self.counts
+        return c.accepted_tokens / c.draft_tokens if c.draft_tokens else None
+
+    @property
+    def tau(self) -> float | None:
+        """Tokens per target forward (decoding steps only); None before any step."""
+        c = self.counts
+        return (c.accepted_tokens + c.steps) / c.steps if c.steps else None
+
+    @property
+    def speedup(self) -> float | None:
+        """Plain decoding's time for the same steps / the time they took."""
+        c = self.counts
+        return c.plain_seconds / c.busy_seconds if c.busy_seconds > 0 else None
+
+    @property
+    def spec_speedup(self) -> float | None:
+        """The speedup of the requests that speculated (in fallback: the probes); None without any."""
+        c = self.counts
+        return c.spec_plain_seconds / c.spec_busy_seconds if c.spec_busy_seconds > 0 else None
+
+    @property
+    def ttft(self) -> float | None:
+        """Mean time to first token (seconds)."""
+        c = self.counts
+        return c.ttft_seconds_sum / c.ttft_count if c.ttft_count else None
+
+    @property
+    def tpot(self) -> float | None:
+        """Mean time per output token after the first (seconds)."""
+        c = self.counts
+        return c.tpot_seconds_sum / c.tpot_count if c.tpot_count else None
+
+    @property
+    def error_rate(self) -> float | None:
+        c = self.counts
+        done = c.requests + c.errors
+        return c.errors / done if done else None
+
+    def plus(self, other: Window) -> Window:
+        """Two windows as one (pods of one arm, or the arms of one prompt type).
+
+        >>> a = Window(TypeCounts(steps=10, draft_tokens=8, accepted_tokens=4), 1, 60.0)
+        >>> b = Window(TypeCounts(steps=10, draft_tokens=2, accepted_tokens=2), 1, 30.0)
+        >>> w = a.plus(b)
+        >>> w.alpha, w.tau, w.pods, w.seconds
+        (0.6, 1.3, 2, 60.0)
+        """
+        counts = TypeCounts(**{f: getattr(self.counts, f) + getattr(other.counts, f) for f in COUNT_FIELDS})
+        return Window(counts, self.pods + other.pods, max(self.seconds, other.seconds))
+
+
+def parse_window(text: str | bytes) -> Window:
+    """One pod's window of one prompt type (the JSON a worker writes); ValueError when it is not one.
+
+    >>> parse_window('{"requests": 2, "steps": 5, "draft_tokens": 4, "accepted_tokens": 3, "window_seconds": 12.5}').tau
+    1.6
+    """
+    try:
+        raw = json.loads(text)
+        counts = TypeCounts(**{f: type(getattr(TypeCounts, f))(raw.get(f, 0)) for f in COUNT_FIELDS})
+        return Window(counts, 1, float(raw.get("window_seconds", 0.0)))
+    except (ValueError, TypeError, AttributeError) as e:
+        raise ValueError(f"not a window ({type(e).__name__}: {e})") from None
+
+
+def sum_windows(windows: list[Window]) -> Window:
+    out = Window()
+    for w in windows:
+        out = out.plus(w)
+    return out
+
+
+def read_windows(client, namespace: str, name: str, arms: tuple[str, ...] = ARMS) -> dict[str, dict[str, Window]]:
+    """{arm: {prompt type: Window}} summed over the pods found now (a dead pod's key has expired).
+    Redis errors propagate: the caller decides what missing data means (never a decision)."""
+    out: dict[str, dict[str, Window]] = {}
+    for arm in arms:
+        by_type: dict[str, Window] = {}
+        for key in client.scan_iter(match=window_key(namespace, name, arm) + ":*", count=100):
+            for prompt_type, text in client.hgetall(key).items():
+                prompt_type = prompt_type.decode() if isinstance(prompt_type, bytes) else prompt_type
+                try:
+                    w = parse_window(text)
+                except ValueError as e:
+                    log.warning("ignoring a window", extra={"key": key, "prompt_type": prompt_type, "error": str(e)})
+                    continue
+                by_type[prompt_type] = by_type.get(prompt_type, Window()).plus(w)
+        out[arm] = by_type
+    return out
+
+
+def cluster_key(namespace: str, name: str, router: str) -> str:
+    """One router's windows per prompt cluster: a hash, field = cluster id, value = ClusterWindow JSON.
+
+    >>> cluster_key("default", "chat", "chat-router-5c-x")
+    'specfleet:v1:default/chat:clusters:chat-router-5c-x'
+    """
+    return f"{PREFIX}{namespace}/{name}:clusters:{router}"
+
+
+@dataclasses.dataclass(frozen=True)
+class ClusterWindow:
+    """What one prompt cluster's requests did over a router's last window. Cluster ids are the
+    router's own (`<router>/<n>`: each router learns its clusters online), so a reader never sums
+    two routers' clusters; the loop decides per cluster, the router routes its own. Counts come
+    from the speculation statistics on each response's last message."""
+
+    prompt_type: str
+    requests: int = 0
+    spec_requests: int = 0  # of which ran a draft method (in fallback: the probes)
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    seconds: float = 0.0
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> ClusterWindow:
+        """ValueError naming what is wrong.
+
+        >>> ClusterWindow.from_json('{"prompt_type": "code", "draft_tokens": 10, "accepted_tokens": 4}').alpha
+        0.4
+        """
+        try:
+            raw = json.loads(text)
+            return cls(prompt_type=str(raw["prompt_type"]), requests=int(raw.get("requests", 0)),
+                       spec_requests=int(raw.get("spec_requests", 0)), draft_tokens=int(raw.get("draft_tokens", 0)),
+                       accepted_tokens=int(raw.get("accepted_tokens", 0)), seconds=float(raw.get("seconds", 0.0)))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not a cluster window ({type(e).__name__}: {e})") from None
+
+
+def _text(v: str | bytes) -> str:
+    return v.decode() if isinstance(v, bytes) else v
+
+
+def read_cluster_windows(client, namespace: str, name: str) -> dict[str, ClusterWindow]:
+    """{cluster id: window} over every router found now; Redis errors propagate."""
+    out: dict[str, ClusterWindow] = {}
+    for key in client.scan_iter(match=cluster_key(namespace, name, "*"), count=100):
+        for cluster, text in client.hgetall(key).items():
+            try:
+                out[_text(cluster)] = ClusterWindow.from_json(text)
+            except ValueError as e:
+                log.warning("ignoring a cluster window", extra={"key": key, "error": str(e)})
+    return out
+
+
+def drift_key(namespace: str, name: str, router: str) -> str:
+    """One router's output-drift counts: a hash, field = pair kind ("canary": stable vs canary,
+    "control": stable vs stable), value = DriftCounts JSON.
+
+    >>> drift_key("default", "chat", "r1")
+    'specfleet:v1:default/chat:drift:r1'
+    """
+    return f"{PREFIX}{namespace}/{name}:drift:{router}"
+
+
+DRIFT_KINDS = ("canary", "control")
+
+
+@dataclasses.dataclass(frozen=True)
+class DriftCounts:
+    """Greedy requests mirrored to two backends, counted since the canary run `epoch` began
+    (LiveState.drift_epoch): how many pairs answered, how many agreed token for token, and the
+    first pair that did not (request id, position, the two tokens). For sampled requests, `scored`
+    pairs of teacher-forced per-token log-probabilities are summarised as the two-sample statistic's
+    inputs (`logprob_*`), filled where the router scores them."""
+
+    epoch: str
+    pairs: int = 0
+    agree: int = 0
+    first_diff: dict | None = None  # {"request_id", "position", "a", "b"}
+    scored: int = 0
+    logprob_diff_sum: float = 0.0
+    logprob_diff_sq_sum: float = 0.0
+    logprob_tokens: int = 0
+
+    @property
+    def agreement(self) -> float | None:
+        return self.agree / self.pairs if self.pairs else None
+
+    def plus(self, other: DriftCounts) -> DriftCounts:
+        return DriftCounts(self.epoch, self.pairs + other.pairs, self.agree + other.agree,
+                           self.first_diff or other.first_diff, self.scored + other.scored,
+                           self.logprob_diff_sum + other.logprob_diff_sum,
+                           self.logprob_diff_sq_sum + other.logprob_diff_sq_sum,
+                           self.logprob_tokens + other.logprob_tokens)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> DriftCounts:
+        try:
+            raw = json.loads(text)
+            fd = raw.get("first_diff")
+            return cls(epoch=str(raw["epoch"]), pairs=int(raw.get("pairs", 0)), agree=int(raw.get("agree", 0)),
+                       first_diff=dict(fd) if fd else None, scored=int(raw.get("scored", 0)),
+                       logprob_diff_sum=float(raw.get("logprob_diff_sum", 0.0)),
+                       logprob_diff_sq_sum=float(raw.get("logprob_diff_sq_sum", 0.0)),
+                       logprob_tokens=int(raw.get("logprob_tokens", 0)))
+        except (ValueError, TypeError, KeyError, AttributeError) as e:
+            raise ValueError(f"not drift counts ({type(e).__name__}: {e})") from None
+
+
+def read_drift(client, namespace: str, name: str, epoch: str) -> dict[str, DriftCounts]:
+    """{kind: counts} summed over the routers, only those of `epoch` (another canary run's, or a
+    router that has not seen the new epoch yet, are not this run's evidence)."""
+    out: dict[str, DriftCounts] = {}
+    for key in client.scan_iter(match=drift_key(namespace, name, "*"), count=100):
+        for kind, text in client.hgetall(key).items():
+            kind = _text(kind)
+            try:
+                d = DriftCounts.from_json(text)
+            except ValueError as e:
+                log.warning("ignoring drift counts", extra={"key": key, "error": str(e)})
+                continue
+            if d.epoch == epoch and kind in DRIFT_KINDS:
+                out[kind] = out[kind].plus(d) if kind in out else d
+    return out
