@@ -18,6 +18,48 @@ from .live_state import ARMS, PREFIX, window_key
 log = logging.getLogger("specfleet.windows")
 
 
+# Upper bounds (seconds) of the latency histograms a window carries; the last bucket is +Inf.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+TPOT_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)
+
+
+def _zeros(buckets: tuple[float, ...]) -> tuple[int, ...]:
+    return (0,) * (len(buckets) + 1)
+
+
+def bucket_of(value: float, buckets: tuple[float, ...]) -> int:
+    """The histogram bucket a value counts in (len(buckets): above the last bound).
+
+    >>> bucket_of(0.03, TTFT_BUCKETS), bucket_of(99.0, TTFT_BUCKETS)
+    (2, 11)
+    """
+    for i, bound in enumerate(buckets):
+        if value <= bound:
+            return i
+    return len(buckets)
+
+
+def quantile(hist: tuple[int, ...], buckets: tuple[float, ...], q: float) -> float | None:
+    """The q-quantile of a histogram, interpolated inside its bucket as Prometheus'
+    histogram_quantile does; None when empty. Above the last bound: the last bound.
+
+    >>> quantile((0, 10, 10) + (0,) * 9, TTFT_BUCKETS, 0.5)
+    0.025
+    """
+    total = sum(hist)
+    if total == 0:
+        return None
+    rank, seen = q * total, 0
+    for i, n in enumerate(hist):
+        if n and seen + n >= rank:
+            if i == len(buckets):
+                return buckets[-1]
+            lo = buckets[i - 1] if i else 0.0
+            return lo + (buckets[i] - lo) * (rank - seen) / n
+        seen += n
+    return buckets[-1]
+
+
 @dataclasses.dataclass
 class TypeCounts:
     """What one prompt type's requests did on one worker since it started; a fleet window is the
@@ -42,10 +84,22 @@ class TypeCounts:
     spec_requests: int = 0  # finished requests that ran a draft method
     spec_plain_seconds: float = 0.0
     spec_busy_seconds: float = 0.0
+    ttft_hist: tuple[int, ...] = _zeros(TTFT_BUCKETS)  # counts per TTFT_BUCKETS bucket
+    tpot_hist: tuple[int, ...] = _zeros(TPOT_BUCKETS)
 
     def minus(self, earlier: TypeCounts) -> TypeCounts:
-        return TypeCounts(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+        return TypeCounts(**{f.name: _combine(getattr(self, f.name), getattr(earlier, f.name), -1)
                              for f in dataclasses.fields(self)})
+
+    def plus(self, other: TypeCounts) -> TypeCounts:
+        return TypeCounts(**{f.name: _combine(getattr(self, f.name), getattr(other, f.name), 1)
+                             for f in dataclasses.fields(self)})
+
+
+def _combine(a, b, sign: int):
+    if isinstance(a, tuple):
+        return tuple(x + sign * y for x, y in zip(a, b))
+    return a + sign * b
 
 COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(TypeCounts))
 
@@ -95,6 +149,12 @@ class Window:
         c = self.counts
         return c.tpot_seconds_sum / c.tpot_count if c.tpot_count else None
 
+    def ttft_quantile(self, q: float) -> float | None:
+        return quantile(self.counts.ttft_hist, TTFT_BUCKETS, q)
+
+    def tpot_quantile(self, q: float) -> float | None:
+        return quantile(self.counts.tpot_hist, TPOT_BUCKETS, q)
+
     @property
     def error_rate(self) -> float | None:
         c = self.counts
@@ -110,7 +170,7 @@ class Window:
         >>> w.alpha, w.tau, w.pods, w.seconds
         (0.6, 1.3, 2, 60.0)
         """
-        counts = TypeCounts(**{f: getattr(self.counts, f) + getattr(other.counts, f) for f in COUNT_FIELDS})
+        counts = self.counts.plus(other.counts)
         return Window(counts, self.pods + other.pods, max(self.seconds, other.seconds))
 
 
@@ -122,7 +182,17 @@ def parse_window(text: str | bytes) -> Window:
     """
     try:
         raw = json.loads(text)
-        counts = TypeCounts(**{f: type(getattr(TypeCounts, f))(raw.get(f, 0)) for f in COUNT_FIELDS})
+        empty, fields = TypeCounts(), {}
+        for f in COUNT_FIELDS:
+            default = getattr(empty, f)
+            if isinstance(default, tuple):
+                value = tuple(int(n) for n in raw.get(f, default))
+                if len(value) != len(default):
+                    raise ValueError(f"{f} has {len(value)} buckets, not {len(default)}")
+                fields[f] = value
+            else:
+                fields[f] = type(default)(raw.get(f, 0))
+        counts = TypeCounts(**fields)
         return Window(counts, 1, float(raw.get("window_seconds", 0.0)))
     except (ValueError, TypeError, AttributeError) as e:
         raise ValueError(f"not a window ({type(e).__name__}: {e})") from None

@@ -46,6 +46,11 @@ class GenerationStub:
                 request_serializer=specfleet_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
                 _registered_method=True)
+        self.Score = channel.unary_unary(
+                '/specfleet.v1.Generation/Score',
+                request_serializer=specfleet_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
+                response_deserializer=specfleet_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -66,6 +71,15 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Score(self, request, context):
+        """Teacher-forced scoring: the target model's log-probability of each given continuation token
+        (after the request's temperature / top_k / top_p), one forward, nothing generated. The
+        canary's drift check scores one arm's sampled tokens under both arms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -78,6 +92,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GenerateStream,
                     request_deserializer=specfleet_dot_v1_dot_worker__pb2.GenerateRequest.FromString,
                     response_serializer=specfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.SerializeToString,
+            ),
+            'Score': grpc.unary_unary_rpc_method_handler(
+                    servicer.Score,
+                    request_deserializer=specfleet_dot_v1_dot_worker__pb2.ScoreRequest.FromString,
+                    response_serializer=specfleet_dot_v1_dot_worker__pb2.ScoreResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +154,33 @@ class Generation:
             '/specfleet.v1.Generation/GenerateStream',
             specfleet_dot_v1_dot_worker__pb2.GenerateRequest.SerializeToString,
             specfleet_dot_v1_dot_worker__pb2.GenerateStreamResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Score(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specfleet.v1.Generation/Score',
+            specfleet_dot_v1_dot_worker__pb2.ScoreRequest.SerializeToString,
+            specfleet_dot_v1_dot_worker__pb2.ScoreResponse.FromString,
             options,
             channel_credentials,
             insecure,
