@@ -75,9 +75,13 @@ class Settings:
 class FleetState:
     """The operator's own decisions that shape children: control-loop mode and canary progress."""
 
-    mode: str = "speculative"  # or "fallback"
+    mode: str = "speculative"  # or "fallback": the whole deployment
     canary_weight: float | None = None  # percent of requests; None: spec.canary.weight (the start)
     canary_phase: str = "Idle"  # Idle | Progressing | Promoted | Aborted
+    fallback: tuple[str, ...] = ()  # prompt types in fallback (the router routes them to `none`)
+    fallback_clusters: tuple[str, ...] = ()  # prompt clusters in fallback
+    mirror_share: float = 0.0  # percent of greedy requests mirrored for the canary's drift check
+    drift_epoch: str = ""  # the canary run the drift counts belong to
 
 
 def _digest(sdd_name: str) -> str:
@@ -264,6 +268,9 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
     >>> fb = live_state(s, FleetState(mode="fallback"))
     >>> fb.speculate, fb.k["stable"], fb.method_for("code")
     (False, KBounds(k_min=0, k_max=0), 'none')
+    >>> s["slo"] = {"fallback": {"enabled": True, "probeShare": 5}}   # probes keep K in a fallback
+    >>> fb = live_state(s, FleetState(mode="fallback")); fb.k["stable"], fb.route("code", draw=1.0)
+    (KBounds(k_min=1, k_max=8), ('ngram', True))
     >>> s["canary"]["overrides"]["draft"] = {"method": "none"}          # the canary tries plain decoding
     >>> ls = live_state(s, FleetState()); ls.method_for("code"), ls.method_for("code", "canary")
     ('ngram', 'none')
@@ -271,10 +278,14 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
     stable = effective_spec(spec, "stable", state)
     routing = stable.get("routing") or {}
     speculate = state.mode == "speculative" and stable["draft"]["method"] != "none"
+    fallback = (spec.get("slo") or {}).get("fallback") or {}
+    probe_share = float(fallback.get("probeShare", 0.0)) if fallback.get("enabled", True) else 0.0
     k = {}
     for role in ROLES if spec.get("canary") else ("stable",):
         bounds = effective_spec(spec, role, state)["speculation"]
-        k_max = bounds["kMax"] if speculate else 0
+        # in a whole-deployment fallback the probes still speculate: the bounds stay, `speculate`
+        # False makes the workers' default plain (a soft off, docs/worker.md)
+        k_max = bounds["kMax"] if speculate or (state.mode == "fallback" and probe_share > 0) else 0
         k[role] = KBounds(min(bounds["kMin"], k_max), k_max)
     table = Routing(routing.get("default", stable["draft"]["method"]), dict(routing.get("byPromptType", {})))
     arms = {}
@@ -285,8 +296,10 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
         if canary_table != table:
             arms["canary"] = canary_table
     return LiveState(version=version, canary_weight=round(float(canary_weight(spec, state)), 2),
-                     default_method=table.default_method, routes=table.routes, fallback=(), speculate=speculate,
-                     k=k, updated=updated, arms=arms)
+                     default_method=table.default_method, routes=table.routes, fallback=tuple(state.fallback),
+                     speculate=speculate, k=k, updated=updated, arms=arms, probe_share=probe_share,
+                     fallback_clusters=tuple(state.fallback_clusters), mirror_share=state.mirror_share,
+                     drift_epoch=state.drift_epoch)
 
 
 def _redis_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
