@@ -126,7 +126,7 @@ class GetConfigRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("model", "quantization", "role", "speculation_enabled", "k_min", "k_max", "k_initial", "k_policy", "default_method", "method_by_prompt_type", "methods", "max_batch_size", "max_queue", "max_tokens_limit", "context_length", "tree_branching")
+    __slots__ = ("model", "quantization", "role", "speculation_enabled", "k_min", "k_max", "k_initial", "k_policy", "default_method", "method_by_prompt_type", "methods", "max_batch_size", "max_queue", "max_tokens_limit", "context_length", "tree_branching", "default_speculate")
     class MethodByPromptTypeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class WorkerConfig(_message.Message):
     MAX_TOKENS_LIMIT_FIELD_NUMBER: _ClassVar[int]
     CONTEXT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     TREE_BRANCHING_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_SPECULATE_FIELD_NUMBER: _ClassVar[int]
     model: str
     quantization: str
     role: str
@@ -166,7 +167,8 @@ class WorkerConfig(_message.Message):
     max_tokens_limit: int
     context_length: int
     tree_branching: int
-    def __init__(self, model: _Optional[str] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., speculation_enabled: _Optional[bool] = ..., k_min: _Optional[int] = ..., k_max: _Optional[int] = ..., k_initial: _Optional[int] = ..., k_policy: _Optional[str] = ..., default_method: _Optional[str] = ..., method_by_prompt_type: _Optional[_Mapping[str, str]] = ..., methods: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., context_length: _Optional[int] = ..., tree_branching: _Optional[int] = ...) -> None: ...
+    default_speculate: bool
+    def __init__(self, model: _Optional[str] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., speculation_enabled: _Optional[bool] = ..., k_min: _Optional[int] = ..., k_max: _Optional[int] = ..., k_initial: _Optional[int] = ..., k_policy: _Optional[str] = ..., default_method: _Optional[str] = ..., method_by_prompt_type: _Optional[_Mapping[str, str]] = ..., methods: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., context_length: _Optional[int] = ..., tree_branching: _Optional[int] = ..., default_speculate: _Optional[bool] = ...) -> None: ...
 
 class UpdateConfigRequest(_message.Message):
     __slots__ = ("speculation_enabled", "k_min", "k_max", "default_method", "method_by_prompt_type")
