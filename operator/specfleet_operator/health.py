@@ -3,13 +3,17 @@
 The operator's event loop beats a `Heartbeat`, and each reconcile and control-loop tick is
 registered while it runs; `/healthz` (beside `/metrics`, on the metrics port, served by the leader
 and the standby alike) answers 503 once the loop has not beaten for `stale_after_s` (blocked) or a
-piece of work has run longer than that (hung), and 200 otherwise.
+piece of work has run longer than that (hung), and 200 otherwise. `POST /alertmanager` on the same
+port takes Alertmanager's webhook posts into an `AlertInbox` (alerts.py), behind a bearer token.
 """
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import json
+import logging
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -17,6 +21,12 @@ from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import make_wsgi_app
 from prometheus_client.exposition import ThreadingWSGIServer
+
+from . import metrics as operator_metrics
+from .alerts import AlertInbox, BearerToken, PayloadError, parse
+
+logger = logging.getLogger("specfleet.operator.alerts")
+MAX_BODY = 4 << 20  # bytes; a full Alertmanager group is far smaller
 
 
 class Heartbeat:
@@ -73,12 +83,72 @@ class Heartbeat:
             await asyncio.sleep(self.stale_after_s / 6)
 
 
-def app(heartbeat: Heartbeat) -> Callable[..., Any]:
-    """WSGI: /healthz from the heartbeat, everything else prometheus_client's /metrics."""
+@dataclasses.dataclass
+class AlertReceiver:
+    """What `POST /alertmanager` needs: the inbox the loop reads, the token, and whether this
+    replica leads (a standby answers 503, so that Alertmanager retries and reaches the leader)."""
+    inbox: AlertInbox
+    token: BearerToken
+    leading: threading.Event | None = None  # None: a replica that always leads (tests, one replica)
+
+
+def _reply(start_response: Callable[..., Any], status: str, doc: dict[str, Any],
+           headers: tuple[tuple[str, str], ...] = ()) -> list[bytes]:
+    body = json.dumps(doc).encode() + b"\n"
+    start_response(status, [("Content-Type", "application/json"), ("Content-Length", str(len(body))), *headers])
+    return [body]
+
+
+def receive_alerts(receiver: AlertReceiver | None, environ: dict[str, Any],
+                   start_response: Callable[..., Any]) -> list[bytes]:
+    """`POST /alertmanager`: off (404) without a token, never open; 401, 503 on a standby, 400 naming
+    what is wrong with the payload, else 200 with what was taken in."""
+    def refuse(status: str, reason: str, error: str, headers: tuple[tuple[str, str], ...] = ()) -> list[bytes]:
+        operator_metrics.ALERT_POSTS_REFUSED.labels(reason).inc()
+        return _reply(start_response, status, {"error": error}, headers)
+
+    token = receiver.token.get() if receiver is not None else None
+    if receiver is None or token is None:
+        return refuse("404 Not Found", "disabled", "the Alertmanager receiver is off: no bearer token is "
+                      "configured (--alertmanager-token-file, the chart's alertmanager.tokenSecret)")
+    if environ.get("REQUEST_METHOD") != "POST":
+        return refuse("405 Method Not Allowed", "method", f"use POST, not {environ.get('REQUEST_METHOD')}",
+                      (("Allow", "POST"),))
+    why = receiver.token.refusal(environ.get("HTTP_AUTHORIZATION"), token)
+    if why is not None:
+        return refuse("401 Unauthorized", "unauthorized", why, (("WWW-Authenticate", 'Bearer realm="specfleet"'),))
+    if receiver.leading is not None and not receiver.leading.is_set():
+        return refuse("503 Service Unavailable", "standby", "this replica is a standby: retry, the leader takes alerts")
+    try:
+        length = int(environ.get("CONTENT_LENGTH") or 0)
+    except ValueError:
+        length = -1
+    if not 0 < length <= MAX_BODY:
+        return refuse("400 Bad Request", "malformed", f"body: expected a JSON payload of 1 to {MAX_BODY} bytes "
+                      f"with its Content-Length, got {environ.get('CONTENT_LENGTH')!r}")
+    try:
+        alerts = parse(environ["wsgi.input"].read(length))
+    except PayloadError as exc:
+        return refuse("400 Bad Request", "malformed", str(exc))
+    matched = receiver.inbox.record(alerts)
+    for a in alerts:
+        operator_metrics.ALERTS_RECEIVED.labels(a.status if a.fleet else "unmatched").inc()
+    if matched < len(alerts):
+        logger.info("%d of %d alerts name no fleet (labels sdd_namespace, sdd_name): ignored",
+                    len(alerts) - matched, len(alerts))
+    return _reply(start_response, "200 OK", {"alerts": len(alerts), "matched": matched})
+
+
+def app(heartbeat: Heartbeat, alerts: AlertReceiver | None = None) -> Callable[..., Any]:
+    """WSGI: /healthz from the heartbeat, /alertmanager into the inbox, everything else
+    prometheus_client's /metrics."""
     metrics = make_wsgi_app()
 
     def serve(environ: dict[str, Any], start_response: Callable[..., Any]) -> list[bytes]:
-        if environ.get("PATH_INFO") != "/healthz":
+        path = environ.get("PATH_INFO")
+        if path == "/alertmanager":
+            return receive_alerts(alerts, environ, start_response)
+        if path != "/healthz":
             return metrics(environ, start_response)
         problem = heartbeat.problem()
         body = (problem or "ok").encode() + b"\n"
@@ -93,8 +163,10 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def serve(port: int, heartbeat: Heartbeat, addr: str = "0.0.0.0") -> ThreadingWSGIServer:
-    """Start /metrics and /healthz on `port` (0: any free one, see server.server_port) in a daemon thread."""
-    server = make_server(addr, port, app(heartbeat), ThreadingWSGIServer, handler_class=_QuietHandler)
+def serve(port: int, heartbeat: Heartbeat, addr: str = "0.0.0.0",
+          alerts: AlertReceiver | None = None) -> ThreadingWSGIServer:
+    """Start /metrics, /healthz and /alertmanager on `port` (0: any free one, see server.server_port)
+    in a daemon thread."""
+    server = make_server(addr, port, app(heartbeat, alerts), ThreadingWSGIServer, handler_class=_QuietHandler)
     threading.Thread(target=server.serve_forever, name="specfleet-metrics", daemon=True).start()
     return server

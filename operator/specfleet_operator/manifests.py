@@ -621,43 +621,80 @@ def service_monitor(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
 
 
 PROM_LABEL_SDD = "serving_specfleet_dev_deployment"  # LABEL_SDD as Prometheus relabels it
+PROM_LABEL_ROLE = "serving_specfleet_dev_role"  # LABEL_ROLE likewise
+# The alerts (docs/alerts.md); the first two are SLO misses, which the receiver (alerts.py) turns
+# into the loop's fallback. Each carries sdd_namespace and sdd_name (and prompt_type where it has one).
+ALERT_ALPHA = "SpecDecodeAlphaBelowSLO"
+ALERT_SPEEDUP = "SpecDecodeSpeedupBelowSLO"
+ALERT_DRAFT_ERRORS = "SpecDecodeDraftErrors"
+ALERT_FALLBACK = "SpecFleetFallbackActive"
+#: How far back the alpha alert looks for the baseline it compares the window with.
+BASELINE_RANGE = "1h"
 
 
-def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.1,
-                speedup_floor: float = 1.0) -> list[dict[str, Any]]:
-    """The standard alerts; `selector` (PromQL matchers) narrows them, e.g. to one fleet."""
-    sel = "{" + selector + "}" if selector else ""
+def _num(x: float) -> str:
+    """A number as Helm's printf "%v" writes it, so that the chart's rules equal these."""
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
+def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5, alpha_floor: float = 0.05,
+                speedup_floor: float = 1.0, min_draft_tokens: int = 200, baseline: str = BASELINE_RANGE,
+                fleet: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+    """The alerts, saying what the loop does: over `window`, on the stable arm, with at least
+    `min_draft_tokens` drafted (less is missing data), alpha per prompt type below `alpha_floor` or
+    below (1 - `alpha_drop`) x its baseline (the best window of the `baseline` range before this
+    window, so the alert stays firing while alpha stays low), and the speedup (plain-equivalent
+    seconds over busy seconds) below `speedup_floor`. `selector` (PromQL matchers) narrows them to
+    one fleet, whose (namespace, name) `fleet` then labels them; without it the labels come from
+    the series."""
+    sel = "{" + ", ".join(filter(None, [selector, f'{PROM_LABEL_ROLE}!="canary"'])) + "}"
     by = f"namespace, {PROM_LABEL_SDD}"
-    now = f"avg by ({by}) (avg_over_time(spec_decode_acceptance_rate{sel}[{window}]))"
-    before = f"avg by ({by}) (avg_over_time(spec_decode_acceptance_rate{sel}[{window}] offset {window}))"
+    alpha = f"avg by ({by}, prompt_type) (avg_over_time(spec_decode_acceptance_rate{sel}[{window}]))"
+    base = f"max_over_time({alpha}[{baseline}:{window}] offset {window})"
+    drafted = f"sum by ({by}) (increase(spec_decode_num_draft_tokens_total{sel}[{window}])) >= {_num(min_draft_tokens)}"
+    speedup = (f"sum by ({by}) (rate(spec_decode_plain_equivalent_seconds_total{sel}[{window}]))"
+               f" / sum by ({by}) (rate(spec_decode_busy_seconds_total{sel}[{window}]))")
+    if fleet is None:
+        where = {"sdd_namespace": "{{ $labels.namespace }}", "sdd_name": "{{ $labels.%s }}" % PROM_LABEL_SDD}
+        fallback = "max by (sdd_namespace, sdd_name) (specfleet_fallback_active) == 1"
+    else:
+        where = {"sdd_namespace": fleet[0], "sdd_name": fleet[1]}
+        fallback = f'max by (sdd_namespace, sdd_name) (specfleet_fallback_active{{sdd_namespace="{fleet[0]}", sdd_name="{fleet[1]}"}}) == 1'
+    fleet_name = f"{where['sdd_namespace']}/{where['sdd_name']}"  # annotations see the series' labels only
     return [
-        {"alert": "SpecDecodeAlphaDrop",
-         "expr": f"({before} - {now}) / {before} > {alpha_drop}",
-         "for": "1m", "labels": {"severity": "warning"},
-         "annotations": {"summary": f"Acceptance rate (alpha) fell by more than {alpha_drop:.0%} over {window}",
-                         "description": "Drafts are rejected more often: check the prompt mix and the draft."}},
-        {"alert": "SpecDecodeSpeedupBelowOne",
-         "expr": f"avg by ({by}) (spec_decode_total_speedup_ratio{sel}) < {speedup_floor}",
-         "for": window, "labels": {"severity": "warning"},
-         "annotations": {"summary": f"Speculative decoding is slower than plain decoding (speedup < {speedup_floor})",
-                         "description": "Speculation costs more than it saves; fallback should engage."}},
-        {"alert": "SpecDecodeDraftErrors",
+        {"alert": ALERT_ALPHA,
+         "expr": f"(({alpha}) < (1 - {_num(alpha_drop)}) * ({base}) or ({alpha}) < {_num(alpha_floor)})"
+                 f" and on ({by}) ({drafted})",
+         "for": "1m", "labels": {"severity": "warning", **where},
+         "annotations": {"summary": f"Alpha of prompt type {{{{ $labels.prompt_type }}}} in {fleet_name} is below "
+                                    f"its SLO over {window}",
+                         "description": f"Alpha is under {_num(alpha_floor)}, or under (1 - {_num(alpha_drop)}) x "
+                                        f"its best {window} in the {baseline} before: the loop falls back."}},
+        {"alert": ALERT_SPEEDUP,
+         "expr": f"({speedup}) < {_num(speedup_floor)} and ({drafted})",
+         "for": "1m", "labels": {"severity": "warning", **where},
+         "annotations": {"summary": f"Speculative decoding in {fleet_name} is below a {_num(speedup_floor)}x "
+                                    f"speedup over {window}",
+                         "description": "Speculation costs more than it saves: the loop falls back."}},
+        {"alert": ALERT_DRAFT_ERRORS,
          "expr": f"sum by ({by}) (rate(spec_decode_draft_failures_total{sel}[{window}])) > 0",
-         "for": "5m", "labels": {"severity": "warning"},
-         "annotations": {"summary": "Draft proposers are failing (their requests degrade to plain decoding)"}},
-        {"alert": "SpecDecodeFallbackEntered",
-         "expr": "max by (namespace, name) (specfleet_fallback_active) == 1",
+         "for": "5m", "labels": {"severity": "warning", **where},
+         "annotations": {"summary": f"Draft proposers in {fleet_name} are failing (their requests degrade "
+                                    "to plain decoding)"}},
+        {"alert": ALERT_FALLBACK,
+         "expr": fallback,
          "for": "0m", "labels": {"severity": "info"},
-         "annotations": {"summary": "The operator switched a fleet to plain decoding (fallback)"}},
+         "annotations": {"summary": "The operator switched {{ $labels.sdd_namespace }}/{{ $labels.sdd_name }} "
+                                    "to plain decoding (fallback)"}},
     ]
 
 
 def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     name, ns, slo = sdd["metadata"]["name"], sdd["metadata"]["namespace"], spec["slo"]
     rule = spec["observability"]["prometheusRule"]
-    rules = alert_rules(f'namespace="{ns}", {PROM_LABEL_SDD}="{label_value(name)}"',
-                        slo["window"], slo["alphaDropAlert"], slo["speedupFloor"])
-    rules[-1]["expr"] = f'max(specfleet_fallback_active{{namespace="{ns}", name="{name}"}}) == 1'
+    rules = alert_rules(f'namespace="{ns}", {PROM_LABEL_SDD}="{label_value(name)}"', slo["window"],
+                        slo["alphaDropAlert"], slo["alphaFloor"], slo["speedupFloor"], slo["minDraftTokens"],
+                        fleet=(ns, name))
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
         "metadata": {"name": child_name(name, "alerts"), "namespace": ns,

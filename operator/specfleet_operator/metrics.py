@@ -11,15 +11,21 @@ import statistics
 from typing import Any, Protocol
 
 import aiohttp
-from prometheus_client import Gauge
+from prometheus_client import Counter, Gauge
 from prometheus_client.parser import text_string_to_metric_families
 
 from .manifests import Settings, child_name
 from .policy import Metrics, RoleMetrics
 
-FALLBACK_ACTIVE = Gauge("specfleet_fallback_active", "1 while a fleet decodes without speculation",
-                        ["namespace", "name"])
-CANARY_WEIGHT = Gauge("specfleet_canary_weight", "Percent of requests the router sends to the canary", ["namespace", "name"])
+# Per-fleet label names: not `namespace`, which Prometheus' own target label takes over (renaming
+# ours `exported_namespace`), so that rules, dashboards and the alert receiver all see these.
+SDD_LABELS = ("sdd_namespace", "sdd_name")
+FALLBACK_ACTIVE = Gauge("specfleet_fallback_active", "1 while a fleet decodes without speculation", SDD_LABELS)
+CANARY_WEIGHT = Gauge("specfleet_canary_weight", "Percent of requests the router sends to the canary", SDD_LABELS)
+ALERTS_RECEIVED = Counter("specfleet_alerts_received", "Alerts taken from Alertmanager webhook posts, by status",
+                          ["status"])
+ALERT_POSTS_REFUSED = Counter("specfleet_alertmanager_refused_requests",
+                              "Posts to /alertmanager refused, by reason", ["reason"])
 #: The worker's arrival-to-last-token histogram: what a canary's p99LatencySeconds check reads.
 E2E_LATENCY = "spec_decode_e2e_request_latency_seconds"
 
