@@ -1,7 +1,9 @@
 """One request's way through the router, whatever front it came in by: the route (arm, draft
 method, prompt type), the backend, and the retry before the first token.
 
-The split picks the arm; an arm with no ready backend hands its requests to the other arm (a
+The split picks the arm, the live state the method: a prompt type or prompt cluster in fallback runs
+plain decoding, except its probes (a share of its requests, by a draw from the request id, that
+still speculate so that the loop keeps observing). An arm with no ready backend hands its requests to the other arm (a
 fallback, counted and shown in the response headers). Within the arm the least busy backend gets
 the request. A backend that answers UNAVAILABLE before the first token (stopped, draining, not
 reachable) is ejected for a while and the request is sent once more elsewhere; one that answers
@@ -12,6 +14,7 @@ kinds; each front maps them to its own status codes.
 
 from __future__ import annotations
 
+import hashlib
 import random
 import re
 import time
@@ -23,6 +26,7 @@ import grpc
 from specfleet_proto import worker_pb2 as pb
 
 from .backends import Backend, Backends
+from .clusters import ClusterWindows, Clusters
 from .metrics import RouterMetrics
 from .split import CANARY, STABLE, arm_for
 from .state import StateSource
@@ -32,11 +36,33 @@ HEADER_METHOD = "x-specfleet-method"
 HEADER_PROMPT_TYPE = "x-specfleet-prompt-type"
 HEADER_FALLBACK = "x-specfleet-fallback-from"
 HEADER_STATE_VERSION = "x-specfleet-state-version"
+HEADER_PROBE = "x-specfleet-probe"
+HEADER_CLUSTER = "x-specfleet-cluster"
 TRACE_KEYS = ("traceparent", "tracestate")
 
 
 def other_arm(arm: str) -> str:
     return CANARY if arm == STABLE else STABLE
+
+
+def draw(request_id: str, purpose: str) -> float:
+    """A request's fixed draw, uniform in [0, 100), for one purpose ("probe", "mirror"): a retried
+    request draws the same, and two purposes draw independently.
+
+    >>> draw("req-1", "probe") == draw("req-1", "probe"), draw("req-1", "probe") == draw("req-1", "mirror")
+    (True, False)
+    """
+    digest = hashlib.sha256(f"{purpose}:{request_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 * 100.0
+
+
+def prompt_text(msg: pb.GenerateRequest) -> str | None:
+    """What a request's prompt cluster is learned from: its last user message, or its text
+    prompt; None for token ids (nothing to read)."""
+    users = [m.content for m in msg.messages if m.role == "user"]
+    if users:
+        return users[-1]
+    return msg.prompt or None
 
 
 @dataclass(frozen=True)
@@ -49,6 +75,10 @@ class Route:
     method: str
     prompt_type: str
     state_version: int
+    cluster: str | None = None
+    probe: bool = False  # speculates although its type or cluster is in fallback
+    draw: float = 100.0  # the request's probe draw
+    backend: str | None = None  # the backend that answered (set once one did)
 
     @property
     def fell_back(self) -> bool:
@@ -59,6 +89,10 @@ class Route:
                HEADER_STATE_VERSION: str(self.state_version)}
         if self.fell_back:
             out[HEADER_FALLBACK] = self.split_arm
+        if self.probe:
+            out[HEADER_PROBE] = "1"
+        if self.cluster is not None:
+            out[HEADER_CLUSTER] = self.cluster
         return out
 
 
@@ -132,18 +166,28 @@ class Upstream:
 
 class Router:
     def __init__(self, backends: Backends, state: StateSource, metrics: RouterMetrics, *,
-                 retries: int = 1, rng: random.Random | None = None):
+                 retries: int = 1, rng: random.Random | None = None, clusters: Clusters | None = None,
+                 windows: ClusterWindows | None = None, drift=None):
         self.backends, self.state, self.metrics = backends, state, metrics
         self.retries, self.rng = retries, rng or random.Random()
+        self.clusters, self.windows, self.drift = clusters, windows, drift
         self.in_flight = 0  # requests inside a front now (what a drain waits for)
         metrics.in_flight.set_function(lambda: self.in_flight)
 
-    def route(self, prompt_type: str, session: str | None) -> Route:
-        """The split's arm and the method for the prompt type, from the live state in force (memory
-        only: nothing here waits on Redis). Whether the arm can serve is the dispatch's business."""
+    def route(self, prompt_type: str, session: str | None, msg: pb.GenerateRequest | None = None) -> Route:
+        """The split's arm, the prompt cluster and the method, from the live state in force (memory
+        only: nothing here waits on Redis). Whether the arm can serve is the dispatch's business.
+        Without `msg` (a request refused before it was read) there is no cluster and no probe."""
         state = self.state.current
         arm = arm_for(session, state.canary_weight, self.rng)
-        return Route(arm, arm, state.method_for(prompt_type, arm), prompt_type, state.version)
+        cluster, d = None, 100.0
+        if msg is not None:
+            text = prompt_text(msg)
+            if self.clusters is not None and text:
+                cluster = self.clusters.assign(prompt_type, text)
+            d = draw(msg.request_id, "probe") if msg.request_id else self.rng.random() * 100.0
+        method, probe = state.route(prompt_type, arm, cluster, d)
+        return Route(arm, arm, method, prompt_type, state.version, cluster, probe, d)
 
     def _next_backend(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route]:
         """The arm's least busy backend not tried yet; the other arm's when this arm has no
@@ -157,7 +201,8 @@ class Router:
         if b is None:
             return None, route
         # the arm that serves decides the method: an arm may have a table of its own
-        return b, replace(route, arm=other, method=self.state.current.method_for(route.prompt_type, other))
+        method, probe = self.state.current.route(route.prompt_type, other, route.cluster, route.draw)
+        return b, replace(route, arm=other, method=method, probe=probe)
 
     async def _attempts(self, route: Route, msg: pb.GenerateRequest, deadline: float | None,
                         metadata: tuple[tuple[str, str], ...], start):
@@ -204,7 +249,7 @@ class Router:
                 raise
             if route.fell_back:
                 self.metrics.arm_fallbacks.labels(route.split_arm, route.arm).inc()
-            return backend, route, answer
+            return backend, replace(route, backend=backend.target), answer
 
     async def generate(self, route: Route, msg: pb.GenerateRequest, *, deadline: float | None = None,
                        metadata: tuple[tuple[str, str], ...] = ()) -> tuple[Route, pb.GenerateResponse]:
@@ -237,8 +282,8 @@ class Router:
         return Upstream(self, backend, route, calls[backend], first)
 
     def _stamped(self, route: Route, msg: pb.GenerateRequest) -> pb.GenerateRequest:
-        """The request as the worker gets it: the route's method and prompt type, unless a gRPC
-        caller named a method of its own."""
+        """The request as the worker gets it: the route's method (a probe's too, named explicitly)
+        and prompt type, unless a gRPC caller named a method of its own."""
         out = pb.GenerateRequest()
         out.CopyFrom(msg)
         if not out.speculation_method or out.speculation_method == "auto":
@@ -252,6 +297,8 @@ class Router:
         """Count one finished request (any front)."""
         m = self.metrics
         m.requests.labels(route.arm, route.prompt_type, route.method, outcome).inc()
+        if route.probe:
+            m.probes.labels(route.prompt_type).inc()
         if outcome != "ok":
             return
         m.request_success.labels(route.arm, finish_reason or "stop").inc()
@@ -263,6 +310,16 @@ class Router:
             m.e2e.labels(route.arm).observe(finished_at - arrival)
         if first_at is not None and finished_at is not None and completion_tokens > 1:
             m.tpot.labels(route.arm).observe((finished_at - first_at) / (completion_tokens - 1))
+
+
+    def completed(self, route: Route, msg: pb.GenerateRequest, token_ids, speculation: pb.SpeculationStats,
+                  request_id: str) -> None:
+        """A request answered in full (any front): its cluster's window counts it, and the drift
+        check may mirror it (in the background: nothing here waits)."""
+        if self.windows is not None and route.cluster is not None:
+            self.windows.record(route.cluster, route.prompt_type, speculation)
+        if self.drift is not None:
+            self.drift.offer(route, msg, list(token_ids), request_id)
 
 
 def forwarded_metadata(get) -> tuple[tuple[str, str], ...]:

@@ -1,6 +1,6 @@
 """The worker's own gRPC API (specfleet.v1.Generation) served by the router, so gRPC clients get
-the same routing as HTTP ones: the same classify, split, method and balancing, with the route in
-the response's initial metadata (x-specfleet-arm, -method, -prompt-type).
+the same routing as HTTP ones: the same classify, split, cluster, method and balancing, with the route in
+the response's initial metadata (x-specfleet-arm, -method, -prompt-type, -cluster, -probe).
 
 A caller's `prompt_type` is kept when it is one of the fixed set, and a `speculation_method` of
 its own is honoured (as the worker would); otherwise the router decides. The session that pins
@@ -40,7 +40,7 @@ class GenerationFront(pb_grpc.GenerationServicer):
 
     def _begin(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         md = {k: v for k, v in context.invocation_metadata() or ()}
-        route = self.router.route(prompt_type_of(request), md.get("x-session-id"))
+        route = self.router.route(prompt_type_of(request), md.get("x-session-id"), request)
         remaining = context.time_remaining()
         deadline = None if remaining is None else time.monotonic() + remaining
         return route, deadline, forwarded_metadata(md.get)
@@ -64,6 +64,8 @@ class GenerationFront(pb_grpc.GenerationServicer):
                                 first_at=finished - max(0.0, resp.latency_s - resp.time_to_first_token_s),
                                 finished_at=finished, prompt_tokens=resp.usage.prompt_tokens,
                                 completion_tokens=resp.usage.completion_tokens, finish_reason=resp.finish_reason)
+            self.router.completed(route, request, resp.token_ids, resp.speculation,
+                                  resp.request_id or request.request_id)
             await context.send_initial_metadata(tuple(route.headers().items()))
             return resp
         except asyncio.CancelledError:  # the caller went away or its deadline passed
@@ -81,11 +83,12 @@ class GenerationFront(pb_grpc.GenerationServicer):
                 up = await self.router.stream(route, request, deadline=deadline, metadata=metadata)
             except RouterError as e:
                 await self._fail(e, route, context)
-            route, first_at, last = up.route, time.monotonic(), None
+            route, first_at, last, token_ids = up.route, time.monotonic(), None, []
             await context.send_initial_metadata(tuple(route.headers().items()))
             try:
                 async for m in up.messages():
                     last = m
+                    token_ids.extend(m.token_ids)
                     yield m
             except RouterError as e:  # after the first token: the worker's status, no retry
                 self.router.observe(route, e.kind)
@@ -96,6 +99,9 @@ class GenerationFront(pb_grpc.GenerationServicer):
                                 prompt_tokens=last.usage.prompt_tokens if last else 0,
                                 completion_tokens=last.usage.completion_tokens if last else 0,
                                 finish_reason=last.finish_reason if last else None)
+            if last is not None:
+                self.router.completed(route, request, token_ids, last.speculation,
+                                      last.request_id or request.request_id)
         except asyncio.CancelledError:
             self.router.observe(route, "cancelled")
             raise

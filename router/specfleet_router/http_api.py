@@ -2,7 +2,8 @@
 /v1/models, plus /metrics, /healthz and /readyz.
 
 Every completion response, errors included, carries x-specfleet-arm, x-specfleet-method and
-x-specfleet-prompt-type (`-` when the request was refused before it could be routed). A stream's
+x-specfleet-prompt-type (`-` when the request was refused before it could be routed), and
+x-specfleet-cluster (its prompt cluster) and x-specfleet-probe (1 on a probe) once it was read. A stream's
 headers go out with its first token, so a failure before that (no backend, every backend
 shedding load) is still a plain HTTP error with the right status; a failure after it ends the
 stream with an `error` event and `[DONE]`.
@@ -20,6 +21,8 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from specfleet_proto import worker_pb2 as pb
 
 from . import openai_api as oa
 from .dispatch import HEADER_ARM, HEADER_METHOD, HEADER_PROMPT_TYPE, Route, Router, RouterError, forwarded_metadata
@@ -143,8 +146,8 @@ class HttpFront:
             return self._error(400, str(e), e.param, headers, rid)
         if not self.models.serves(job.model):
             return self._not_found(job.model, rid)
-        route = self.router.route(job.prompt_type.value, session or job.user)
         msg = job.to_proto(rid)
+        route = self.router.route(job.prompt_type.value, session or job.user, msg)
         deadline = arrival + self.request_timeout_s
         metadata = forwarded_metadata(request.headers.get)
         self.router.in_flight += 1
@@ -171,6 +174,7 @@ class HttpFront:
         self.router.observe(route, "ok", arrival=arrival, first_at=first_at, finished_at=finished,
                             prompt_tokens=resp.usage.prompt_tokens, completion_tokens=resp.usage.completion_tokens,
                             finish_reason=resp.finish_reason)
+        self.router.completed(route, msg, resp.token_ids, resp.speculation, rid)
         return web.json_response(oa.full_response(job, rid, int(time.time()), resp),
                                  headers={**route.headers(), "x-request-id": rid})
 
@@ -190,13 +194,14 @@ class HttpFront:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                                            **route.headers(), "x-request-id": rid})
         prompt_tokens = completion_tokens = 0
-        finish_reason, counted = None, False
+        finish_reason, counted, token_ids, speculation = None, False, [], pb.SpeculationStats()
         try:
             await resp.prepare(request)
             if job.kind == "chat":
                 await resp.write(sse(oa.chunk(job, rid, created, text="", role=True)))
             async for m in up.messages():
                 completion_tokens += len(m.token_ids)
+                token_ids.extend(m.token_ids)
                 if m.text or (job.logprobs and m.token_ids):
                     await resp.write(sse(oa.chunk(job, rid, created, text=m.text, token_ids=m.token_ids,
                                                   logprobs=m.logprobs)))
@@ -204,12 +209,14 @@ class HttpFront:
                     finish_reason = m.finish_reason
                     prompt_tokens = m.usage.prompt_tokens
                     completion_tokens = m.usage.completion_tokens or completion_tokens
+                    speculation = m.speculation
                     await resp.write(sse(oa.chunk(job, rid, created, finish_reason=finish_reason)))
             # counted before the client can read the end, so that a scrape after it sees this request
             self.router.observe(route, "ok", arrival=arrival, first_at=first_at, finished_at=time.monotonic(),
                                 prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
                                 finish_reason=finish_reason)
             counted = True
+            self.router.completed(route, msg, token_ids, speculation, rid)
             if job.include_usage:
                 await resp.write(sse(oa.usage_chunk(job, rid, created, prompt_tokens, completion_tokens)))
             await resp.write(b"data: [DONE]\n\n")

@@ -11,12 +11,16 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 
 from specfleet_api.enums import PROMPT_TYPES, SERVED_METHODS, Method, not_served
 from specfleet_api.live_state import LiveState
 
+from . import clusters as cl
+from . import drift as dr
 from .backends import parse_backends
+from .fleet import router_name
 from .server import RouterConfig, RouterServer
 
 log = logging.getLogger("specfleet.router")
@@ -63,6 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
                    help=f"draft method for a prompt type ({', '.join(PROMPT_TYPES)}); repeatable")
     g.add_argument("--default-method", default=Method.NGRAM.value, choices=SERVED_METHODS,
                    help="draft method for prompt types without a --route (default ngram)")
+    g = p.add_argument_group("prompt clusters and drift check (published to Redis for the loop)")
+    g.add_argument("--router-name", default=None,
+                   help="this router in cluster ids (<name>/<n>) and in the Redis keys it writes (default $POD_NAME, "
+                        "else the host name)")
+    g.add_argument("--max-clusters", type=int,
+                   default=os.environ.get("SPECFLEET_MAX_CLUSTERS", str(cl.DEFAULT_MAX_CLUSTERS)),
+                   help="prompt clusters learned per prompt type (default $SPECFLEET_MAX_CLUSTERS, else "
+                        f"{cl.DEFAULT_MAX_CLUSTERS})")
+    g.add_argument("--cluster-similarity", type=float,
+                   default=os.environ.get("SPECFLEET_CLUSTER_SIMILARITY", str(cl.DEFAULT_THRESHOLD)),
+                   help="cosine similarity a prompt needs to join a cluster rather than open one while under "
+                        f"--max-clusters (default $SPECFLEET_CLUSTER_SIMILARITY, else {cl.DEFAULT_THRESHOLD})")
+    g.add_argument("--fleet-window-seconds", type=float,
+                   default=os.environ.get("SPECFLEET_FLEET_WINDOW_S", str(cl.DEFAULT_WINDOW_S)),
+                   help="the sliding window of each cluster's counts, published every 5 s (default "
+                        f"$SPECFLEET_FLEET_WINDOW_S, else {cl.DEFAULT_WINDOW_S:g})")
+    g.add_argument("--mirror-concurrency", type=int, default=dr.DEFAULT_CONCURRENCY,
+                   help="drift-check pairs mirrored at a time; one more is dropped and counted (default "
+                        f"{dr.DEFAULT_CONCURRENCY})")
     g = p.add_argument_group("requests")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="deadline of an HTTP request, passed to the worker (default 600)")
@@ -95,6 +118,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     problems = state.problems()
     if problems:
         raise ValueError("; ".join(problems))
+    if args.max_clusters < 1:
+        raise ValueError(f"--max-clusters {args.max_clusters}: need at least 1")
+    if not -1.0 <= args.cluster_similarity <= 1.0:
+        raise ValueError(f"--cluster-similarity {args.cluster_similarity}: a cosine similarity in [-1, 1]")
+    if args.fleet_window_seconds <= 0:
+        raise ValueError(f"--fleet-window-seconds {args.fleet_window_seconds:g}: need a positive number of seconds")
+    if args.mirror_concurrency < 0:
+        raise ValueError(f"--mirror-concurrency {args.mirror_concurrency}: need 0 or more")
     backends = parse_backends(args.backend)
     if any(backends.values()) and args.discover_kubernetes:
         raise ValueError("--backend and --discover-kubernetes: use one or the other")
@@ -105,7 +136,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                         redis_url=args.redis_url or None, redis_poll_s=args.redis_poll_seconds,
                         request_timeout_s=args.request_timeout, default_temperature=args.default_temperature,
                         health_check=not args.no_health_check, eject_s=args.eject_seconds, retries=args.retries,
-                        max_request_bytes=args.max_request_bytes, drain_s=args.drain_seconds)
+                        max_request_bytes=args.max_request_bytes, drain_s=args.drain_seconds,
+                        router_name=router_name(args.router_name, os.environ, socket.gethostname),
+                        max_clusters=args.max_clusters, cluster_similarity=args.cluster_similarity,
+                        fleet_window_s=args.fleet_window_seconds, mirror_concurrency=args.mirror_concurrency)
 
 
 async def serve(cfg: RouterConfig, drain_s: float, discovery=None) -> int:

@@ -56,3 +56,12 @@ class RouterMetrics:
                                      "last read from Redis (0 without Redis)", registry=r)
         self.state_errors = Counter("specfleet_router_state_errors", "Failed reads of the live state, by reason "
                                     "(unreachable, invalid)", ["reason"], registry=r)
+        self.probes = Counter("specfleet_router_probes", "Requests of a prompt type or cluster in fallback that "
+                              "still speculated (the probes that keep it observed)", ["prompt_type"], registry=r)
+        self.drift_pairs = Counter("specfleet_router_drift_pairs", "Mirrored pairs compared for the drift check, by "
+                                   "kind (canary, control) and result (agree, differ; scored: a sampled pair)",
+                                   ["kind", "result"], registry=r)
+        self.drift_dropped = Counter("specfleet_router_drift_dropped", "Pairs the drift check did not mirror, by kind "
+                                     "and reason (busy, no_backend, error)", ["kind", "reason"], registry=r)
+        self.fleet_publish_errors = Counter("specfleet_router_fleet_publish_errors", "Failed writes of the cluster "
+                                            "windows and drift counts to Redis", registry=r)

@@ -1,11 +1,13 @@
 """The router process's parts put together on one asyncio loop: the live state (Redis or flags),
-the backend pools, the dispatcher, the HTTP front and the gRPC front, and their life cycle
-(start, drain on SIGTERM, stop)."""
+the backend pools, the prompt clusters, the drift check, the dispatcher, the HTTP front and the
+gRPC front, what is published for the loop (with Redis), and their life cycle (start, drain on
+SIGTERM, stop)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 from dataclasses import dataclass, field
 
 import grpc
@@ -15,8 +17,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from specfleet_api.live_state import LiveState
 from specfleet_proto import worker_pb2_grpc as pb_grpc
 
+from . import clusters as cl
+from . import drift as dr
 from .backends import Backends, Discovery, StaticDiscovery
 from .dispatch import Router
+from .fleet import PERIOD_S, FleetPublisher
 from .grpc_api import GenerationFront
 from .http_api import HttpFront, Models
 from .metrics import RouterMetrics
@@ -45,6 +50,13 @@ class RouterConfig:
     retries: int = 1
     max_request_bytes: int = 1 << 20
     drain_s: float = 30.0  # what requests in flight get: on SIGTERM, and on a backend discovery removed
+    router_name: str = field(default_factory=socket.gethostname)  # in cluster ids and the keys it publishes
+    max_clusters: int = cl.DEFAULT_MAX_CLUSTERS  # per prompt type
+    cluster_similarity: float = cl.DEFAULT_THRESHOLD
+    fleet_window_s: float = cl.DEFAULT_WINDOW_S
+    fleet_publish_s: float = PERIOD_S
+    mirror_concurrency: int = dr.DEFAULT_CONCURRENCY
+    mirror_timeout_s: float = dr.DEFAULT_TIMEOUT_S
 
 
 class RouterServer:
@@ -76,7 +88,17 @@ class RouterServer:
         self.backends = Backends(self.discovery, self.metrics, health_check=cfg.health_check, eject_s=cfg.eject_s,
                                  forget_grace_s=cfg.drain_s)
         self.backends.start()
-        self.router = Router(self.backends, self.state, self.metrics, retries=cfg.retries)
+        self.clusters = cl.Clusters(cfg.router_name, cfg.max_clusters, cfg.cluster_similarity)
+        self.windows = cl.ClusterWindows(cfg.fleet_window_s)
+        self.drift = dr.Drift(self.backends, self.state, self.metrics, concurrency=cfg.mirror_concurrency,
+                              timeout_s=cfg.mirror_timeout_s)
+        self.router = Router(self.backends, self.state, self.metrics, retries=cfg.retries, clusters=self.clusters,
+                             windows=self.windows, drift=self.drift)
+        self.publisher = None
+        if cfg.redis_url:
+            self.publisher = FleetPublisher(cfg.redis_url, cfg.namespace, cfg.name, cfg.router_name, self.metrics,
+                                            windows=self.windows, drift=self.drift, period_s=cfg.fleet_publish_s)
+            self.publisher.start()
 
         front = HttpFront(self.router, Models(cfg.name, cfg.model_aliases), self.metrics,
                           request_timeout_s=cfg.request_timeout_s, default_temperature=cfg.default_temperature,
@@ -130,6 +152,9 @@ class RouterServer:
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.grpc.stop(grace_s)
         await self.runner.cleanup()
+        await self.drift.close()
+        if self.publisher is not None:
+            await self.publisher.close()
         await self.backends.close()
         if isinstance(self.state, RedisState):
             await self.state.close()

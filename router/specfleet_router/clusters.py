@@ -1,0 +1,171 @@
+"""Prompt clusters: a cheap embedding of each prompt and clusters learned online per prompt type,
+so that the loop can fall back where alpha collapses inside a type that is healthy on average
+(a rare programming language, a new domain's jargon).
+
+The embedding is the lowercased text's character 1- to 3-grams, feature-hashed into 2**20 buckets,
+times a fixed random ±1 projection to DIMS dimensions whose rows are derived from the bucket by a
+keyed hash (no numpy, no table to ship: every router in the fleet computes the same vector for the
+same text), normalised to unit length. 3-grams alone leave two short texts of one kind (two Finnish
+sentences) near orthogonal; the shorter grams carry the alphabet and the punctuation that make a
+kind of text recognisable. Clustering is leader clustering with running means: a prompt
+joins the most similar centroid when the cosine similarity reaches the threshold, else opens a
+cluster while the prompt type has fewer than `max_clusters`, else joins the most similar one.
+Cluster ids are `<router>/<n>`, the router's own: they are not comparable across routers.
+
+>>> c = Clusters("r0", max_clusters=4, threshold=0.5)
+>>> a = c.assign("code", "def add(a, b):\\n    return a + b")
+>>> b = c.assign("code", "def sub(a, b):\\n    return a - b")
+>>> d = c.assign("code", "Hyvää huomenta, kuinka voit tänään?")
+>>> a, a == b, d
+('r0/0', True, 'r0/1')
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable
+
+from specfleet_api.windows import ClusterWindow
+
+DIMS = 64  # the projection's rows are the 64 bits of one 8-byte digest
+NGRAMS = (1, 2, 3)
+BUCKETS = 1 << 20  # the feature hash's range
+MAX_CHARS = 512  # a prompt's head: enough to tell kinds apart, at about 2 ms
+SEED = b"specfleet-clusters-v1"  # changing it changes every vector: a new version of the embedding
+DEFAULT_MAX_CLUSTERS = 16
+DEFAULT_THRESHOLD = 0.5
+DEFAULT_WINDOW_S = 60.0
+
+
+@lru_cache(maxsize=1 << 16)
+def _row(bucket: int) -> tuple[int, ...]:
+    """The projection's row for one hashed feature: DIMS signs from a keyed digest."""
+    bits = int.from_bytes(hashlib.blake2b(bucket.to_bytes(4, "big"), digest_size=8, key=SEED).digest(), "big")
+    return tuple(1 if bits >> i & 1 else -1 for i in range(DIMS))
+
+
+def _bucket(gram: str) -> int:
+    return int.from_bytes(hashlib.blake2b(gram.encode(), digest_size=4).digest(), "big") % BUCKETS
+
+
+def embed(text: str) -> tuple[float, ...] | None:
+    """The unit-length embedding of a text; None when it has fewer than 3 characters (too short to say).
+
+    >>> v = embed("Hello, world")
+    >>> len(v), round(sum(x * x for x in v), 6), embed("Hello, world") == v, embed("hi")
+    (64, 1.0, True, None)
+    """
+    text = text.lower()[:MAX_CHARS]
+    if len(text) < NGRAMS[-1]:
+        return None
+    rows = [_row(_bucket(text[i:i + n])) for n in NGRAMS for i in range(len(text) - n + 1)]
+    v = [sum(col) for col in zip(*rows)]  # the projection of the n-gram counts: a sum of rows
+    norm = math.sqrt(sum(x * x for x in v))
+    if norm == 0.0:
+        return tuple(0.0 for _ in v)
+    return tuple(x / norm for x in v)
+
+
+def cosine(a, b) -> float:
+    na, nb = math.sqrt(sum(x * x for x in a)), math.sqrt(sum(x * x for x in b))
+    return sum(x * y for x, y in zip(a, b)) / (na * nb) if na and nb else 0.0
+
+
+@dataclass
+class Cluster:
+    id: str
+    centroid: list[float]  # the running mean of its members' unit vectors
+    count: int = 0
+
+    def add(self, v: tuple[float, ...]) -> None:
+        self.count += 1
+        self.centroid = [c + (x - c) / self.count for c, x in zip(self.centroid, v)]
+
+
+@dataclass
+class Clusters:
+    """One router's clusters, per prompt type, learned from the prompts it sees."""
+
+    router: str
+    max_clusters: int = DEFAULT_MAX_CLUSTERS
+    threshold: float = DEFAULT_THRESHOLD
+    by_type: dict[str, list[Cluster]] = field(default_factory=dict)
+    opened: int = 0  # ids are numbered across prompt types, so an id names one type's cluster
+
+    def __post_init__(self):
+        if self.max_clusters < 1:
+            raise ValueError(f"max clusters: need at least 1, got {self.max_clusters}")
+        if not -1.0 <= self.threshold <= 1.0:
+            raise ValueError(f"cluster similarity threshold: a cosine in [-1, 1], got {self.threshold}")
+
+    def assign(self, prompt_type: str, text: str) -> str | None:
+        """The cluster id of a prompt (learning from it); None when the text is too short to embed."""
+        v = embed(text)
+        if v is None:
+            return None
+        clusters = self.by_type.setdefault(prompt_type, [])
+        best, sim = None, -2.0
+        for c in clusters:
+            s = cosine(c.centroid, v)
+            if s > sim:
+                best, sim = c, s
+        if best is None or (sim < self.threshold and len(clusters) < self.max_clusters):
+            best = Cluster(f"{self.router}/{self.opened}", list(v))
+            self.opened += 1
+            clusters.append(best)
+        best.add(v)
+        return best.id
+
+
+class ClusterWindows:
+    """Per cluster, what its requests did over the last `window_s` seconds, from the speculation
+    statistics on each response's last message (what the router publishes for the loop).
+
+    >>> from specfleet_proto import worker_pb2 as pb
+    >>> now = [0.0]
+    >>> w = ClusterWindows(60.0, clock=lambda: now[0])
+    >>> w.record("r/0", "code", pb.SpeculationStats(method="ngram", num_draft_tokens=8, num_accepted_tokens=2))
+    >>> now[0] = 30.0
+    >>> w.record("r/0", "code", pb.SpeculationStats(method="none"))
+    >>> w.snapshot()["r/0"]
+    ClusterWindow(prompt_type='code', requests=2, spec_requests=1, draft_tokens=8, accepted_tokens=2, seconds=30.0)
+    >>> now[0] = 75.0
+    >>> w.snapshot()["r/0"].requests, w.snapshot()["r/0"].seconds
+    (1, 60.0)
+    """
+
+    def __init__(self, window_s: float = DEFAULT_WINDOW_S, clock: Callable[[], float] = time.monotonic):
+        if window_s <= 0:
+            raise ValueError(f"fleet window: need a positive number of seconds, got {window_s}")
+        self.window_s, self.clock = window_s, clock
+        # cluster -> (prompt type, first seen, [(when, spec, draft tokens, accepted tokens)])
+        self._events: dict[str, tuple[str, float, deque]] = {}
+
+    def record(self, cluster: str, prompt_type: str, speculation) -> None:
+        now = self.clock()
+        if cluster not in self._events:
+            self._events[cluster] = (prompt_type, now, deque())
+        spec = speculation.method not in ("", "none")
+        self._events[cluster][2].append((now, spec, speculation.num_draft_tokens, speculation.num_accepted_tokens))
+
+    def snapshot(self) -> dict[str, ClusterWindow]:
+        """{cluster id: its window now}; a cluster with no request in the window is left out (and
+        forgotten)."""
+        now = self.clock()
+        out = {}
+        for cluster, (prompt_type, first, events) in list(self._events.items()):
+            while events and events[0][0] < now - self.window_s:
+                events.popleft()
+            if not events:
+                del self._events[cluster]
+                continue
+            out[cluster] = ClusterWindow(prompt_type, requests=len(events), spec_requests=sum(e[1] for e in events),
+                                         draft_tokens=sum(e[2] for e in events),
+                                         accepted_tokens=sum(e[3] for e in events),
+                                         seconds=min(self.window_s, now - first))
+        return out
