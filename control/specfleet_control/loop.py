@@ -1,0 +1,150 @@
+"""One tick of the SLO loop over a whole deployment: every key's window judged by `slo.step`, the
+keys' states kept as the loop's memory, and what the fleet must do about them (which prompt types
+and clusters run plain, whether the whole deployment does).
+
+Keys: `type:<prompt type>` where the router routes per type (the deployment has a router), a
+`cluster:<router>/<n>` per prompt cluster the routers learned inside a type, and `deployment` for
+the whole of it (the only key without a router; with one, only an alert without a prompt type
+moves it). The stable arm's windows are judged: the canary is the canary analysis' to judge.
+Pure: the operator's daemon and `specfleet up` call `tick` with what they read and keep `Memory`
+(the SDD status, or the local store) between ticks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from specfleet_api.windows import ClusterWindow, Window, sum_windows
+
+from .observe import Observation
+from .slo import FALLBACK, KeyState, Sample, SloPolicy, step
+
+DEPLOYMENT = "deployment"
+
+
+def type_key(prompt_type: str) -> str:
+    return f"type:{prompt_type}"
+
+
+def cluster_key(cluster: str) -> str:
+    return f"cluster:{cluster}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Memory:
+    """The SLO loop's memory: one KeyState per key, and when each cluster was last seen."""
+
+    keys: Mapping[str, KeyState] = dataclasses.field(default_factory=dict)
+    seen: Mapping[str, float] = dataclasses.field(default_factory=dict)  # cluster key -> last window
+
+    @property
+    def whole(self) -> bool:
+        return self.keys.get(DEPLOYMENT, KeyState()).mode == FALLBACK
+
+    def fallback_types(self) -> tuple[str, ...]:
+        return tuple(sorted(k.split(":", 1)[1] for k, s in self.keys.items()
+                            if k.startswith("type:") and s.mode == FALLBACK))
+
+    def fallback_clusters(self) -> tuple[str, ...]:
+        return tuple(sorted(k.split(":", 1)[1] for k, s in self.keys.items()
+                            if k.startswith("cluster:") and s.mode == FALLBACK))
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"keys": {k: s.to_status() for k, s in sorted(self.keys.items())}}
+        if self.seen:
+            out["seen"] = dict(sorted(self.seen.items()))
+        return out
+
+    @classmethod
+    def from_status(cls, raw: dict[str, Any] | None) -> Memory:
+        raw = raw or {}
+        return cls({str(k): KeyState.from_status(v) for k, v in (raw.get("keys") or {}).items()},
+                   {str(k): float(v) for k, v in (raw.get("seen") or {}).items()})
+
+
+@dataclasses.dataclass(frozen=True)
+class Tick:
+    memory: Memory
+    events: tuple[tuple[str, str], ...] = ()  # (reason, message): Kubernetes Events / local log
+    decided: bool = True  # False: the observation was incomplete and nothing was judged
+
+
+def sample_of(w: Window | None, alert: str | None = None) -> Sample | None:
+    if w is None:
+        return Sample(alert=alert) if alert else None
+    c = w.counts
+    return Sample(alpha=w.alpha, speedup=w.spec_speedup, draft_tokens=c.draft_tokens, requests=c.spec_requests,
+                  alert=alert)
+
+
+def _cluster_sample(cw: ClusterWindow, policy: SloPolicy) -> Sample | None:
+    if cw.requests < policy.cluster_min_requests:
+        return None
+    return Sample(alpha=cw.alpha, draft_tokens=cw.draft_tokens, requests=cw.spec_requests)
+
+
+def cluster_policy(policy: SloPolicy) -> SloPolicy:
+    """A cluster is a few requests of one kind: a quarter of the type's draft tokens decide it."""
+    return dataclasses.replace(policy, min_draft_tokens=max(1, policy.min_draft_tokens // 4))
+
+
+def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
+    """One window for every key; nothing changes on an incomplete observation."""
+    if not obs.complete:
+        return Tick(memory, (), decided=False)
+    stable = obs.windows.get("stable", {})
+    whole_alert = next((a.name for a in obs.alerts if a.prompt_type is None), None)
+    type_alerts = {a.prompt_type: a.name for a in obs.alerts if a.prompt_type is not None}
+    keys: dict[str, KeyState] = dict(memory.keys)
+    seen: dict[str, float] = dict(memory.seen)
+    events: list[tuple[str, str]] = []
+
+    def move(key: str, what: str, sample: Sample | None, p: SloPolicy = policy) -> None:
+        state, event = step(sample, keys.get(key, KeyState()), p, now)
+        keys[key] = state
+        if event:
+            events.append((event[0], f"{what}: {event[1]}"))
+
+    everything = sum_windows(list(stable.values())) if stable else None
+    if not per_type:
+        move(DEPLOYMENT, "the deployment", sample_of(everything, whole_alert or next(iter(type_alerts.values()), None)))
+        return Tick(Memory(keys, seen), tuple(events))
+
+    # with a router: the whole deployment falls back only on an alert for all of it; it recovers
+    # on the probes' window summed over the types
+    whole = keys.get(DEPLOYMENT, KeyState())
+    if whole_alert or whole.mode == FALLBACK:
+        move(DEPLOYMENT, "the deployment", sample_of(everything, whole_alert) if whole.mode == FALLBACK
+             else Sample(alert=whole_alert))
+    for prompt_type in sorted(set(stable) | set(type_alerts)
+                              | {k.split(":", 1)[1] for k in keys if k.startswith("type:")}):
+        move(type_key(prompt_type), f"prompt type {prompt_type}",
+             sample_of(stable.get(prompt_type), type_alerts.get(prompt_type)))
+    if policy.clusters:
+        cp = cluster_policy(policy)
+        for cluster, cw in sorted(obs.clusters.items()):
+            key = cluster_key(cluster)
+            seen[key] = now
+            if keys.get(type_key(cw.prompt_type), KeyState()).mode == FALLBACK and key not in keys:
+                continue  # the whole type runs plain: nothing to learn about its clusters now
+            if key not in keys:  # a new cluster is judged against its type's baseline
+                keys[key] = KeyState(baseline=keys.get(type_key(cw.prompt_type), KeyState()).baseline)
+            move(key, f"prompt cluster {cluster} ({cw.prompt_type})", _cluster_sample(cw, policy), cp)
+        for key in [k for k in keys if k.startswith("cluster:")]:
+            # a cluster no router reports any more (its router restarted, or its traffic stopped)
+            # is forgotten after ten windows; one in fallback says so
+            if now - seen.get(key, now) > 10 * policy.window_s:
+                if keys[key].mode == FALLBACK:
+                    events.append(("FallbackLeft", f"prompt cluster {key.split(':', 1)[1]}: forgotten, "
+                                                   f"no router has reported it for {now - seen[key]:.0f}s"))
+                del keys[key]
+                seen.pop(key, None)
+            else:
+                seen.setdefault(key, now)
+    else:
+        for key in [k for k in keys if k.startswith("cluster:")]:
+            del keys[key]
+            seen.pop(key, None)
+    return Tick(Memory(keys, seen), tuple(events))

@@ -1,0 +1,187 @@
+"""The alpha / speedup SLO of one key (a prompt type, a prompt cluster, or the whole deployment):
+a pure state machine from what the window showed to speculative or fallback (docs/control-loop.md).
+
+    speculative --(SLO missed, dwell passed)--> fallback --(probe healthy for recoverAfter,
+         ^                                                   dwell passed)--+
+         +------------------------------------------------------------------+
+
+Missed: alpha under the absolute floor, alpha under (1 - alphaDropAlert) x its own baseline (a
+mean of the healthy windows, learned per key), the live speedup (priced by the engine's cost
+model) under speedupFloor, or an alert firing for the key. In fallback the window is the probe's
+(the share of requests that still speculate): it must clear the floors by the hysteresis margin,
+without a miss, for recoverAfter. A window with too little data decides nothing: it neither moves
+a key nor breaks a probe's healthy run (fail static, ARCHITECTURE.md).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from specfleet_api.durations import parse_duration
+
+SPECULATIVE, FALLBACK = "speculative", "fallback"
+HEALTHY, MISSED, UNKNOWN = "healthy", "missed", "unknown"
+
+
+@dataclasses.dataclass(frozen=True)
+class SloPolicy:
+    window_s: float = 300.0
+    alpha_floor: float = 0.05
+    alpha_drop: float = 0.5
+    speedup_floor: float = 1.0
+    min_draft_tokens: int = 200
+    min_requests: int = 4  # a window's speedup needs this many finished requests
+    enabled: bool = True
+    recover_after_s: float = 300.0
+    recovery_alpha: float | None = None
+    probe_share: float = 5.0
+    min_dwell_s: float = 120.0
+    hysteresis: float = 0.1
+    clusters: bool = True
+    max_clusters: int = 16
+    cluster_min_requests: int = 8
+    baseline_weight: float = 0.2  # how much one healthy window moves the baseline
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> SloPolicy:
+        """From a defaulted spec (specfleet_operator.spec.with_defaults)."""
+        slo = spec.get("slo") or {}
+        fb = slo.get("fallback") or {}
+        cl = fb.get("clusters") or {}
+        d = cls()
+        return cls(window_s=parse_duration(slo.get("window", "5m")),
+                   alpha_floor=float(slo.get("alphaFloor", d.alpha_floor)),
+                   alpha_drop=float(slo.get("alphaDropAlert", d.alpha_drop)),
+                   speedup_floor=float(slo.get("speedupFloor", d.speedup_floor)),
+                   min_draft_tokens=int(slo.get("minDraftTokens", d.min_draft_tokens)),
+                   enabled=bool(fb.get("enabled", True)),
+                   recover_after_s=parse_duration(fb.get("recoverAfter", "5m")),
+                   recovery_alpha=fb.get("recoveryAlpha"),
+                   probe_share=float(fb.get("probeShare", d.probe_share)),
+                   min_dwell_s=parse_duration(fb.get("minDwell", "2m")),
+                   hysteresis=float(fb.get("hysteresis", d.hysteresis)),
+                   clusters=bool(cl.get("enabled", True)),
+                   max_clusters=int(cl.get("maxClusters", d.max_clusters)),
+                   cluster_min_requests=int(cl.get("minRequests", d.cluster_min_requests)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+    """What one key's window showed. `speedup` is the speculating requests' (in fallback: the
+    probes'); None where it is not observed (a cluster: routers see no step costs)."""
+
+    alpha: float | None = None
+    speedup: float | None = None
+    draft_tokens: int = 0
+    requests: int = 0
+    alert: str | None = None  # an alert firing for this key (Alertmanager), named
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyState:
+    mode: str = SPECULATIVE
+    since: float | None = None  # the last transition (epoch seconds); None: never moved
+    baseline: float | None = None  # alpha of the healthy windows, a running mean
+    healthy_since: float | None = None  # in fallback: start of the probe's healthy run
+    reason: str = ""  # why it is in fallback, or what the last window showed
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mode": self.mode}
+        for key, value in (("since", self.since), ("baseline", self.baseline),
+                           ("healthySince", self.healthy_since)):
+            if value is not None:
+                out[key] = round(value, 4) if key == "baseline" else value
+        if self.reason:
+            out["reason"] = self.reason
+        return out
+
+    @classmethod
+    def from_status(cls, raw: dict[str, Any]) -> KeyState:
+        mode = raw.get("mode", SPECULATIVE)
+        return cls(mode=mode if mode in (SPECULATIVE, FALLBACK) else SPECULATIVE, since=raw.get("since"),
+                   baseline=raw.get("baseline"), healthy_since=raw.get("healthySince"),
+                   reason=str(raw.get("reason", "")))
+
+
+def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: float = 0.0) -> tuple[str, str]:
+    """(verdict, why): HEALTHY, MISSED or UNKNOWN (too little data). `margin` raises the floors
+    (recovery's hysteresis).
+
+    >>> p = SloPolicy(alpha_floor=0.1, min_draft_tokens=10)
+    >>> judge(Sample(alpha=0.05, draft_tokens=50), KeyState(), p)
+    ('missed', 'alpha 0.050 under the floor 0.1')
+    >>> judge(Sample(alpha=0.3, draft_tokens=50), KeyState(baseline=0.8), p)
+    ('missed', 'alpha 0.300 under 0.5 x its baseline 0.800')
+    >>> judge(Sample(alpha=0.3, draft_tokens=5), KeyState(), p)[0]
+    'unknown'
+    """
+    if sample is None:
+        return UNKNOWN, "no window"
+    if sample.alert:
+        return MISSED, f"alert {sample.alert} firing"
+    up = 1.0 + margin
+    enough_alpha = sample.alpha is not None and sample.draft_tokens >= policy.min_draft_tokens
+    enough_speedup = sample.speedup is not None and sample.requests >= policy.min_requests
+    if enough_speedup and sample.speedup < policy.speedup_floor * up:
+        return MISSED, f"speedup {sample.speedup:.2f} under {policy.speedup_floor * up:.2f}"
+    if enough_alpha:
+        if sample.alpha < policy.alpha_floor * up:
+            return MISSED, f"alpha {sample.alpha:.3f} under the floor {policy.alpha_floor * up:.3g}"
+        if margin == 0.0 and state.baseline is not None and sample.alpha < (1 - policy.alpha_drop) * state.baseline:
+            return MISSED, (f"alpha {sample.alpha:.3f} under {1 - policy.alpha_drop:.2g} x its baseline "
+                            f"{state.baseline:.3f}")
+        if margin and policy.recovery_alpha is not None and sample.alpha < policy.recovery_alpha:
+            return MISSED, f"alpha {sample.alpha:.3f} under recoveryAlpha {policy.recovery_alpha}"
+    if not (enough_alpha or enough_speedup):
+        return UNKNOWN, (f"too little data: {sample.draft_tokens} drafted tokens (need {policy.min_draft_tokens}), "
+                         f"{sample.requests} requests (need {policy.min_requests})")
+    alpha = f"alpha {sample.alpha:.3f}" if sample.alpha is not None else "alpha -"
+    speedup = f"speedup {sample.speedup:.2f}" if sample.speedup is not None else "speedup -"
+    return HEALTHY, f"{alpha}, {speedup}"
+
+
+def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
+         ) -> tuple[KeyState, tuple[str, str] | None]:
+    """One window of one key: the next state, and the event of a transition (reason, message).
+
+    >>> p = SloPolicy(min_draft_tokens=10, min_dwell_s=60, recover_after_s=120)
+    >>> s, _ = step(Sample(alpha=0.6, draft_tokens=100), KeyState(), p, 0.0); s.baseline
+    0.6
+    >>> s, ev = step(Sample(alpha=0.1, draft_tokens=100), s, p, 10.0); s.mode, ev[0]
+    ('fallback', 'FallbackEntered')
+    >>> s, ev = step(Sample(alpha=0.6, draft_tokens=100), s, p, 20.0); s.mode, s.healthy_since
+    ('fallback', 20.0)
+    >>> s, ev = step(Sample(alpha=0.6, draft_tokens=100), s, p, 140.0); s.mode, ev[0]
+    ('speculative', 'FallbackLeft')
+    """
+    verdict, why = judge(sample, state, policy, margin=policy.hysteresis if state.mode == FALLBACK else 0.0)
+    dwelled = state.since is None or now - state.since >= policy.min_dwell_s
+    if state.mode == SPECULATIVE:
+        if verdict == HEALTHY and sample is not None and sample.alpha is not None \
+                and sample.draft_tokens >= policy.min_draft_tokens:
+            base = sample.alpha if state.baseline is None else \
+                state.baseline + policy.baseline_weight * (sample.alpha - state.baseline)
+            return dataclasses.replace(state, baseline=base, reason=why), None
+        if verdict == MISSED and policy.enabled:
+            if not dwelled:
+                return dataclasses.replace(state, reason=f"{why} (holding: min dwell)"), None
+            return (KeyState(FALLBACK, now, state.baseline, None, why),
+                    ("FallbackEntered", f"speculation off: {why}"))
+        return dataclasses.replace(state, reason=why), None
+    # fallback: the probe's window
+    if not policy.enabled:
+        return (KeyState(SPECULATIVE, now, state.baseline, None, "fallback disabled in the spec"),
+                ("FallbackLeft", "speculation back on: fallback was disabled in the spec"))
+    if verdict == MISSED:
+        return dataclasses.replace(state, healthy_since=None, reason=f"probe: {why}"), None
+    if verdict == UNKNOWN:
+        return dataclasses.replace(state, reason=f"probe: {why}"), None
+    healthy_since = state.healthy_since if state.healthy_since is not None else now
+    if now - healthy_since >= policy.recover_after_s and dwelled:
+        # the probe's alpha is the new baseline: a type whose traffic changed for good, but where
+        # speculation pays, is not sent back by its old baseline
+        base = sample.alpha if sample is not None and sample.alpha is not None else state.baseline
+        return (KeyState(SPECULATIVE, now, base, None, why),
+                ("FallbackLeft", f"speculation back on: the probe was healthy for {now - healthy_since:.0f}s ({why})"))
+    return dataclasses.replace(state, healthy_since=healthy_since, reason=f"probe healthy: {why}"), None

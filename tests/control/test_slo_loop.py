@@ -1,0 +1,143 @@
+"""The SLO loop, pure: fallback per prompt type, per cluster and per deployment, recovery through
+the probe with hysteresis and dwell, no decision on missing data, alerts as SLO misses."""
+
+from __future__ import annotations
+
+import pytest
+
+from specfleet_api.windows import ClusterWindow, TypeCounts, Window
+from specfleet_control.loop import DEPLOYMENT, Memory, cluster_key, tick, type_key
+from specfleet_control.observe import Alert, Observation
+from specfleet_control.slo import FALLBACK, SPECULATIVE, KeyState, Sample, SloPolicy, judge, step
+
+P = SloPolicy(window_s=10, alpha_floor=0.05, alpha_drop=0.5, speedup_floor=1.0, min_draft_tokens=100,
+              min_requests=2, recover_after_s=30, min_dwell_s=20, hysteresis=0.1, probe_share=5)
+
+
+def window(alpha: float, speedup: float = 1.4, drafted: int = 1000, requests: int = 10) -> Window:
+    busy = 10.0
+    return Window(TypeCounts(requests=requests, draft_tokens=drafted, accepted_tokens=int(alpha * drafted),
+                             spec_requests=requests, spec_plain_seconds=speedup * busy, spec_busy_seconds=busy), 1, 10.0)
+
+
+def obs(**by_type: Window) -> Observation:
+    return Observation(windows={"stable": by_type})
+
+
+def run(episode, memory=Memory(), policy=P, per_type=True, dt=10.0, start=1000.0):
+    """Feed one observation per window; the memory and events after each."""
+    out = []
+    for i, o in enumerate(episode):
+        t = tick(o, memory, policy, now=start + i * dt, per_type=per_type)
+        memory = t.memory
+        out.append(t)
+    return out
+
+
+def modes(ticks, key):
+    return [t.memory.keys.get(key, KeyState()).mode for t in ticks]
+
+
+def transitions(ticks):
+    return [(r, m.split(":")[0]) for t in ticks for r, m in t.events]
+
+
+def test_a_collapsed_type_falls_back_alone_within_two_windows_and_recovers_through_the_probe():
+    good, bad = window(0.6), window(0.02, speedup=0.9)
+    episode = [obs(code=good, chat=good)] * 3 + [obs(code=bad, chat=good)] * 4 + [obs(code=good, chat=good)] * 8
+    ticks = run(episode)
+    code, chat = modes(ticks, type_key("code")), modes(ticks, type_key("chat"))
+    assert code[:3] == [SPECULATIVE] * 3
+    assert code.index(FALLBACK) == 3  # the first bad window (within 2 windows)
+    assert chat == [SPECULATIVE] * len(ticks)
+    # the probe is healthy from tick 7; recoverAfter 30 s: back at tick 10
+    assert code[7:10] == [FALLBACK] * 3 and code[10:] == [SPECULATIVE] * 5
+    assert transitions(ticks) == [("FallbackEntered", "prompt type code"), ("FallbackLeft", "prompt type code")]
+    assert ticks[-1].memory.fallback_types() == ()
+    assert ticks[5].memory.fallback_types() == ("code",)
+
+
+def test_flapping_traffic_moves_a_type_at_most_once_each_way():
+    good, bad = window(0.6), window(0.02, speedup=0.9)
+    episode = [obs(code=good)] * 2 + [obs(code=bad), obs(code=good)] * 6 + [obs(code=good)] * 6
+    ticks = run(episode)
+    assert transitions(ticks) == [("FallbackEntered", "prompt type code"), ("FallbackLeft", "prompt type code")]
+
+
+def test_a_probe_at_the_floor_does_not_recover_hysteresis():
+    at_floor = window(0.6, speedup=1.05)  # above speedupFloor 1.0, under 1.0 x (1 + 0.1)
+    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=window(0.02, 0.9))] + [obs(code=at_floor)] * 10)
+    assert modes(ticks, type_key("code"))[-1] == FALLBACK
+    assert "under 1.10" in ticks[-1].memory.keys[type_key("code")].reason
+
+
+def test_missing_data_decides_nothing_and_does_not_break_a_healthy_probe_run():
+    good, bad = window(0.6), window(0.02, speedup=0.9)
+    missing = Observation(complete=False, error="ConnectionError")
+    ticks = run([obs(code=good)] * 2 + [missing] * 3 + [obs(code=bad)] + [missing] * 5)
+    assert modes(ticks, type_key("code"))[:5] == [SPECULATIVE] * 5
+    assert all(not t.decided for t in ticks[2:5]) and ticks[-1].memory.keys[type_key("code")].mode == FALLBACK
+    # too little data is not a miss either
+    thin = window(0.0, speedup=0.5, drafted=10, requests=1)
+    assert modes(run([obs(code=good)] * 2 + [obs(code=thin)] * 5), type_key("code"))[-1] == SPECULATIVE
+
+
+def test_alpha_halving_against_its_own_baseline_is_a_miss_the_floor_is_not_reached():
+    ticks = run([obs(code=window(0.8))] * 3 + [obs(code=window(0.3, speedup=1.3))])
+    assert modes(ticks, type_key("code"))[-1] == FALLBACK
+    assert "baseline" in ticks[-1].events[0][1]
+    # the measured default (n-gram, alpha 0.19 at 1.41x) never falls back on the defaults
+    assert modes(run([obs(code=window(0.19, 1.41))] * 6, policy=SloPolicy(min_draft_tokens=100, min_requests=2)),
+                 type_key("code")) == [SPECULATIVE] * 6
+
+
+def test_an_out_of_distribution_cluster_falls_back_alone_its_type_keeps_speculating():
+    good = window(0.6)
+    ood = ClusterWindow("code", requests=10, spec_requests=10, draft_tokens=200, accepted_tokens=4)
+    fine = ClusterWindow("code", requests=40, spec_requests=40, draft_tokens=2000, accepted_tokens=1300)
+    clusters = {"r1/0": fine, "r1/1": ood}
+    ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters=clusters)] * 3)
+    assert ticks[-1].memory.fallback_clusters() == ("r1/1",)
+    assert ticks[-1].memory.fallback_types() == ()
+    assert modes(ticks, cluster_key("r1/1"))[2] == FALLBACK  # the first window that shows it
+    # a cluster no router reports any more is forgotten after ten windows, saying so
+    gone = run([obs(code=good)] * 12, memory=ticks[-1].memory, start=1050.0)
+    assert gone[-1].memory.fallback_clusters() == () and any("forgotten" in m for _, m in sum((t.events for t in gone), ()))
+    assert gone[9].memory.fallback_clusters() == ("r1/1",)  # not before ten windows
+
+
+def test_an_alert_is_a_miss_for_its_key_and_a_whole_deployment_alert_moves_only_the_deployment():
+    good = window(0.6)
+    typed = run([obs(code=good, chat=good).with_alerts((Alert("SpecDecodeAlphaBelowSLO", "chat"),))])
+    assert typed[-1].memory.fallback_types() == ("chat",) and not typed[-1].memory.whole
+    whole = run([obs(code=good).with_alerts((Alert("SpecDecodeSpeedupBelowFloor"),))] + [obs(code=good)] * 6)
+    assert modes(whole, DEPLOYMENT)[0] == FALLBACK and whole[0].memory.fallback_types() == ()
+    assert modes(whole, DEPLOYMENT)[-1] == SPECULATIVE  # the probes' window was healthy after the alert resolved
+
+
+def test_without_a_router_the_whole_deployment_is_the_only_key():
+    ticks = run([obs(code=window(0.6), chat=window(0.6))] * 2 + [obs(code=window(0.01, 0.8), chat=window(0.01, 0.8))],
+                per_type=False)
+    assert set(ticks[-1].memory.keys) == {DEPLOYMENT} and ticks[-1].memory.whole
+
+
+def test_fallback_disabled_never_enters_and_leaves_at_once():
+    off = SloPolicy(**{**P.__dict__, "enabled": False})
+    assert modes(run([obs(code=window(0.01, 0.5))] * 3, policy=off), type_key("code")) == [SPECULATIVE] * 3
+    state, event = step(Sample(alpha=0.0, draft_tokens=0), KeyState(FALLBACK, 0.0), off, 5.0)
+    assert state.mode == SPECULATIVE and event[0] == "FallbackLeft"
+
+
+def test_memory_round_trips_through_the_status():
+    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=window(0.01, 0.5))])
+    assert Memory.from_status(ticks[-1].memory.to_status()) == ticks[-1].memory
+
+
+@pytest.mark.parametrize("sample, verdict", [
+    (Sample(alpha=0.5, speedup=0.95, draft_tokens=500, requests=5), "missed"),
+    (Sample(alpha=0.5, speedup=1.3, draft_tokens=500, requests=5), "healthy"),
+    (Sample(alpha=0.5, speedup=0.5, draft_tokens=500, requests=1), "healthy"),  # speedup of 1 request: not judged
+    (Sample(alert="X"), "missed"),
+])
+def test_judge(sample, verdict):
+    assert judge(sample, KeyState(), P)[0] == verdict
