@@ -16,7 +16,7 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "prompt_token_ids", "apply_chat_template", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "ignore_eos", "speculation_method", "prompt_type")
+    __slots__ = ("request_id", "prompt", "prompt_token_ids", "apply_chat_template", "messages", "max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "logprobs", "ignore_eos", "speculation_method", "prompt_type", "probe")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +32,7 @@ class GenerateRequest(_message.Message):
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_METHOD_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TYPE_FIELD_NUMBER: _ClassVar[int]
+    PROBE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -47,7 +48,8 @@ class GenerateRequest(_message.Message):
     ignore_eos: bool
     speculation_method: str
     prompt_type: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., apply_chat_template: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., speculation_method: _Optional[str] = ..., prompt_type: _Optional[str] = ...) -> None: ...
+    probe: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., apply_chat_template: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., speculation_method: _Optional[str] = ..., prompt_type: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
     __slots__ = ("method", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "draft_errors", "final_k")
