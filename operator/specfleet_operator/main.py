@@ -2,7 +2,8 @@
 
 With leader election on (the default), a replica first acquires the Lease, then starts kopf;
 if it loses the Lease it stops kopf and exits non-zero so that Kubernetes restarts it as a
-standby. On a clean stop it releases the Lease so the standby takes over at once.
+standby. On a clean stop it releases the Lease so the standby takes over at once. Alertmanager's
+posts land in `Options.alerts`, which the control loop reads as `memo.alerts` (docs/alerts.md).
 """
 from __future__ import annotations
 
@@ -19,8 +20,9 @@ from typing import Any, Sequence
 import kopf
 
 from . import GROUP
-from . import handlers  # noqa: F401  (registers the handlers with kopf)
-from .health import Heartbeat
+from . import converge, handlers  # noqa: F401  (registers the handlers with kopf)
+from .alerts import DEFAULT_TTL_S, AlertInbox, BearerToken
+from .health import AlertReceiver, Heartbeat
 from .kube import Kube
 from .leader import LeaseElector
 from .manifests import Settings
@@ -45,6 +47,8 @@ class Options:
     workers: int = 32  # concurrent reconciles
     release_on_exit: bool = True  # False mimics a crash: the standby waits the Lease out
     heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)  # what /healthz reads
+    alerts: AlertInbox = dataclasses.field(default_factory=AlertInbox)  # what /alertmanager writes
+    alert_token: BearerToken = dataclasses.field(default_factory=BearerToken)  # none: /alertmanager is off
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -96,7 +100,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         if leading is not None:
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
-                             heartbeat=options.heartbeat, **(memo or {}))
+                             heartbeat=options.heartbeat, alerts=options.alerts, **(memo or {}))
         kopf_stop = asyncio.Event()
         running = asyncio.create_task(kopf.operator(
             settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,
@@ -156,6 +160,11 @@ def parse_args(argv: Sequence[str] | None) -> Options:
                    help="/metrics and the liveness /healthz; 0 turns them off")
     p.add_argument("--liveness-stale-after", type=float, default=60.0,
                    help="seconds without an event-loop beat, or of one reconcile, after which /healthz answers 503")
+    p.add_argument("--alertmanager-token-file", default=env("SPECFLEET_ALERTMANAGER_TOKEN_FILE", ""),
+                   help="bearer token Alertmanager must send to POST /alertmanager on the metrics port (a "
+                        "mounted Secret key, re-read on each post); without it the receiver is off")
+    p.add_argument("--alert-ttl", type=float, default=DEFAULT_TTL_S,
+                   help="seconds a firing alert counts without Alertmanager posting it again")
     p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
@@ -169,22 +178,24 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,
         metrics_port=a.metrics_port or None, workers=a.workers,
-        heartbeat=Heartbeat(stale_after_s=a.liveness_stale_after))
+        heartbeat=Heartbeat(stale_after_s=a.liveness_stale_after), alerts=AlertInbox(ttl_s=a.alert_ttl),
+        alert_token=BearerToken.from_env(a.alertmanager_token_file))
 
 
 def run(argv: Sequence[str] | None = None) -> int:
     """Entry point for `specfleet operator [flags]`; returns the exit status."""
     options = parse_args(argv)
+    leading = threading.Event()  # a standby refuses alerts (503), so Alertmanager retries the leader
     if options.metrics_port:
         from .health import serve
-        serve(options.metrics_port, options.heartbeat)
+        serve(options.metrics_port, options.heartbeat, alerts=AlertReceiver(options.alerts, options.alert_token, leading))
 
     async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await operate(options, stop=stop)
+        return await operate(options, stop=stop, leading=leading)
 
     return asyncio.run(main())
 

@@ -64,7 +64,7 @@ def test_operator_metrics_pass_promtool():
     # `specfleet operator`'s own run(): its metrics port as in a pod, with the kopf part (which needs
     # a cluster) replaced by waiting for SIGTERM, and one fleet in fallback so that series exist.
     code = ("import asyncio, sys; import specfleet_operator.main as m; from specfleet_operator import metrics\n"
-            "async def idle(options, stop): await stop.wait(); return 0\n"
+            "async def idle(options, stop, **_): await stop.wait(); return 0\n"
             "m.operate = idle; metrics.FALLBACK_ACTIVE.labels('team-a', 'chat').set(1)\n"
             "sys.exit(m.run(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "--no-leader-election", "--metrics-port", str(port)],

@@ -132,23 +132,50 @@ def test_dashboard_json_is_the_same_in_deploy_and_covers_the_panels():
                    "spec_decode_draft_k_distribution_bucket", "spec_decode_tree_branch_factor",
                    "spec_decode_total_speedup_ratio", "histogram_quantile", "specfleet_fallback_active"):
         assert metric in text
+    assert "specfleet_fallback_active{sdd_namespace=" in text  # labels a scrape keeps (no namespace clash)
     docs, _ = render({"dashboard": {"enabled": True}})
     (cm,) = [d for d in docs if d["kind"] == "ConfigMap"]
     assert json.loads(cm["data"]["specfleet.json"]) == dash
 
 
 def test_prometheus_rule_has_the_standard_alerts_matching_the_operator():
-    docs, _ = render({"prometheusRule": {"enabled": True, "window": "5m", "alphaDrop": 0.1, "speedupFloor": 1}})
+    values = {"window": "10m", "alphaDrop": 0.3, "alphaFloor": 0.1, "speedupFloor": 1.2, "minDraftTokens": 50,
+              "baselineRange": "2h"}
+    docs, _ = render({"prometheusRule": {"enabled": True, **values}})
     (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
-    rendered = {r["alert"]: r for r in rule["spec"]["groups"][0]["rules"]}
-    expected = {r["alert"]: r for r in manifests.alert_rules("", "5m", 0.1, 1)}
-    assert set(rendered) == {"SpecDecodeAlphaDrop", "SpecDecodeSpeedupBelowOne", "SpecDecodeDraftErrors",
-                             "SpecDecodeFallbackEntered"}
-    for name, r in expected.items():
-        assert rendered[name]["expr"] == r["expr"], name
-        assert rendered[name]["labels"] == r["labels"]
-    for r in rendered.values():  # the shape prometheus-operator requires
+    rendered = rule["spec"]["groups"][0]["rules"]
+    # the same rules, word for word, as the operator's builder (which tests/metrics runs in promtool)
+    assert rendered == manifests.alert_rules("", "10m", 0.3, 0.1, 1.2, 50, "2h")
+    assert [r["alert"] for r in rendered] == [manifests.ALERT_ALPHA, manifests.ALERT_SPEEDUP,
+                                              manifests.ALERT_DRAFT_ERRORS, manifests.ALERT_FALLBACK]
+    for r in rendered:  # the shape prometheus-operator requires
         assert set(r) <= {"alert", "expr", "for", "labels", "annotations"} and isinstance(r["expr"], str)
+    defaults, _ = render({"prometheusRule": {"enabled": True}})
+    (rule,) = [d for d in defaults if d["kind"] == "PrometheusRule"]
+    assert rule["spec"]["groups"][0]["rules"] == manifests.alert_rules()  # the CRD's slo defaults
+
+
+def test_alertmanager_token_secret_is_mounted_and_passed_only_when_named():
+    docs, _ = render({"alertmanager": {"tokenSecret": {"name": "am-token", "key": "bearer"}, "alertTTL": 600}})
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    pod = dep["spec"]["template"]["spec"]
+    assert pod["volumes"] == [{"name": "alertmanager-token", "secret": {
+        "secretName": "am-token", "items": [{"key": "bearer", "path": "token"}]}}]
+    (mount,) = pod["containers"][0]["volumeMounts"]
+    assert mount["name"] == "alertmanager-token" and mount["readOnly"]
+    args = pod["containers"][0]["args"]
+    assert f"--alertmanager-token-file={mount['mountPath']}/token" in args and "--alert-ttl=600" in args
+    for doc in docs:
+        if doc["kind"] not in OWN_SCHEMA_KINDS:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+    from specfleet_operator.main import parse_args
+    options = parse_args(args)
+    assert options.alert_token.path == f"{mount['mountPath']}/token" and options.alerts.ttl_s == 600
+    off, _ = render({})  # no Secret named: no mount, no flag, and the receiver stays off (never open)
+    (dep,) = [d for d in off if d["kind"] == "Deployment"]
+    assert "volumes" not in dep["spec"]["template"]["spec"]
+    assert not any(a.startswith("--alertmanager-token-file") for a in _operator_args(off))
+    assert parse_args(_operator_args(off)).alert_token.get() is None
 
 
 def _rules(docs, kind):

@@ -148,9 +148,9 @@ def test_monitoring_objects_only_when_enabled():
     assert sm["metadata"]["labels"]["r"] == "p"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     rules = on[("PrometheusRule", "demo-alerts")]["spec"]["groups"][0]["rules"]
-    assert {r["alert"] for r in rules} == {"SpecDecodeAlphaDrop", "SpecDecodeSpeedupBelowOne",
-                                           "SpecDecodeDraftErrors", "SpecDecodeFallbackEntered"}
-    assert all('namespace="ml"' in r["expr"] for r in rules)
+    assert {r["alert"] for r in rules} == {m.ALERT_ALPHA, m.ALERT_SPEEDUP, m.ALERT_DRAFT_ERRORS, m.ALERT_FALLBACK}
+    assert all('namespace="ml"' in r["expr"] for r in rules)  # sdd_namespace="ml" on the operator's gauge
+    assert all(r["labels"].get("sdd_namespace", "ml") == "ml" for r in rules)
 
 
 def test_redis_secret_and_otlp_reach_the_environment():

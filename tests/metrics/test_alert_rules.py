@@ -1,0 +1,145 @@
+"""`promtool test rules` on the alerts as shipped: the chart's PrometheusRule (rendered by the real
+Helm engine) and the operator's per-fleet one (manifests.prometheus_rule for one SDD), on series
+shaped like the workers' and the operator's scrapes. Each must fire after a drop, stay firing while
+alpha stays low, resolve after recovery; fire on a speedup below one and on alpha under its floor;
+stay quiet on a healthy fleet and on too little data. A missing promtool fails, never skips."""
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+
+import helm_python as helm
+import pytest
+import yaml
+
+from specfleet_operator import manifests
+from specfleet_operator.spec import with_defaults
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TIMEOUT_S = 60
+NS, NAME = "ml", "chat"
+# what a ServiceMonitor scrape of a stable worker pod adds to its series (podTargetLabels)
+TARGET = f'namespace="{NS}", serving_specfleet_dev_deployment="{NAME}", serving_specfleet_dev_role="stable", model="m"'
+FLEET = {"namespace": NS, "serving_specfleet_dev_deployment": NAME, "sdd_namespace": NS, "sdd_name": NAME,
+         "severity": "warning"}
+MINUTES = 240
+
+
+def chart_groups():
+    out = helm.Chart.load(str(ROOT / "charts" / "specfleet")).render(
+        {"prometheusRule": {"enabled": True}}, name="specfleet", namespace="monitoring", is_install=True)
+    docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    return rule["spec"]["groups"]
+
+
+def operator_groups():
+    sdd = {"metadata": {"name": NAME, "namespace": NS, "uid": "u"}}
+    spec = with_defaults({"model": {"name": "m", "uri": "/m"}, "replicas": 1,
+                          "observability": {"prometheusRule": {"enabled": True}}})
+    return manifests.prometheus_rule(sdd, spec)["spec"]["groups"]
+
+
+SOURCES = {"chart": chart_groups, "operator": operator_groups}
+
+
+def worker(alpha_by_type, drafted="0+1000x240", busy="0+60x240", plain="0+90x240"):
+    """Input series of one stable worker: alpha per prompt type, and its counters."""
+    series = [{"series": f'spec_decode_acceptance_rate{{{TARGET}, prompt_type="{t}"}}', "values": v}
+              for t, v in alpha_by_type.items()]
+    series += [{"series": f"spec_decode_num_draft_tokens_total{{{TARGET}}}", "values": drafted},
+               {"series": f"spec_decode_busy_seconds_total{{{TARGET}}}", "values": busy},
+               {"series": f"spec_decode_plain_equivalent_seconds_total{{{TARGET}}}", "values": plain},
+               {"series": f"spec_decode_draft_failures_total{{{TARGET}}}", "values": "0x240"},
+               # the canary arm is the canary analysis' business, not these alerts'
+               {"series": f'spec_decode_acceptance_rate{{{TARGET.replace("stable", "canary")}, prompt_type="chat"}}',
+                "values": "0.01x240"}]
+    return series
+
+
+def expected(rule, labels):
+    """The alert promtool should report: the rule's annotations expanded on the series' labels."""
+    def expand(text):
+        return re.sub(r"\{\{ \$labels\.(\w+) \}\}", lambda m: labels[m.group(1)], text)
+    return {"exp_labels": {k: v for k, v in labels.items()},
+            "exp_annotations": {k: expand(v) for k, v in rule.get("annotations", {}).items()}}
+
+
+def case(rules, series, checks):
+    """One promtool test: `checks` is [(minute, alertname, [labels of each alert firing then])]."""
+    by_name = {r["alert"]: r for r in rules}
+    return {"interval": "1m", "input_series": series,
+            "alert_rule_test": [{"eval_time": f"{t}m", "alertname": name,
+                                 "exp_alerts": [expected(by_name[name], labels) for labels in firing]}
+                                for t, name, firing in checks]}
+
+
+def cases(rules):
+    code = {**FLEET, "prompt_type": "code"}
+    alpha, speedup = manifests.ALERT_ALPHA, manifests.ALERT_SPEEDUP
+    return {
+        # code's alpha halves-and-more at minute 90 for 55 minutes (0.6 -> 0.2): fires, stays firing
+        # all along (the old delta alert resolved after 7 minutes), resolves after recovery; chat,
+        # beside it, stays healthy.
+        "drop": case(rules, worker({"code": "0.6x89 0.2x54 0.6x95", "chat": "0.5x240"}), [
+            (85, alpha, []), (97, alpha, [code]), (105, alpha, [code]), (120, alpha, [code]),
+            (144, alpha, [code]), (150, alpha, []), (200, alpha, []), (120, speedup, [])]),
+        # speculation slower than plain decoding (0.8x) for 30 minutes, then 1.5x
+        "speedup": case(rules, worker({"chat": "0.5x240"}, plain="0+48x30 1530+90x209"), [
+            (1, speedup, []), (10, speedup, [FLEET]), (30, speedup, [FLEET]), (40, speedup, []),
+            (10, alpha, [])]),
+        # alpha always under the floor: no baseline to drop from, the floor catches it
+        "floor": case(rules, worker({"math": "0.03x240", "chat": "0.5x240"}), [
+            (10, alpha, [{**FLEET, "prompt_type": "math"}]), (200, alpha, [{**FLEET, "prompt_type": "math"}])]),
+        # the same collapse with 50 draft tokens a window: missing data, on which nothing is decided
+        "too-little-data": case(rules, worker({"math": "0.03x240", "code": "0.6x89 0.2x150"},
+                                              drafted="0+10x240", plain="0+30x240"), [
+            (10, alpha, []), (100, alpha, []), (100, speedup, [])]),
+        # healthy: nothing fires, ever; the operator's fallback gauge (scraped in its own namespace,
+        # which no longer collides with the fleet's) fires the info alert
+        "healthy": case(rules, worker({"code": "0.6x240", "chat": "0.45+0.0005x240"}) + [
+            {"series": f'specfleet_fallback_active{{namespace="specfleet-system", job="specfleet", '
+                       f'sdd_namespace="{NS}", sdd_name="{NAME}"}}', "values": "0x100 1x100"}], [
+            (t, name, []) for t in (10, 60, 120, 239)
+            for name in (alpha, speedup, manifests.ALERT_DRAFT_ERRORS)] + [
+            (50, manifests.ALERT_FALLBACK, []),
+            (150, manifests.ALERT_FALLBACK, [{"sdd_namespace": NS, "sdd_name": NAME, "severity": "info"}])]),
+    }
+
+
+def promtool(*args, cwd):
+    exe = shutil.which("promtool")
+    assert exe, "promtool not found: run ./dev setup (installs Debian's prometheus package)"
+    p = subprocess.run([exe, *args], capture_output=True, text=True, timeout=TIMEOUT_S, cwd=cwd)
+    return p.returncode, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("source", SOURCES)
+def test_rules_check_and_their_cases_pass_promtool(source, tmp_path):
+    groups = SOURCES[source]()
+    rules = groups[0]["rules"]
+    assert {r["alert"] for r in rules} == {manifests.ALERT_ALPHA, manifests.ALERT_SPEEDUP,
+                                           manifests.ALERT_DRAFT_ERRORS, manifests.ALERT_FALLBACK}
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    rc, out = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
+    assert rc == 0 and "SUCCESS: 4 rules found" in out, out
+    tests = cases(rules)
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": list(tests.values())}))
+    rc, out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert rc == 0 and "SUCCESS" in out, out
+
+
+def test_promtool_test_rules_fails_on_a_wrong_expectation(tmp_path):
+    """The guard: a case expecting the drop alert to resolve while alpha is still low fails, so a
+    passing run above means the alert stayed firing."""
+    groups = operator_groups()
+    rules = groups[0]["rules"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    wrong = case(rules, worker({"code": "0.6x89 0.2x54 0.6x95"}), [(120, manifests.ALERT_ALPHA, [])])
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [wrong]}))
+    rc, out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert rc != 0 and "SpecDecodeAlphaBelowSLO" in out, out
