@@ -91,7 +91,9 @@ def cluster_policy(policy: SloPolicy) -> SloPolicy:
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
-    """One window for every key; nothing changes on an incomplete observation."""
+    """One window for every key; nothing changes on an incomplete observation. `per_type` False
+    (no router following a live state): the deployment is the only key; with no windows at all
+    (`obs.windows` empty: no Redis), its alerts alone move it, both ways."""
     if not obs.complete:
         return Tick(memory, (), decided=False)
     stable = obs.windows.get("stable", {})
@@ -109,7 +111,9 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
 
     everything = sum_windows(list(stable.values())) if stable else None
     if not per_type:
-        move(DEPLOYMENT, "the deployment", sample_of(everything, whole_alert or next(iter(type_alerts.values()), None)))
+        alert = whole_alert or next(iter(type_alerts.values()), None)
+        sample = sample_of(everything, alert) if obs.windows else Sample(alert=alert, alerts_only=True)
+        move(DEPLOYMENT, "the deployment", sample)
         return Tick(Memory(keys, seen), tuple(events))
 
     # with a router: the whole deployment falls back only on an alert for all of it; it recovers

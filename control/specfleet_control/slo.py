@@ -76,6 +76,7 @@ class Sample:
     draft_tokens: int = 0
     requests: int = 0
     alert: str | None = None  # an alert firing for this key (Alertmanager), named
+    alerts_only: bool = False  # no windows to read (no Redis): the alerts are the observation
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,8 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
         return UNKNOWN, "no window"
     if sample.alert:
         return MISSED, f"alert {sample.alert} firing"
+    if sample.alerts_only:
+        return HEALTHY, "no alert firing (no fleet windows to read)"
     up = 1.0 + margin
     enough_alpha = sample.alpha is not None and sample.draft_tokens >= policy.min_draft_tokens
     enough_speedup = sample.speedup is not None and sample.requests >= policy.min_requests

@@ -141,3 +141,9 @@ def test_memory_round_trips_through_the_status():
 ])
 def test_judge(sample, verdict):
     assert judge(sample, KeyState(), P)[0] == verdict
+
+
+def test_without_windows_the_alerts_alone_move_the_deployment_both_ways():
+    firing = Observation().with_alerts((Alert("SpecDecodeAlphaBelowSLO", "code"),))
+    ticks = run([firing] * 2 + [Observation()] * 6, per_type=False)
+    assert modes(ticks, DEPLOYMENT) == [FALLBACK] * 5 + [SPECULATIVE] * 3  # healthy from 1020, 30 s later
