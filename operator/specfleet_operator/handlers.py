@@ -19,6 +19,11 @@ from typing import Any, Sequence
 
 import kopf
 
+from specfleet_control import loop as slo_loop
+from specfleet_api.windows import sum_windows
+from specfleet_control.observe import Alert, Observation
+from specfleet_control.slo import FALLBACK, SloPolicy
+
 from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from . import manifests, metrics, policy, redis_state
 from . import spec as specs
@@ -53,8 +58,17 @@ def loop_state(status: dict[str, Any]) -> policy.LoopState:
         last_analysis=_epoch(canary.get("lastAnalysis")))
 
 
-def fleet_state(loop: policy.LoopState, spec: dict[str, Any]) -> manifests.FleetState:
-    state = manifests.FleetState(mode=loop.mode, canary_weight=loop.canary_weight, canary_phase=loop.canary_phase)
+def memory_of(status: dict[str, Any]) -> slo_loop.Memory:
+    """The SLO loop's memory, kept in status.slo."""
+    return slo_loop.Memory.from_status(status.get("slo"))
+
+
+def fleet_state(loop: policy.LoopState, spec: dict[str, Any], memory: slo_loop.Memory | None = None
+                ) -> manifests.FleetState:
+    memory = memory or slo_loop.Memory()
+    state = manifests.FleetState(mode=FALLBACK if memory.whole else "speculative", canary_weight=loop.canary_weight,
+                                 canary_phase=loop.canary_phase, fallback=memory.fallback_types(),
+                                 fallback_clusters=memory.fallback_clusters())
     return dataclasses.replace(state, canary_weight=manifests.canary_weight(spec, state))
 
 
@@ -66,9 +80,11 @@ def _canary_hash(spec: dict[str, Any]) -> str | None:
 
 def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: dict[str, Any] | None,
               canary: dict[str, Any] | None, errors: list[str], m: policy.Metrics | None = None,
-              router: dict[str, Any] | None = None) -> statuses.Observed:
+              router: dict[str, Any] | None = None, memory: slo_loop.Memory | None = None) -> statuses.Observed:
     prev = body.get("status") or {}
-    fleet = fleet_state(loop, spec)
+    memory = memory or memory_of(prev)
+    fleet = fleet_state(loop, spec, memory)
+    whole = memory.keys.get(slo_loop.DEPLOYMENT)
     stable_n, canary_n = manifests.replica_counts(spec, fleet)
     sm = m.stable if m else None
     live_hash = ((stable or {}).get("spec", {}).get("template", {}).get("metadata", {})
@@ -88,13 +104,17 @@ def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: d
                               else prev.get("meanAcceptedLength")),
         speedup=sm.speedup if sm and sm.speedup is not None else prev.get("speedup"),
         canary_step=loop.canary_step, failed_checks=loop.failed_checks,
-        fallback_since=_iso(loop.fallback_since), last_analysis=_iso(loop.last_analysis))
+        fallback_since=_iso(whole.since) if whole is not None and whole.mode == FALLBACK else None,
+        last_analysis=_iso(loop.last_analysis))
 
 
-def _status(observed: statuses.Observed, body: Any, loop: policy.LoopState, spec: dict[str, Any]) -> dict[str, Any]:
+def _status(observed: statuses.Observed, body: Any, loop: policy.LoopState, spec: dict[str, Any],
+            memory: slo_loop.Memory) -> dict[str, Any]:
     prev = body.get("status") or {}
     now = _iso(time.time())
     out = statuses.compute(observed, prev, now)
+    out["slo"] = memory.to_status()
+    out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
     out["canary"]["configHash"] = _canary_hash(spec)
     if loop.step_since is not None:
         out["canary"]["stepSince"] = _iso(loop.step_since)
@@ -147,17 +167,28 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
                for ref in obj.get("metadata", {}).get("ownerReferences", []))
 
 
+def reconcile_lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
+    """Held by each reconcile of one resource, so that children are applied from one state at a time."""
+    return memo.setdefault("reconcile_locks", {}).setdefault((namespace, name), asyncio.Lock())
+
+
 async def reconcile(body: Any, memo: Any, loop: policy.LoopState | None = None,
-                    m: policy.Metrics | None = None) -> None:
-    """Make the children match the spec, then write the status from what is live."""
+                    m: policy.Metrics | None = None, memory: slo_loop.Memory | None = None, *,
+                    locked: bool = False) -> None:
+    """Make the children match the spec, then write the status from what is live. `locked`: the
+    caller holds reconcile_lock."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    if not locked:
+        async with reconcile_lock(memo, ns, name):
+            return await reconcile(body, memo, loop, m, memory, locked=True)
     spec = specs.with_defaults(dict(body.get("spec") or {}))
     problems = specs.problems(spec)
     prev = body.get("status") or {}
     loop = loop or loop_state(prev)
+    memory = memory or memory_of(prev)
     if not problems:
         try:
-            manifests.children(body, spec, memo.settings, fleet_state(loop, spec))
+            manifests.children(body, spec, memo.settings, fleet_state(loop, spec, memory))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             problems = [specs.Problem("spec", f"cannot build the workers from this spec: {exc!r}")]
     if problems:  # no child is created: nothing a worker would refuse reaches a pod
@@ -167,13 +198,13 @@ async def reconcile(body: Any, memo: Any, loop: policy.LoopState | None = None,
     if _canary_hash(spec) != (prev.get("canary") or {}).get("configHash") and loop.canary_phase != "Idle":
         loop = dataclasses.replace(loop, canary_phase="Idle", canary_step=0, canary_weight=None, step_since=None,
                                    failed_checks=0, last_analysis=None)
-    results, errors = await _apply_children(body, spec, fleet_state(loop, spec), memo)
+    results, errors = await _apply_children(body, spec, fleet_state(loop, spec, memory), memo)
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:
         _event(body, "Created", "created " + ", ".join(created))
     if errors:
         _event(body, "ApplyFailed", "; ".join(errors))
-    await write_status(memo, ns, name, loop=loop, m=m, errors=errors)
+    await write_status(memo, ns, name, loop=loop, m=m, errors=errors, memory=memory)
 
 
 def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
@@ -183,7 +214,8 @@ def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
 
 async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.LoopState | None = None,
                        m: policy.Metrics | None = None, errors: Sequence[str] = (),
-                       problems: Sequence[specs.Problem] = ()) -> dict[str, Any] | None:
+                       problems: Sequence[specs.Problem] = (),
+                       memory: slo_loop.Memory | None = None) -> dict[str, Any] | None:
     """Read the resource and its workers, compute the status, write it if it changed, and the
     live state derived from them to Redis (when the fleet has one).
 
@@ -204,12 +236,14 @@ async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.Loo
             new = statuses.compute(observed, prev, _iso(time.time()))
         else:
             loop = loop or loop_state(prev)
-            fleet = fleet_state(loop, spec)
+            memory = memory or memory_of(prev)
+            fleet = fleet_state(loop, spec, memory)
             stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
             canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
                 if spec.get("canary") else None
             router = await kube.get("apps/v1", "Deployment", namespace, manifests.router_name(name))
-            new = _status(_observed(sdd, spec, loop, stable, canary, list(errors), m, router), sdd, loop, spec)
+            new = _status(_observed(sdd, spec, loop, stable, canary, list(errors), m, router, memory), sdd, loop, spec,
+                          memory)
             if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
                 _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
         if _changed(prev, new):
@@ -273,9 +307,9 @@ async def startup(memo: Any, settings: kopf.OperatorSettings, logger: Any, **_: 
         or kopf.login_with_kubeconfig(settings=settings)
     memo.kube = Kube(connection)  # created here: its session belongs to the operator's event loop
     memo.setdefault("settings", manifests.Settings())
-    memo.setdefault("metrics", metrics.ScrapeSource(memo.settings))
     memo.setdefault("loop_interval", 15.0)
     memo.setdefault("live_state", redis_state.LiveStateStore())
+    memo.setdefault("windows", redis_state.WindowSource())
 
 
 @kopf.on.cleanup()
@@ -330,7 +364,34 @@ async def control_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonSto
             kopf.warn(body, reason="ControlLoop", message=f"control loop tick failed, will retry: {exc}")
 
 
+def _role_metrics(w: Any) -> policy.RoleMetrics | None:
+    if w is None:
+        return None
+    return policy.RoleMetrics(alpha=w.alpha, mean_accepted_length=w.tau, speedup=w.spec_speedup or w.speedup,
+                              error_rate=w.error_rate)
+
+
+async def observe(memo: Any, ns: str, name: str, spec: dict[str, Any], drift_epoch: str = "") -> tuple[Observation, bool]:
+    """(what the fleet showed, whether it routes per prompt type): its windows in Redis when it
+    has one (routers follow a live state there), else no windows (the alerts alone act); the
+    alerts firing for it, from the Alertmanager receiver."""
+    try:
+        url = await redis_url(memo, ns, spec)
+    except ApiError as exc:
+        return Observation(complete=False, error=f"cannot read spec.redis.secretRef: {exc}"), True
+    arms = ("stable", "canary") if spec.get("canary") else ("stable",)
+    if url is None:
+        obs, per_type = Observation(), False
+    else:
+        obs, per_type = await memo.windows.observe(url, ns, name, arms, drift_epoch), True
+    inbox = memo.get("alerts")
+    if inbox is not None:
+        obs = obs.with_alerts(tuple(Alert(a.alertname, a.prompt_type) for a in inbox.firing(ns, name, time.time())))
+    return obs, per_type
+
+
 async def tick(body: Any, memo: Any) -> None:
+    """One tick of the loop: observe, judge every SLO key and the canary, act on what moved."""
     spec = specs.with_defaults(dict(body.get("spec") or {}))
     if specs.problems(spec) or body.get("metadata", {}).get("deletionTimestamp"):
         return
@@ -338,15 +399,24 @@ async def tick(body: Any, memo: Any) -> None:
     if not prev:
         return  # not reconciled yet
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    before = loop_state(prev)
-    observed_metrics = await memo.metrics.observe(ns, name, bool(spec.get("canary")))
-    decision = policy.decide(observed_metrics, before, policy.Policy.from_spec(spec), time.time())
-    for reason, message in decision.events:
+    before, memory = loop_state(prev), memory_of(prev)
+    now = time.time()
+    obs, per_type = await observe(memo, ns, name, spec)
+    slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type)
+    if not slo.decided:
+        kopf.info(body, reason="NoDecision", message=f"the fleet's windows could not be read ({obs.error}): "
+                                                       "nothing decided this tick")
+    stable_w, canary_w = (sum_windows(list(obs.windows.get(arm, {}).values())) if obs.windows.get(arm)
+                          else None for arm in ("stable", "canary"))
+    observed_metrics = policy.Metrics(stable=_role_metrics(stable_w), canary=_role_metrics(canary_w))
+    decision = policy.decide_canary(observed_metrics if obs.complete else policy.Metrics(), before,
+                                    policy.Policy.from_spec(spec), now)
+    for reason, message in slo.events + decision.events:
         _event(body, reason, message)
-    if fleet_state(decision.state, spec) != fleet_state(before, spec):
-        await reconcile(body, memo, decision.state, observed_metrics)
+    if fleet_state(decision.state, spec, slo.memory) != fleet_state(before, spec, memory):
+        await reconcile(body, memo, decision.state, observed_metrics, slo.memory)
     else:
-        await write_status(memo, ns, name, loop=decision.state, m=observed_metrics)
+        await write_status(memo, ns, name, loop=decision.state, m=observed_metrics, memory=slo.memory)
 
 
 @kopf.on.delete(*SDD)

@@ -76,7 +76,7 @@ class Policy:
                 checks=tuple((m["name"], m.get("min"), m.get("max")) for m in analysis.get("metrics", [])),
             )
         return cls(alpha_floor=slo["alphaFloor"], speedup_floor=slo["speedupFloor"],
-                   fallback_enabled=fb["enabled"], recovery_alpha=fb["recoveryAlpha"],
+                   fallback_enabled=fb["enabled"], recovery_alpha=fb.get("recoveryAlpha", 0.0),
                    recover_after_s=parse_duration(fb["recoverAfter"]), **kw)
 
 

@@ -108,3 +108,39 @@ class LiveStateStore:
             except Exception:  # closing a connection to a Redis that is gone
                 pass
         self._clients.clear()
+
+
+class WindowSource:
+    """The control loop's reads: a fleet's windows (workers per arm and prompt type, routers per
+    cluster, drift pairs) in its Redis, one client per URL, one try per tick (`timeout_s` each).
+    A failure is an incomplete observation (nothing is decided on it), never an exception."""
+
+    def __init__(self, timeout_s: float = 2.0):
+        self.timeout_s = timeout_s
+        self._clients: dict[str, Any] = {}
+
+    def _client(self, url: str) -> Any:
+        if url not in self._clients:
+            import redis
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+
+            self._clients[url] = redis.Redis.from_url(url, socket_timeout=self.timeout_s,
+                                                      socket_connect_timeout=self.timeout_s,
+                                                      retry=Retry(NoBackoff(), 0))
+        return self._clients[url]
+
+    async def observe(self, url: str, namespace: str, name: str, arms: tuple[str, ...], drift_epoch: str = ""):
+        import asyncio
+
+        from specfleet_control import observe
+
+        return await asyncio.to_thread(observe.read, self._client(url), namespace, name, arms, drift_epoch)
+
+    def close(self) -> None:
+        for client in self._clients.values():
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing a connection to a Redis that is gone
+                pass
+        self._clients.clear()

@@ -7,7 +7,9 @@ operator/scripts/scale_test.py use it, the operator itself never imports it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import datetime
+import json
 import itertools
 import threading
 import time
@@ -21,7 +23,6 @@ from kmock._internal import enums
 
 from . import API_VERSION, KIND
 from .main import Options, operate
-from .policy import Metrics
 from .spec import crd
 
 
@@ -137,25 +138,39 @@ def declare_resources(cluster: Cluster) -> None:
             kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"})
 
 
-class FixedMetrics:
-    """A metrics source that reports what the test sets."""
+def stored_live_state(client, namespace: str = "default", name: str = "chat"):
+    """The live state Redis holds for a fleet, or None."""
+    from specfleet_api.live_state import LiveState, state_key
 
-    def __init__(self, value: Metrics | None = None):
-        self.value = value or Metrics()
+    raw = client.get(state_key(namespace, name))
+    return LiveState.from_json(raw) if raw is not None else None
 
-    async def observe(self, namespace: str, name: str, has_canary: bool) -> Metrics:
-        return self.value
+
+def publish_window(client, namespace: str, name: str, prompt_type: str, *, alpha: float, speedup: float = 1.4,
+                   arm: str = "stable", pod: str = "pod-0", drafted: int = 1000, requests: int = 20,
+                   ttl_s: int = 30) -> None:
+    """Write one worker pod's window of one prompt type into Redis, as specfleet_worker.fleet does."""
+    from specfleet_api.live_state import window_key
+    from specfleet_api.windows import TypeCounts
+
+    busy = 10.0
+    counts = TypeCounts(requests=requests, steps=requests * 20, draft_tokens=drafted,
+                        accepted_tokens=int(alpha * drafted), plain_seconds=speedup * busy, busy_seconds=busy,
+                        spec_requests=requests, spec_plain_seconds=speedup * busy, spec_busy_seconds=busy)
+    key = f"{window_key(namespace, name, arm)}:{pod}"
+    client.hset(key, prompt_type, json.dumps({**dataclasses.asdict(counts), "window_seconds": 10.0}))
+    client.expire(key, ttl_s)
 
 
 class OperatorThread:
     """One operator replica: the real `operate()` in its own thread and event loop."""
 
-    def __init__(self, url: str, identity: str, *, leader_election: bool = False, metrics: Any = None,
-                 loop_interval: float = 3600.0, lease_duration: float = 2.0):
+    def __init__(self, url: str, identity: str, *, leader_election: bool = False,
+                 loop_interval: float = 3600.0, lease_duration: float = 2.0, memo: dict[str, Any] | None = None):
         self.options = Options(identity=identity, leader_election=leader_election, lease_namespace="default",
                                lease_duration_s=lease_duration, renew_s=lease_duration / 4,
                                retry_s=lease_duration / 8, loop_interval_s=loop_interval)
-        self.url, self.metrics = url, metrics or FixedMetrics()
+        self.url, self.memo = url, memo or {}
         self.stop, self.ready, self.leading = threading.Event(), threading.Event(), threading.Event()
         self.result: int | BaseException | None = None
         self.thread = threading.Thread(target=self._run, name=identity, daemon=True)
@@ -165,7 +180,7 @@ class OperatorThread:
         try:
             self.result = asyncio.run(operate(self.options, connection=kopf.ConnectionInfo(server=self.url),
                                               stop=self.stop, ready=self.ready, leading=self.leading,
-                                              memo={"metrics": self.metrics}))
+                                              memo=dict(self.memo)))
         except BaseException as exc:  # surfaced by the test through .result
             self.result = exc
 

@@ -12,16 +12,14 @@ from specfleet_router.metrics import RouterMetrics
 from specfleet_router.state import RedisState
 
 from specfleet_operator import API_VERSION, KIND
-from specfleet_operator.policy import Metrics, RoleMetrics
 from specfleet_operator.redis_state import LiveStateStore
-from specfleet_operator.testing import FixedMetrics, OperatorThread, ready, sdd_body, wait_for
+from specfleet_operator.testing import OperatorThread, publish_window, ready, sdd_body, stored_live_state, wait_for
 
 WANTED = LiveState(canary_weight=1.0, routes={"chat": "none"}, k={"stable": KBounds(0, 8)})
 
 
 def stored(client, ns="default", name="chat"):
-    raw = client.get(state_key(ns, name))
-    return LiveState.from_json(raw) if raw is not None else None
+    return stored_live_state(client, ns, name)
 
 
 async def test_versions_grow_and_an_unchanged_state_is_not_written(redis_server):
@@ -76,8 +74,7 @@ async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_s
     """Spec -> Redis: the canary's request share, the routes and each arm's K bounds; a spec change
     and the loop's fallback each write a higher version; a flushed Redis is written again at the
     next tick; the router's reader (specfleet_router.state) takes every document."""
-    source = FixedMetrics(Metrics(stable=RoleMetrics(alpha=0.6, speedup=1.4)))
-    op = OperatorThread(cluster.endpoint, "op-a", metrics=source, loop_interval=0.2).start()
+    op = OperatorThread(cluster.endpoint, "op-a", loop_interval=0.2).start()
     client = redis_server.client()
     router_view = RedisState(redis_server.url, "default", "live", LiveState(), RouterMetrics())
 
@@ -85,6 +82,7 @@ async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_s
         assert await router_view.poll_once() and router_view.current == doc
     try:
         await kube.create(sdd_body("live", redis={"url": redis_server.url}, speculation={"kMin": 1, "kMax": 6},
+                                   slo={"window": "1s", "minDraftTokens": 100, "fallback": {"minDwell": "1s"}},
                                    routing={"byPromptType": {"chat": "none", "code": "ngram"}},
                                    canary={"weight": 0.5, "replicas": 2, "overrides": {"speculation": {"kMax": 12}}}))
         await wait_for(lambda: ready(cluster, "live"), 20, "Ready")
@@ -101,16 +99,17 @@ async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_s
         assert second.version > first.version
         await router_takes(second)
 
-        source.value = Metrics(stable=RoleMetrics(alpha=0.1, speedup=0.9))  # the SLO is missed
-        third = await wait_for(lambda: (d := stored(client, name="live")) and not d.speculate and d,
+        publish_window(client, "default", "live", "code", alpha=0.02, speedup=0.9)  # the SLO is missed
+        third = await wait_for(lambda: (d := stored(client, name="live")) and d.fallback == ("code",) and d,
                                20, "the fallback in Redis")
-        assert third.version > second.version and third.k["stable"] == KBounds(0, 0)
-        assert third.method_for("code") == "none"
+        assert third.version > second.version and third.k["stable"] == KBounds(1, 6) and third.speculate
+        assert third.method_for("code") == "none" and third.method_for("chat") == "none"  # chat: its route
+        assert third.route("code", draw=0.5) == ("ngram", True) and third.probe_share == 5.0
         await router_takes(third)
 
         client.flushall()
         fourth = await wait_for(lambda: stored(client, name="live"), 10, "written again after a flush")
-        assert fourth.version > third.version and not fourth.speculate
+        assert fourth.version > third.version and fourth.fallback == ("code",)
 
         await kube.delete(API_VERSION, KIND, "default", "live")
         await wait_for(lambda: stored(client, name="live") is None, 20, "the document deleted with the fleet")

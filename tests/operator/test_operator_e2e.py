@@ -240,23 +240,34 @@ async def test_kubectl_objects_conflict_is_handled_as_already_there(cluster, kub
         raise AssertionError("a second create must conflict")
 
 
-async def test_control_loop_enters_fallback_without_restarting_workers(cluster, kube):
-    from specfleet_operator.policy import Metrics, RoleMetrics
-    from specfleet_operator.testing import FixedMetrics
-    source = FixedMetrics(Metrics(stable=RoleMetrics(alpha=0.6, speedup=1.4)))
-    op = OperatorThread(cluster.endpoint, "op-a", metrics=source, loop_interval=0.2).start()
+async def test_control_loop_falls_back_per_prompt_type_and_recovers_through_the_probe(cluster, kube, redis_server):
+    """The loop reads the workers' windows in Redis: a prompt type whose alpha collapses falls
+    back alone (status, Event, the live state's fallback list), the workers are not restarted, and
+    a healthy probe brings it back after recoverAfter."""
+    from specfleet_operator.testing import publish_window, stored_live_state as stored
+    op = OperatorThread(cluster.endpoint, "op-a", loop_interval=0.2).start()
+    client = redis_server.client()
+    slo = {"window": "1s", "minDraftTokens": 100, "fallback": {"recoverAfter": "1s", "minDwell": "1s"}}
     try:
-        await kube.create(sdd_body("slo"))
+        await kube.create(sdd_body("slo", redis={"url": redis_server.url}, slo=slo))
         await wait_for(lambda: ready(cluster, "slo"), 20, "Ready")
         sdd = lambda: cluster.live(API_VERSION, SDDS, "default", "slo")["status"]
-        await wait_for(lambda: sdd().get("alpha") == 0.6, 10, "alpha reported")
         hash_before = pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")])
-        source.value = Metrics(stable=RoleMetrics(alpha=0.1, speedup=0.9))  # the SLO is missed
-        await wait_for(lambda: sdd().get("mode") == "fallback", 10, "fallback")
-        control = json.loads(children_of(cluster, "slo")[("ConfigMap", "slo-engine")]["data"]["control.json"])
-        assert control == {"speculate": False, "kMin": 0, "kMax": 0}
-        assert sdd()["kRange"] == "0-0"
+        publish_window(client, "default", "slo", "code", alpha=0.6)
+        publish_window(client, "default", "slo", "chat", alpha=0.6)
+        await wait_for(lambda: sdd().get("slo", {}).get("keys", {}).get("type:code", {}).get("baseline"), 10,
+                       "a baseline learned")
+        publish_window(client, "default", "slo", "code", alpha=0.02, speedup=0.9)  # the SLO is missed
+        await wait_for(lambda: sdd().get("fallback", {}).get("promptTypes") == ["code"], 10, "code in fallback")
+        state = stored(client, name="slo")
+        assert state.fallback == ("code",) and state.speculate and state.method_for("chat") == "ngram"
+        assert state.route("code", draw=1.0) == ("ngram", True)  # the probe
+        assert sdd()["mode"] == "speculative"  # the deployment as a whole still speculates
         assert pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")]) == hash_before
         await wait_for(lambda: events(cluster, "FallbackEntered"), 10, "FallbackEntered event")
+        publish_window(client, "default", "slo", "code", alpha=0.6)  # the probe is healthy again
+        await wait_for(lambda: sdd().get("fallback", {}).get("promptTypes") == [], 10, "code back")
+        assert stored(client, name="slo").fallback == ()
+        await wait_for(lambda: events(cluster, "FallbackLeft"), 10, "FallbackLeft event")
     finally:
         await op.stop_and_join()
