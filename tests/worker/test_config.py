@@ -1,6 +1,7 @@
 """engine.json as docs/worker-contract.md defines it, and the live settings the admin moves."""
 from __future__ import annotations
 
+import doctest
 import json
 import logging
 import re
@@ -11,9 +12,12 @@ import pytest
 
 from specfleet_api import enums
 from specfleet_api.engine_config import UNSUPPORTED
+from specfleet_api.live_state import KBounds, LiveState
+from specfleet_worker import config
 from specfleet_worker.config import EngineConfig, LiveConfig
 from specfleet_worker.main import main as serve_main
 from specfleet_worker.main import parse_args, watch_control_file
+from specfleet_worker.testing import wait_for
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -169,28 +173,65 @@ def test_live_updates_validate_and_speculation_off_routes_everything_to_none():
     assert "math" not in live.settings.by_prompt_type
 
 
-def test_the_control_file_is_applied_when_it_changes(tmp_path):
+def test_the_control_file_is_applied_when_it_changes_and_its_off_is_the_soft_one(tmp_path):
     live = LiveConfig(EngineConfig(k_min=1, k_max=8), ["ngram"])
     path = tmp_path / "control.json"
-    path.write_text(json.dumps({"speculate": False, "kMin": 1, "kMax": 0}))
+    path.write_text(json.dumps({"speculate": False, "kMin": 1, "kMax": 0}))  # the operator's fallback
     stop = threading.Event()
     t = threading.Thread(target=watch_control_file, args=(path, live, stop, 0.01))
     t.start()
     try:
-        for _ in range(500):
-            if not live.settings.speculation_enabled:
-                break
-            stop.wait(0.01)
-        assert not live.settings.speculation_enabled and (live.settings.k_min, live.settings.k_max) == (0, 0)
+        wait_for(lambda: not live.settings.default_speculate, 5, "speculate: false")
+        s = live.settings
+        # soft: the hard switch stays on, and a probe keeps the bounds in force (kMax 0 means "off" there)
+        assert s.speculation_enabled and (s.k_min, s.k_max) == (1, 8)
+        assert s.method_for("", "code") == "none" and s.method_for("ngram", "code") == "ngram"
         path.write_text(json.dumps({"speculate": True, "kMin": 2, "kMax": 5}))
-        for _ in range(500):
-            if live.settings.speculation_enabled:
-                break
-            stop.wait(0.01)
-        assert live.settings.speculation_enabled and (live.settings.k_min, live.settings.k_max) == (2, 5)
+        wait_for(lambda: live.settings.default_speculate, 5, "speculate: true")
+        assert (live.settings.k_min, live.settings.k_max) == (2, 5)
+        path.write_text(json.dumps({"speculate": False, "kMin": 1, "kMax": 3}))  # bounds beside the off apply
+        wait_for(lambda: not live.settings.default_speculate, 5, "speculate: false with bounds")
+        assert (live.settings.k_min, live.settings.k_max) == (1, 3)
     finally:
         stop.set()
         t.join()
+
+
+def test_the_config_docstring_examples_hold():
+    assert doctest.testmod(config).failed == 0
+
+
+def test_the_soft_off_runs_only_named_methods_and_the_hard_off_runs_nothing():
+    live = LiveConfig(EngineConfig(), ["ngram"])
+    live.update(by_prompt_type={"code": "ngram"})
+    on = live.settings
+    assert on.method_for("", "code") == on.method_for("auto", "code") == "ngram"
+    assert on.drafts("ngram", "") and not on.drafts("none", "")
+    soft = live.update(default_speculate=False)
+    assert soft.speculation_enabled
+    assert soft.method_for("", "code") == soft.method_for("auto", "chat") == "none"
+    assert soft.method_for("ngram", "code") == "ngram" and soft.method_for("none", "code") == "none"
+    # a running request: one routed to ngram stops drafting, one that named ngram (a probe) goes on
+    assert not soft.drafts("ngram", "") and not soft.drafts("ngram", "auto") and soft.drafts("ngram", "ngram")
+    hard = live.update(speculation_enabled=False, default_speculate=True)
+    assert hard.method_for("ngram", "code") == hard.method_for("", "code") == "none"
+    assert not hard.drafts("ngram", "ngram") and not hard.drafts("ngram", "")
+    both = live.update(default_speculate=False)
+    assert not both.drafts("ngram", "ngram")
+    back = live.update(speculation_enabled=True, default_speculate=True)
+    assert back.method_for("", "code") == "ngram" and back.drafts("ngram", "")
+
+
+def test_the_live_states_speculate_is_the_soft_switch_and_its_kmax_0_keeps_the_bounds():
+    live = LiveConfig(EngineConfig(k_min=1, k_max=8), ["ngram"])
+    live.apply_live_state(LiveState(speculate=False, k={"stable": KBounds(0, 0), "canary": KBounds(2, 3)}), "stable")
+    s = live.settings
+    assert s.speculation_enabled and not s.default_speculate and (s.k_min, s.k_max) == (1, 8)
+    live.apply_live_state(LiveState(speculate=False, k={"stable": KBounds(2, 4)}), "stable")
+    assert (live.settings.k_min, live.settings.k_max) == (2, 4) and not live.settings.default_speculate
+    live.apply_live_state(LiveState(speculate=True, k={"stable": KBounds(0, 0)}), "stable")  # K 0 asked for
+    s = live.settings
+    assert s.default_speculate and (s.k_min, s.k_max) == (0, 0)
 
 
 def test_process_flags_and_defaults_follow_the_contract():

@@ -105,12 +105,16 @@ def test_a_state_written_is_applied_within_2s_with_this_arms_bounds_only(followe
     assert time.monotonic() - t < APPLIED_WITHIN_S
     assert gauge(r, "spec_decode_live_state_version") == 1
     assert gauge(r, "spec_decode_live_state_staleness_seconds") < 1.0
-    t = write(redis_server, v(2, 2, 3, speculate=False))  # the deployment's fallback
-    wait_for(lambda: not r.worker.live.settings.speculation_enabled, APPLIED_WITHIN_S, "speculate: false")
+    t = write(redis_server, v(2, 2, 3, speculate=False))  # the deployment's fallback: the soft off
+    wait_for(lambda: not r.worker.live.settings.default_speculate, APPLIED_WITHIN_S, "speculate: false")
     assert time.monotonic() - t < APPLIED_WITHIN_S
-    resp = r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, speculation_method="ngram"),
-                          timeout=RPC_S)
-    assert resp.speculation.method == "none"
+    assert bounds(r) == (True, 2, 3)
+
+    def method(named: str) -> str:
+        return r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, speculation_method=named),
+                              timeout=RPC_S).speculation.method
+
+    assert method("") == "none" and method("ngram") == "ngram"  # the router's probe names its method
 
 
 def test_redis_sigkilled_the_worker_serves_on_the_last_state_then_resyncs_on_restart(followed, redis_server,

@@ -357,6 +357,32 @@ class Engine:
         seq.text = text[:cut]
         return True
 
+    # -- scoring ------------------------------------------------------------------------------
+
+    def score(self, context: list[int], tokens: list[int], params: SamplingParams) -> list[float]:
+        """Teacher-forced log-probabilities: log p(tokens[i] | context + tokens[:i]) under the
+        distribution sampling draws from (temperature, top_k, top_p), -inf where top_k or top_p
+        excluded the token; greedy params score the softmax at T=1, as `logprobs` reports it.
+
+        One forward over context + tokens, in blocks of its own that are freed before it
+        returns; OutOfBlocks when the cache lacks them. The caller owns the engine meanwhile (no
+        `step` may run)."""
+        if not context or not tokens:
+            raise ValueError("scoring needs at least one context token and one token to score")
+        if len(context) + len(tokens) > self.max_len:
+            raise ValueError(f"context and tokens are {len(context) + len(tokens)} tokens; "
+                             f"the context holds {self.max_len}")
+        table = BlockTable(self.cache)
+        try:
+            ids, meta, _ = batch_metadata([table], [context + tokens])
+            rows = torch.arange(len(context) - 1, len(context) + len(tokens) - 1)  # the rows that predict tokens
+            with torch.inference_mode():
+                logits = self.model(ids, meta, self.cache.layers, rows)  # [N, V]
+        finally:
+            table.free()
+        logp = torch.log_softmax(logits, dim=-1) if params.greedy else torch.log(logits_to_probs(logits, params))
+        return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+
     # -- convenience --------------------------------------------------------------------------
 
     def generate(self, prompt: list[int], params: SamplingParams, method: str = "ngram", k: int = 4,

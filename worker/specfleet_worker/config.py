@@ -4,6 +4,11 @@
 prompt type); every change swaps one frozen snapshot, so the scheduler reads a consistent view
 once per step without a lock. Changes come from the Admin service, control.json and the live
 state in Redis (live.py). EngineConfig lives in the torch-free specfleet_api.
+
+Speculation has two switches. `speculation_enabled` is the hard one (Admin.UpdateConfig, the
+operator's emergency switch): off, every request runs plain. `default_speculate` is the soft one
+(the live state's and control.json's `speculate`, the fleet's fallback): off, requests that name
+no method run plain, while a request that names one (the router's probe) still speculates.
 """
 
 from __future__ import annotations
@@ -26,21 +31,42 @@ log = logging.getLogger("specfleet.worker")
 class Settings:
     """One consistent snapshot of what the control plane may move at run time."""
 
-    speculation_enabled: bool
+    speculation_enabled: bool  # hard: off, every request runs plain
     k_min: int
     k_max: int
     k_initial: int
     k_policy: str
     default_method: str
     by_prompt_type: dict[str, str]
+    default_speculate: bool = True  # soft: off, only requests that name a method speculate
 
     def method_for(self, requested: str, prompt_type: str) -> str:
-        """The method a new request runs with ("none" while speculation is off)."""
+        """The method a new request runs with: "none" under the hard off; the one it names; else
+        "none" under the soft off, or the route of its prompt type.
+
+        >>> s = Settings(True, 0, 8, 4, "adaptive", "ngram", {"chat": "none"}, default_speculate=False)
+        >>> s.method_for("", "code"), s.method_for("ngram", "code")
+        ('none', 'ngram')
+        >>> dataclasses.replace(s, speculation_enabled=False).method_for("ngram", "code")
+        'none'
+        """
         if not self.speculation_enabled:
             return Method.NONE.value
-        if requested and requested != AUTO:
+        if explicit(requested):
             return requested
+        if not self.default_speculate:
+            return Method.NONE.value
         return self.by_prompt_type.get(prompt_type, self.default_method)
+
+    def drafts(self, method: str, requested: str) -> bool:
+        """Whether a running request with this method, asked for as `requested`, may draft now."""
+        return (method != Method.NONE.value and self.speculation_enabled
+                and (self.default_speculate or explicit(requested)))
+
+
+def explicit(requested: str) -> bool:
+    """Whether a request named its method (the router's probes do) rather than leaving it to routing."""
+    return bool(requested) and requested != AUTO
 
 
 class LiveConfig:
@@ -64,8 +90,8 @@ class LiveConfig:
             return fallback
         return method
 
-    def update(self, *, speculation_enabled: bool | None = None, k_min: int | None = None,
-               k_max: int | None = None, default_method: str | None = None,
+    def update(self, *, speculation_enabled: bool | None = None, default_speculate: bool | None = None,
+               k_min: int | None = None, k_max: int | None = None, default_method: str | None = None,
                by_prompt_type: dict[str, str] | None = None) -> Settings:
         """Raises ValueError naming the field; nothing changes then."""
         with self._lock:
@@ -86,6 +112,7 @@ class LiveConfig:
                     routes.pop(t, None)
             self.settings = dataclasses.replace(
                 s, speculation_enabled=s.speculation_enabled if speculation_enabled is None else speculation_enabled,
+                default_speculate=s.default_speculate if default_speculate is None else default_speculate,
                 k_min=k_lo, k_max=k_hi, k_initial=min(max(s.k_initial, k_lo), k_hi),
                 default_method=s.default_method if default_method is None else default_method,
                 by_prompt_type=routes)
@@ -93,16 +120,24 @@ class LiveConfig:
             return self.settings
 
     def apply_live_state(self, state: LiveState, arm: str) -> Settings:
-        """The deployment's live state from Redis (live.py): `speculate`, and the K bounds of this
-        worker's arm when the state has them. The method per prompt type is the router's choice,
-        sent with each request, so the state's routes are not applied here."""
+        """The deployment's live state from Redis (live.py): `speculate` (the soft switch), and
+        the K bounds of this worker's arm when the state has them. The method per prompt type is
+        the router's choice, sent with each request, so the state's routes are not applied here.
+
+        Writers mark speculation off with kMax 0 too (the operator does); under the soft off a
+        probe still speculates with the bounds in force, so kMax 0 beside `speculate: false` is
+        read as "off", not as bounds (control.json alike)."""
         bounds = state.k.get(arm)
-        return self.update(speculation_enabled=state.speculate, k_min=bounds.k_min if bounds else None,
+        if bounds is not None and not state.speculate and bounds.k_max == 0:
+            bounds = None
+        return self.update(default_speculate=state.speculate, k_min=bounds.k_min if bounds else None,
                            k_max=bounds.k_max if bounds else None)
 
     def apply_control_file(self, raw: dict) -> Settings:
         """control.json, written by the operator's control loop: {speculate, kMin, kMax}."""
+        speculate = bool(raw.get("speculate", True))
+        if not speculate and int(raw.get("kMax", 1)) == 0:  # "off", not bounds (apply_live_state)
+            return self.update(default_speculate=False)
         k_max = int(raw.get("kMax", self.settings.k_max))
-        # with speculation off the operator writes kMax 0 and leaves kMin as the spec has it
         k_min = min(int(raw.get("kMin", self.settings.k_min)), k_max)
-        return self.update(speculation_enabled=bool(raw.get("speculate", True)), k_min=k_min, k_max=k_max)
+        return self.update(default_speculate=speculate, k_min=k_min, k_max=k_max)

@@ -5,9 +5,10 @@ into the running batch at step boundaries (bounded by batch size and by KV block
 each request's worst case, so a step never runs out of blocks), applies cancellations and
 deadlines (the sequence's KV blocks are freed before the next step), sets each request's K from
 the live bounds (the engine's K policy chooses K within them), runs `engine.step()`, and
-routes the new tokens back.
+routes the new tokens back. Scoring jobs (`submit_score`: teacher-forced log-probabilities) run
+on the same thread between two steps, in KV blocks reserved as a request's are.
 Admission is decided in `submit`, under the lock: beyond `max_batch_size + max_queue` requests
-in the worker, an `OVERLOADED` refusal at once.
+and scoring jobs in the worker, an `OVERLOADED` refusal at once.
 
 It knows nothing of gRPC or OpenTelemetry: refusals carry a `Refusal` kind that the service maps
 to a status code, and a request's `on_finish` hook (the service ends its span there) is called
@@ -48,6 +49,10 @@ class Refusal(Enum):
     FAILED = "failed"  # the engine failed while running it
 
 
+# the worker's own failures (a window's `errors`), not the caller's doing nor a refusal at the door
+FAILURES = (Refusal.FAILED, Refusal.UNAVAILABLE)
+
+
 class Rejected(Exception):
     """A request refused before or while running; `kind` says why."""
 
@@ -67,14 +72,17 @@ class Event:
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, method: str,
                  prompt_type: str, k_initial: int, deadline: float | None = None,
-                 on_finish: Callable[[Request, Rejected | None], None] | None = None):
+                 on_finish: Callable[[Request, Rejected | None], None] | None = None, requested: str = ""):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.method, self.prompt_type, self.deadline = method, prompt_type, deadline
+        self.requested = requested  # the method the caller named ("" or "auto": routing's choice)
         self.k_initial = k_initial
         self.on_finish = on_finish  # called once, on the scheduler thread, when the request leaves
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.k_sum = self.k_steps = 0
         self.seq: Sequence | None = None
+        self.speculating = False  # speculation is in effect for its next step
+        self.speculated = False  # it was for at least one step
         self.cancelled = False
         self.done = False
         self.reserved_blocks = 0
@@ -85,6 +93,22 @@ class Request:
         self._draft_errors = 0
 
 
+class ScoreJob:
+    """Teacher-forced scoring of `tokens` after `context` (Engine.score); `finished` is set once
+    `logprobs` or `error` is."""
+
+    def __init__(self, request_id: str, context: list[int], tokens: list[int], params: SamplingParams,
+                 deadline: float | None = None):
+        self.request_id, self.context, self.tokens, self.params = request_id, context, tokens, params
+        self.deadline = deadline
+        self.reserved_blocks = 0
+        self.cancelled = False
+        self.logprobs: list[float] | None = None
+        self.error: Rejected | None = None
+        self.done = False
+        self.finished = threading.Event()
+
+
 class Scheduler:
     def __init__(self, engine: Engine, live: LiveConfig, metrics: Metrics, *, max_batch_size: int = 16,
                  max_queue: int = 64, idle_wait_s: float = 0.5):
@@ -92,6 +116,7 @@ class Scheduler:
         self.max_batch_size, self.max_queue, self.idle_wait_s = max_batch_size, max_queue, idle_wait_s
         self._cond = threading.Condition()
         self._pending: deque[Request] = deque()
+        self._scoring: deque[ScoreJob] = deque()
         self._active: list[Request] = []  # the running batch; only the scheduler thread touches it
         self._count = 0  # pending + running, under the lock: what admission counts
         self._reserved = 0  # KV blocks reserved by the running batch
@@ -124,20 +149,36 @@ class Scheduler:
         """Queues the request, or raises Rejected (UNAVAILABLE while draining, RESOURCE_EXHAUSTED when full)."""
         req.reserved_blocks = self.blocks_needed(len(req.prompt_ids), req.params.max_tokens)
         with self._cond:
-            if self.draining or self._stopped or not self.alive:
-                self.count_rejection("draining")
-                raise Rejected(Refusal.UNAVAILABLE, "the worker is shutting down; send the request elsewhere")
-            limit = self.max_batch_size + self.max_queue
-            if self._count >= limit:
-                self.count_rejection("overload")
-                raise Rejected(Refusal.OVERLOADED,
-                               f"the worker is full: {self._count} requests running or queued, the limit is {limit}")
-            self._count += 1
+            self._admit()
             self._pending.append(req)
             self.metrics.queue_depth.labels(self.metrics.model).set(len(self._pending))
             self._cond.notify()
 
-    def cancel(self, req: Request) -> None:
+    def score_blocks(self, tokens: int) -> int:
+        """KV blocks a scoring job of this many tokens (context and continuation) holds."""
+        return -(-tokens // self.engine.cache.block_size)
+
+    def submit_score(self, job: ScoreJob) -> None:
+        """Queues a scoring job, run between two steps; Rejected as `submit`."""
+        job.reserved_blocks = self.score_blocks(len(job.context) + len(job.tokens))
+        with self._cond:
+            self._admit()
+            self._scoring.append(job)
+            self._cond.notify()
+
+    def _admit(self) -> None:
+        """Counts one more in the worker, or raises Rejected; under the lock."""
+        if self.draining or self._stopped or not self.alive:
+            self.count_rejection("draining")
+            raise Rejected(Refusal.UNAVAILABLE, "the worker is shutting down; send the request elsewhere")
+        limit = self.max_batch_size + self.max_queue
+        if self._count >= limit:
+            self.count_rejection("overload")
+            raise Rejected(Refusal.OVERLOADED,
+                           f"the worker is full: {self._count} requests running or queued, the limit is {limit}")
+        self._count += 1
+
+    def cancel(self, req: Request | ScoreJob) -> None:
         """The caller went away (cancelled, disconnected, past its deadline): stop at the next step."""
         with self._cond:
             if not req.done:
@@ -193,8 +234,9 @@ class Scheduler:
 
     def _iterate(self) -> bool:
         admit: list[Request] = []
+        scores: list[ScoreJob] = []
         with self._cond:
-            while not self._pending and not self._active and not self._stopped:
+            while not self._pending and not self._active and not self._scoring and not self._stopped:
                 self._cond.wait(self.idle_wait_s)
             if self._stopped:
                 return False
@@ -203,6 +245,15 @@ class Scheduler:
                 self._pending.remove(req)
                 self._finish_unstarted(req)
             capacity = self.engine.cache.allocator.num_blocks
+            for job in list(self._scoring):  # the jobs whose blocks are free now, in order
+                if job.cancelled or (job.deadline is not None and now > job.deadline):
+                    self._scoring.remove(job)
+                    self._end_score(job, Rejected(Refusal.CANCELLED, "cancelled while queued") if job.cancelled
+                                    else Rejected(Refusal.DEADLINE, "the request's deadline passed"))
+                elif self._reserved + job.reserved_blocks <= capacity:
+                    self._scoring.remove(job)
+                    self._reserved += job.reserved_blocks
+                    scores.append(job)
             while (self._pending and len(self._active) + len(admit) < self.max_batch_size
                    and self._reserved + self._pending[0].reserved_blocks <= capacity):
                 req = self._pending.popleft()
@@ -218,6 +269,8 @@ class Scheduler:
         for req in [r for r in self._active if r.cancelled or (r.deadline is not None and now > r.deadline)]:
             self.engine.abort(req.seq)  # frees its KV blocks now
             self._finish(req, None if req.cancelled else Rejected(Refusal.DEADLINE, "the request's deadline passed"))
+        for job in scores:
+            self._score(job)
         for req in admit:
             self._start(req)
         if not self._active:
@@ -244,6 +297,31 @@ class Scheduler:
         self._publish_gauges()
         return True
 
+    def _score(self, job: ScoreJob) -> None:
+        """One scoring job, between two steps: the running batch waits one forward."""
+        error = None
+        try:
+            job.logprobs = self.engine.score(job.context, job.tokens, job.params)
+        except ValueError as e:  # the service validates first; this is the engine's last word
+            error = Rejected(Refusal.INVALID, str(e))
+        except Exception as e:  # noqa: BLE001 - fail the job, keep the worker serving
+            log.exception("scoring failed", extra={"request_id": job.request_id})
+            error = Rejected(Refusal.FAILED, f"the engine failed: {type(e).__name__}: {e}")
+        with self._cond:
+            self._reserved -= job.reserved_blocks
+        self._end_score(job, error)
+
+    def _end_score(self, job: ScoreJob, error: Rejected | None) -> None:
+        job.error = error
+        log.info("scored" if error is None else "scoring failed", extra={
+            "request_id": job.request_id, "prompt_tokens": len(job.context), "tokens": len(job.tokens),
+            **({"error": error.message} if error else {})})
+        with self._cond:
+            job.done = True
+            self._count -= 1
+            self._cond.notify_all()
+        job.finished.set()
+
     def _start(self, req: Request) -> None:
         s = self.live.settings
         history = self._by_type.get(req.prompt_type)
@@ -260,14 +338,17 @@ class Scheduler:
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(req.prompt_ids))
 
     def _set_bounds(self) -> None:
-        """The live K bounds, applied to every running request (the K policy keeps K within)."""
+        """The live K bounds, applied to every running request (the K policy keeps K within); 0
+        for those that may not draft now (speculation off, hard or soft: config.Settings)."""
         s = self.live.settings
         for req in self._active:
             seq = req.seq
-            if req.method == NO_SPECULATION or not s.speculation_enabled:
-                seq.k_min = seq.k_max = 0
-            else:
+            if s.drafts(req.method, req.requested):
                 seq.k_min, seq.k_max = s.k_min, s.k_max
+            else:
+                seq.k_min = seq.k_max = 0
+            req.speculating = seq.k_max > 0
+            req.speculated |= req.speculating
 
     def _route(self, outputs, shares: list[tuple[float, float]]) -> None:
         by_id = {r.seq.seq_id: r for r in self._active}
@@ -276,7 +357,7 @@ class Scheduler:
             req = by_id.get(out.seq.seq_id)
             if req is None:
                 continue
-            self.metrics.cost(req.prompt_type, plain_s, actual_s)
+            self.metrics.cost(req.prompt_type, plain_s, actual_s, spec=req.speculating)
             seq = out.seq
             if out.stats is None:  # the prefill's first token
                 req.first_token_at = now
@@ -316,7 +397,9 @@ class Scheduler:
                 if len(seq.output) > 1:
                     tpot = (req.finished_at - req.first_token_at) / (len(seq.output) - 1)
             self.metrics.finished(req.prompt_type, seq.finish_reason, len(seq.output), req.finished_at - req.arrival,
-                                  ttft, tpot)
+                                  ttft, tpot, spec=req.speculated)
+        elif error.kind in FAILURES:
+            self.metrics.error(req.prompt_type)
         self._hook(req, error)
         s = seq.stats
         log.info("request finished" if error is None else "request failed", extra={
@@ -337,6 +420,8 @@ class Scheduler:
         req.finished_at = time.perf_counter()
         if error is None:
             error = Rejected(Refusal.CANCELLED, "cancelled while queued")
+        if error.kind in FAILURES:
+            self.metrics.error(req.prompt_type)
         self._hook(req, error)
         req.events.put(Event("error", error=error))
         with self._cond:
@@ -361,8 +446,11 @@ class Scheduler:
             self._finish(req, error)
         with self._cond:
             pending, self._pending = list(self._pending), deque()
+            scoring, self._scoring = list(self._scoring), deque()
         for req in pending:
             self._finish_unstarted(req, error)
+        for job in scoring:
+            self._end_score(job, error)
 
     def _publish_gauges(self) -> None:
         m, model = self.metrics, self.metrics.model

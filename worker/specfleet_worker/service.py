@@ -21,7 +21,7 @@ from specfleet_api.enums import PROMPT_TYPES, Method
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
-from .scheduler import Event, Refusal, Rejected, Request, Scheduler
+from .scheduler import Event, Refusal, Rejected, Request, Scheduler, ScoreJob
 from .tracing import incoming_context, request_attributes, result_attributes
 
 log = logging.getLogger("specfleet.worker")
@@ -79,12 +79,29 @@ class Worker:
 
     # -- validation ---------------------------------------------------------------------------
 
-    def build_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext | None = None) -> Request:
+    def _check_envelope(self, msg) -> None:
         size = msg.ByteSize()
         if size > self.max_request_bytes:
             raise Invalid(f"request: {size} bytes; the limit is {self.max_request_bytes}")
         if len(msg.request_id) > MAX_REQUEST_ID:
             raise Invalid(f"request_id: {len(msg.request_id)} characters; the limit is {MAX_REQUEST_ID}")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        try:
+            params.validate(self.max_tokens_limit)
+        except ValueError as e:
+            raise Invalid(str(e)) from None
+        if not math.isfinite(params.temperature):
+            raise Invalid(f"temperature must be finite, got {params.temperature}")
+
+    @staticmethod
+    def _deadline(context: grpc.ServicerContext | None) -> float | None:
+        if context is not None and context.time_remaining() is not None:
+            return time.monotonic() + context.time_remaining()
+        return None
+
+    def build_request(self, msg: pb.GenerateRequest, context: grpc.ServicerContext | None = None) -> Request:
+        self._check_envelope(msg)
         if len(msg.prompt_type) > MAX_PROMPT_TYPE:
             raise Invalid(f"prompt_type: {len(msg.prompt_type)} characters; the limit is {MAX_PROMPT_TYPE}")
         prompt = self._prompt_ids(msg)
@@ -98,12 +115,7 @@ class Worker:
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
             seed=msg.seed if msg.HasField("seed") else None,
             stop=list(msg.stop), logprobs=msg.logprobs, ignore_eos=msg.ignore_eos)
-        try:
-            params.validate(self.max_tokens_limit)
-        except ValueError as e:
-            raise Invalid(str(e)) from None
-        if not math.isfinite(params.temperature):
-            raise Invalid(f"temperature must be finite, got {params.temperature}")
+        self._check_params(params)
         if params.stop:
             if self.tokenizer is None:
                 raise Invalid("stop: this worker's model has no tokenizer, so it cannot match stop strings")
@@ -121,14 +133,39 @@ class Worker:
         if needed > self.engine.cache.allocator.num_blocks:
             raise Invalid(f"max_tokens: prompt and output need {needed} KV blocks; "
                           f"this worker's cache holds {self.engine.cache.allocator.num_blocks}")
-        deadline = None
-        if context is not None and context.time_remaining() is not None:
-            deadline = time.monotonic() + context.time_remaining()
         rid = msg.request_id or uuid.uuid4().hex
-        req = Request(rid, prompt, params, method, prompt_type, settings.k_initial if method != Method.NONE else 0, deadline)
-        return req
+        return Request(rid, prompt, params, method, prompt_type, settings.k_initial if method != Method.NONE else 0,
+                       self._deadline(context), requested=requested)
 
-    def _prompt_ids(self, msg: pb.GenerateRequest) -> list[int]:
+    def build_score(self, msg: pb.ScoreRequest, context: grpc.ServicerContext | None = None) -> ScoreJob:
+        """A scoring job from a ScoreRequest, validated as Generate's request is (Invalid naming the field)."""
+        self._check_envelope(msg)
+        prompt = self._prompt_ids(msg)
+        if len(prompt) >= self.engine.max_len:
+            raise Invalid(f"prompt: {len(prompt)} tokens; the context holds {self.engine.max_len} "
+                          "(prompt and token_ids together)")
+        tokens = list(msg.token_ids)
+        if not tokens:
+            raise Invalid("token_ids: empty; send the continuation to score")
+        if len(tokens) > self.max_tokens_limit:
+            raise Invalid(f"token_ids: {len(tokens)} tokens; the limit is {self.max_tokens_limit}")
+        bad = next((i for i, t in enumerate(tokens) if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise Invalid(f"token_ids[{bad}]: {tokens[bad]} is outside the vocabulary [0, {self.vocab_size})")
+        if len(prompt) + len(tokens) > self.engine.max_len:
+            raise Invalid(f"token_ids: the prompt ({len(prompt)} tokens) and token_ids ({len(tokens)}) are "
+                          f"{len(prompt) + len(tokens)} tokens; the context holds {self.engine.max_len}")
+        params = SamplingParams(
+            max_tokens=len(tokens), temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+            top_k=msg.top_k if msg.HasField("top_k") else 0, top_p=msg.top_p if msg.HasField("top_p") else 1.0)
+        self._check_params(params)
+        needed = self.scheduler.score_blocks(len(prompt) + len(tokens))
+        if needed > self.engine.cache.allocator.num_blocks:
+            raise Invalid(f"token_ids: the prompt and token_ids need {needed} KV blocks; "
+                          f"this worker's cache holds {self.engine.cache.allocator.num_blocks}")
+        return ScoreJob(msg.request_id or uuid.uuid4().hex, prompt, tokens, params, self._deadline(context))
+
+    def _prompt_ids(self, msg: pb.GenerateRequest | pb.ScoreRequest) -> list[int]:
         given = [name for name, value in (("prompt", msg.prompt), ("prompt_token_ids", msg.prompt_token_ids),
                                           ("messages", msg.messages)) if len(value)]
         if len(given) > 1:
@@ -268,6 +305,26 @@ class GenerationServicer(pb_grpc.GenerationServicer):
                     speculation=w.stats_message(seq, req))
 
 
+    def Score(self, request, context):
+        w = self._worker(context)
+        try:
+            job = w.build_score(request, context)
+        except Invalid as e:
+            w.scheduler.count_rejection("invalid")
+            log.info("scoring refused", extra={"request_id": request.request_id, "error": str(e)})
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        try:
+            w.scheduler.submit_score(job)
+        except Rejected as e:
+            context.abort(STATUS[e.kind], e.message)
+        if not context.add_callback(lambda: w.scheduler.cancel(job)):
+            w.scheduler.cancel(job)
+        job.finished.wait()  # the scheduler ends every job it took (stopping included)
+        if job.error is not None:
+            context.abort(STATUS[job.error.kind], job.error.message)
+        return pb.ScoreResponse(request_id=job.request_id, logprobs=job.logprobs, prompt_tokens=len(job.context))
+
+
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, holder):
         self.holder = holder
@@ -282,6 +339,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         s = w.live.settings
         return pb.WorkerConfig(
             model=w.model_name, quantization=w.quantization, role=w.role, speculation_enabled=s.speculation_enabled,
+            default_speculate=s.default_speculate,
             k_min=s.k_min, k_max=s.k_max, k_initial=s.k_initial, k_policy=s.k_policy, default_method=s.default_method,
             method_by_prompt_type=s.by_prompt_type, methods=w.live.methods,
             max_batch_size=w.scheduler.max_batch_size, max_queue=w.scheduler.max_queue,
