@@ -1,0 +1,265 @@
+"""The Alertmanager receiver: webhook posts (payload v4, as Alertmanager sends them) to the running
+operator HTTP server, behind a bearer token, into the AlertInbox the control loop reads."""
+from __future__ import annotations
+
+import copy
+import json
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+
+import pytest
+from prometheus_client import REGISTRY
+
+from specfleet_operator import manifests
+from specfleet_operator.alerts import AlertInbox, BearerToken, PayloadError, parse
+from specfleet_operator.health import AlertReceiver, Heartbeat, serve
+
+TIMEOUT_S = 10
+TOKEN = "s3cret-token"
+STARTS = "2026-12-01T16:40:00.123456789Z"  # Alertmanager writes nanoseconds
+
+# A post as Alertmanager's webhook_config sends it (prometheus.io/docs/alerting/latest/configuration/
+# #webhook_config): one group, the chart's alpha alert on one prompt type, and the fallback info alert.
+PAYLOAD = {
+    "version": "4",
+    "groupKey": '{}/{severity=~"warning|info"}:{alertname="SpecDecodeAlphaBelowSLO", sdd_name="chat", sdd_namespace="ml"}',
+    "truncatedAlerts": 0,
+    "status": "firing",
+    "receiver": "specfleet",
+    "groupLabels": {"alertname": "SpecDecodeAlphaBelowSLO", "sdd_namespace": "ml", "sdd_name": "chat"},
+    "commonLabels": {"alertname": "SpecDecodeAlphaBelowSLO", "severity": "warning", "sdd_namespace": "ml",
+                     "sdd_name": "chat", "namespace": "ml", "serving_specfleet_dev_deployment": "chat"},
+    "commonAnnotations": {},
+    "externalURL": "http://alertmanager.monitoring:9093",
+    "alerts": [
+        {"status": "firing",
+         "labels": {"alertname": "SpecDecodeAlphaBelowSLO", "severity": "warning", "sdd_namespace": "ml",
+                    "sdd_name": "chat", "namespace": "ml", "serving_specfleet_dev_deployment": "chat",
+                    "prompt_type": "code"},
+         "annotations": {"summary": "Alpha of prompt type code in ml/chat is below its SLO over 5m",
+                         "description": "Alpha is under 0.05, or under (1 - 0.5) x its best 5m in the 1h before"},
+         "startsAt": STARTS, "endsAt": "0001-01-01T00:00:00Z",
+         "generatorURL": "http://prometheus:9090/graph?g0.expr=...", "fingerprint": "5b1c0a3e9f2d7a10"},
+        {"status": "firing",
+         "labels": {"alertname": "SpecDecodeSpeedupBelowSLO", "severity": "warning", "sdd_namespace": "ml",
+                    "sdd_name": "chat", "namespace": "ml", "serving_specfleet_dev_deployment": "chat"},
+         "annotations": {"summary": "Speculative decoding in ml/chat is below a 1x speedup over 5m"},
+         "startsAt": "2026-12-01T16:41:00Z", "endsAt": "2026-12-01T16:49:00Z",
+         "generatorURL": "http://prometheus:9090/graph?g0.expr=...", "fingerprint": "77aa01b2c3d4e5f6"},
+    ],
+}
+
+
+def post(port, body, token=TOKEN, path="/alertmanager", content_type="application/json"):
+    """(status, JSON answer) of a POST; a 4xx/5xx is an answer, not an error."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    headers = {"Content-Type": content_type}
+    if token is not None:
+        headers["Authorization"] = f"Bearer {token}"
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", data=data, headers=headers, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def get(port, path):
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=TIMEOUT_S) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def refused(reason):
+    return REGISTRY.get_sample_value("specfleet_alertmanager_refused_requests_total", {"reason": reason}) or 0.0
+
+
+def received(status):
+    return REGISTRY.get_sample_value("specfleet_alerts_received_total", {"status": status}) or 0.0
+
+
+@pytest.fixture()
+def server(tmp_path):
+    """The operator's HTTP server (as `specfleet operator` starts it), its token in a file."""
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN + "\n")  # a Secret key written with a newline still matches
+    receiver = AlertReceiver(AlertInbox(), BearerToken(path=str(token_file)), threading.Event())
+    receiver.leading.set()
+    srv = serve(0, Heartbeat(), addr="127.0.0.1", alerts=receiver)
+    srv.receiver, srv.token_file = receiver, token_file
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+def test_a_real_alertmanager_post_lands_in_the_inbox(server):
+    port, inbox = server.server_port, server.receiver.inbox
+    before = received("firing")
+    status, answer = post(port, PAYLOAD)
+    assert (status, answer) == (200, {"alerts": 2, "matched": 2})
+    assert received("firing") == before + 2
+    firing = inbox.firing("ml", "chat", now=time.time())
+    assert [(a.alertname, a.prompt_type, a.fingerprint) for a in firing] == [
+        (manifests.ALERT_ALPHA, "code", "5b1c0a3e9f2d7a10"), (manifests.ALERT_SPEEDUP, None, "77aa01b2c3d4e5f6")]
+    assert firing[0].since == pytest.approx(1796143200.123456) and all(a.slo_miss for a in firing)
+    assert firing[0].summary.startswith("Alpha of prompt type code")
+    assert inbox.firing("ml", "other", now=time.time()) == [] and inbox.firing("team-b", "chat", time.time()) == []
+
+
+def test_a_wrong_or_missing_token_is_refused_and_changes_nothing(server):
+    port, inbox = server.server_port, server.receiver.inbox
+    before = refused("unauthorized")
+    for token in ("wrong", "", None, TOKEN + "x"):
+        status, answer = post(port, PAYLOAD, token=token)
+        assert status == 401 and "bearer token" in answer["error"], (token, answer)
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/alertmanager", data=json.dumps(PAYLOAD).encode(),
+                                 headers={"Authorization": f"Basic {TOKEN}"}, method="POST")
+    with pytest.raises(urllib.error.HTTPError) as exc:
+        urllib.request.urlopen(req, timeout=TIMEOUT_S)
+    assert exc.value.code == 401 and exc.value.headers["WWW-Authenticate"].startswith("Bearer")
+    assert refused("unauthorized") == before + 5
+    assert inbox.firing("ml", "chat", now=time.time()) == []
+    # the Secret rotated: the file is re-read, the old token no longer opens it
+    server.token_file.write_text("rotated")
+    assert post(port, PAYLOAD)[0] == 401
+    assert post(port, PAYLOAD, token="rotated")[0] == 200
+
+
+def test_resolved_removes_and_other_fleets_stay(server):
+    port, inbox = server.server_port, server.receiver.inbox
+    other = copy.deepcopy(PAYLOAD["alerts"][1])
+    other["labels"]["sdd_name"], other["fingerprint"] = "summarize", "0f0f0f0f0f0f0f0f"
+    assert post(port, {**PAYLOAD, "alerts": [*PAYLOAD["alerts"], other]})[0] == 200
+    resolved = copy.deepcopy(PAYLOAD)
+    resolved["status"] = "resolved"
+    resolved["alerts"] = [{**resolved["alerts"][0], "status": "resolved", "endsAt": "2026-12-01T17:02:00Z"}]
+    assert post(port, resolved) == (200, {"alerts": 1, "matched": 1})
+    assert [a.alertname for a in inbox.firing("ml", "chat", now=time.time())] == [manifests.ALERT_SPEEDUP]
+    assert [a.alertname for a in inbox.firing("ml", "summarize", now=time.time())] == [manifests.ALERT_SPEEDUP]
+
+
+@pytest.mark.parametrize("body, names", [
+    (b"{not json", "body: not JSON"),
+    ([], "body: expected a JSON object"),
+    ({**PAYLOAD, "version": "3"}, "version: expected \"4\""),
+    ({**PAYLOAD, "alerts": {"a": 1}}, "alerts: expected a list"),
+    ({**PAYLOAD, "alerts": [{**PAYLOAD["alerts"][0], "status": "pending"}]}, "alerts[0].status"),
+    ({**PAYLOAD, "alerts": [PAYLOAD["alerts"][0], {**PAYLOAD["alerts"][1], "labels": {"a": 1}}]}, "alerts[1].labels"),
+    ({**PAYLOAD, "alerts": [{**PAYLOAD["alerts"][0], "startsAt": "yesterday"}]}, "alerts[0].startsAt"),
+    ({**PAYLOAD, "alerts": [{**PAYLOAD["alerts"][0], "startsAt": "2026-12-01T16:40:00"}]}, "no time zone"),
+    ({**PAYLOAD, "alerts": [{**PAYLOAD["alerts"][0], "fingerprint": ""}]}, "alerts[0].fingerprint"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_a_malformed_post_is_400_naming_what_is_wrong_and_the_server_keeps_serving(server, body, names):
+    port, inbox = server.server_port, server.receiver.inbox
+    before = refused("malformed")
+    status, answer = post(port, body)
+    assert status == 400 and names in answer["error"], answer
+    assert refused("malformed") == before + 1
+    assert inbox.firing("ml", "chat", now=time.time()) == []  # nothing of a bad post is taken
+    assert get(port, "/healthz") == (200, "ok\n")
+    assert post(port, PAYLOAD)[0] == 200
+
+
+def test_an_empty_body_is_400(server):
+    status, answer = post(server.server_port, b"")
+    assert status == 400 and "Content-Length" in answer["error"]
+
+
+def test_without_a_token_the_receiver_is_off_never_open(tmp_path):
+    receiver = AlertReceiver(AlertInbox(), BearerToken(path=str(tmp_path / "absent")))
+    srv = serve(0, Heartbeat(), addr="127.0.0.1", alerts=receiver)
+    plain = serve(0, Heartbeat(), addr="127.0.0.1")  # no receiver at all
+    try:
+        for port in (srv.server_port, plain.server_port):
+            for token in (None, "", "anything"):
+                status, answer = post(port, PAYLOAD, token=token)
+                assert status == 404 and "receiver is off" in answer["error"]
+        assert receiver.inbox.firing("ml", "chat", now=time.time()) == []
+        (tmp_path / "absent").write_text(TOKEN)  # the Secret appears: on, without a restart
+        assert post(srv.server_port, PAYLOAD)[0] == 200
+    finally:
+        for s in (srv, plain):
+            s.shutdown()
+            s.server_close()
+
+
+def test_a_standby_answers_503_so_that_alertmanager_retries_the_leader(server):
+    server.receiver.leading.clear()
+    status, answer = post(server.server_port, PAYLOAD)
+    assert status == 503 and "standby" in answer["error"]
+    assert server.receiver.inbox.firing("ml", "chat", now=time.time()) == []
+    assert post(server.server_port, PAYLOAD, token="wrong")[0] == 401  # the token is checked first
+    server.receiver.leading.set()
+    assert post(server.server_port, PAYLOAD)[0] == 200
+
+
+def test_firing_alerts_expire_without_resends_and_keep_a_later_endsAt():
+    inbox = AlertInbox(ttl_s=300)
+    alerts = parse(json.dumps(PAYLOAD).encode())
+    received_at = 1796143300.0
+    inbox.record(alerts, now=received_at)
+    assert len(inbox.firing("ml", "chat", now=received_at + 299)) == 2
+    # the alpha alert (no endsAt) is gone after the TTL; the speedup alert's endsAt (16:49) is later
+    assert [a.alertname for a in inbox.firing("ml", "chat", now=received_at + 301)] == [manifests.ALERT_SPEEDUP]
+    assert inbox.firing("ml", "chat", now=1796143740.0 + 1) == []
+    inbox.record(alerts, now=received_at + 1000)  # resent: firing again
+    assert len(inbox.firing("ml", "chat", now=received_at + 1001)) == 2
+
+
+def test_alerts_name_their_fleet_by_labels_that_survive_scraping():
+    def alert(labels):
+        body = {"version": "4", "alerts": [{"status": "firing", "labels": {"alertname": "X", **labels},
+                                            "startsAt": STARTS, "fingerprint": json.dumps(labels)}]}
+        return parse(json.dumps(body).encode())
+    inbox = AlertInbox()
+    long_name = "llama-3.1-8b-instruct-" + "x" * 60  # the workers' pod label shortens it
+    assert inbox.record(alert({"sdd_namespace": "ml", "sdd_name": "chat"}), now=0) == 1
+    # the operator's gauge before sdd_* (its namespace label renamed by the scrape), and a rule on the pod label
+    assert inbox.record(alert({"exported_namespace": "ml", "serving_specfleet_dev_deployment": "old"}), now=0) == 1
+    assert inbox.record(alert({"sdd_namespace": "ml", "sdd_name": manifests.label_value(long_name)}), now=0) == 1
+    assert inbox.record(alert({"namespace": "ml", "alertname": "Watchdog"}), now=0) == 0  # names no fleet
+    assert [len(inbox.firing("ml", n, now=1)) for n in ("chat", "old", long_name, "Watchdog")] == [1, 1, 1, 0]
+    with pytest.raises(PayloadError, match=r"alerts\[0\].labels"):
+        parse(json.dumps({"version": "4", "alerts": [{"status": "firing", "startsAt": STARTS}]}).encode())
+
+
+def test_the_operator_command_serves_the_receiver_from_its_token_file(tmp_path):
+    """`specfleet operator` itself (kopf replaced by waiting, as in tests/metrics/test_promtool.py):
+    the flag's file opens /alertmanager on the metrics port, and the post is counted on /metrics."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    (tmp_path / "token").write_text(TOKEN)
+    code = ("import asyncio, sys; import specfleet_operator.main as m\n"
+            "async def lead(options, stop, leading): leading.set(); await stop.wait(); return 0\n"
+            "m.operate = lead\n"
+            "sys.exit(m.run(sys.argv[1:]))")
+    proc = subprocess.Popen([sys.executable, "-c", code, "--no-leader-election", "--metrics-port", str(port),
+                             "--alertmanager-token-file", str(tmp_path / "token")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        end = time.monotonic() + TIMEOUT_S
+        while True:
+            try:
+                status, _ = post(port, PAYLOAD)
+                if status == 200:
+                    break
+            except OSError:
+                pass
+            assert proc.poll() is None, "the operator exited before its metrics port answered"
+            assert time.monotonic() < end, f"no 200 from /alertmanager on port {port} within {TIMEOUT_S} s"
+            time.sleep(0.05)
+        assert post(port, PAYLOAD, token="wrong")[0] == 401
+        _, metrics = get(port, "/metrics")
+        assert 'specfleet_alerts_received_total{status="firing"} 2.0' in metrics
+        assert 'specfleet_alertmanager_refused_requests_total{reason="unauthorized"} 1.0' in metrics
+    finally:
+        proc.kill()
+        proc.wait(TIMEOUT_S)
