@@ -11,6 +11,7 @@ import contextlib
 import json
 import os
 import queue
+import random
 import subprocess
 import sys
 import threading
@@ -19,6 +20,25 @@ import urllib.error
 import urllib.request
 
 from .server import RouterConfig, RouterServer
+
+# two kinds of prompt that one prompt type can hold, for the prompt clusters' tests
+FINNISH = ("hyvää huomenta kuinka voit tänään minä olen väsynyt suomen kieli on kaunis ja vaikea oppia helsingissä "
+           "sataa lunta tuulee kovasti kirjoita minulle runo keväästä auringosta mitä mieltä olet tästä elokuvasta "
+           "se oli mielestäni hyvä järvi metsä sauna kesällä talvella").split()
+_NAMES = "items value result total count index data user name node tree size key".split()
+_PYTHON = ("def {a}_{b}({c}):\n    return [{b} for {b} in {c} if {b}]\n",
+           "for {a} in range(len({b})):\n    {c}[{a}] = {b}[{a}] * 2\nprint({c})\n",
+           "class {A}:\n    def __init__(self, {b}):\n        self.{b} = {b}\n        self.{c} = []\n",
+           "import os\n{a} = os.listdir({b!r})\nif not {a}:\n    raise ValueError({c!r})\n")
+
+
+def finnish_prose(rng: random.Random) -> str:
+    return " ".join(rng.choice(FINNISH) for _ in range(rng.randint(8, 30))).capitalize() + "."
+
+
+def python_code(rng: random.Random) -> str:
+    a, b, c = rng.sample(_NAMES, 3)
+    return rng.choice(_PYTHON).format(a=a, b=b, c=c, A=a.capitalize())
 
 
 class RunningRouter:

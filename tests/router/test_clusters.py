@@ -14,29 +14,12 @@ import pytest
 from specfleet_api.live_state import LiveState
 from specfleet_router.clusters import Clusters, embed
 from specfleet_router.dispatch import draw
-
-FINNISH = ("hyvää huomenta kuinka voit tänään minä olen väsynyt suomen kieli on kaunis ja vaikea oppia helsingissä "
-           "sataa lunta tuulee kovasti kirjoita minulle runo keväästä auringosta mitä mieltä olet tästä elokuvasta "
-           "se oli mielestäni hyvä järvi metsä sauna kesällä talvella").split()
-NAMES = "items value result total count index data user name node tree size key".split()
-PYTHON = ("def {a}_{b}({c}):\n    return [{b} for {b} in {c} if {b}]\n",
-          "for {a} in range(len({b})):\n    {c}[{a}] = {b}[{a}] * 2\nprint({c})\n",
-          "class {A}:\n    def __init__(self, {b}):\n        self.{b} = {b}\n        self.{c} = []\n",
-          "import os\n{a} = os.listdir({b!r})\nif not {a}:\n    raise ValueError({c!r})\n")
-
-
-def finnish(rng: random.Random) -> str:
-    return " ".join(rng.choice(FINNISH) for _ in range(rng.randint(8, 30))).capitalize() + "."
-
-
-def python(rng: random.Random) -> str:
-    a, b, c = rng.sample(NAMES, 3)
-    return rng.choice(PYTHON).format(a=a, b=b, c=c, A=a.capitalize())
-
+from specfleet_router.testing import finnish_prose, python_code
 
 def mixed(n: int, seed: int) -> list[tuple[str, str]]:
     rng = random.Random(seed)
-    return [(kind, gen(rng)) for kind, gen in (rng.choice([("python", python), ("finnish", finnish)]) for _ in range(n))]
+    return [(kind, gen(rng)) for kind, gen in (rng.choice([("python", python_code), ("finnish", finnish_prose)])
+                                                for _ in range(n))]
 
 
 def test_the_embedding_is_the_same_in_another_process():
