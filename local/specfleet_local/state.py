@@ -1,25 +1,32 @@
-"""The live state on this machine: written to the local Redis, and moved by a loop.
+"""The live state on this machine: written to the local Redis, and moved by the control loop.
 
 The state is the operator's (`manifests.live_state`: derived from the spec and the loop's
 memory). `StateWriter` owns the deployment's key in the local Redis, as the operator does in a
-cluster: it writes the first state, and every period hands the arms' windows to a `Loop`, whose
-answer (a new state, or None to keep this one) it writes as the next version. Today's loop,
-`HoldSpec`, keeps the spec's state; the control loop (SLO fallback, canary analysis) plugs in as
-another.
+cluster: it writes the first state, and every period hands what the fleet published (an
+`Observation`: the arms' windows, the routers' clusters and drift pairs) to a `Loop`, whose answer
+(a new state, or None to keep this one) it writes as the next version. `ControlLoop` is the
+operator's SLO loop (specfleet_control, the same code) with its memory kept in this process, as
+the SDD status keeps it in a cluster; it mirrors the memory and its recent events to
+`<prefix>:loop` for `specfleet status`.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
+import json
 import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from specfleet_api.live_state import LiveState, state_key
+from specfleet_api.live_state import PREFIX, LiveState, state_key
+from specfleet_control import loop as slo_loop
+from specfleet_control import observe
+from specfleet_control.observe import Observation
+from specfleet_control.slo import FALLBACK, SloPolicy
 from specfleet_operator import manifests
-
-from specfleet_api.windows import Window, read_windows
 
 log = logging.getLogger("specfleet.local")
 
@@ -30,16 +37,69 @@ def initial_state(spec: dict[str, Any]) -> LiveState:
     return manifests.live_state(spec, manifests.FleetState(), version=1, updated=time.time())
 
 
+def loop_key(namespace: str, name: str) -> str:
+    """Where the local loop mirrors its memory and recent events (a JSON string).
+
+    >>> loop_key("default", "local")
+    'specfleet:v1:default/local:loop'
+    """
+    return f"{PREFIX}{namespace}/{name}:loop"
+
+
 class Loop(Protocol):
-    def tick(self, state: LiveState, windows: dict[str, dict[str, Window]], now: float) -> LiveState | None:
-        """The next state (`state.next(...)`) from what the arms' windows show, or None to keep `state`."""
+    def tick(self, state: LiveState, obs: Observation, now: float) -> LiveState | None:
+        """The next state (`state.next(...)`) from what the fleet shows, or None to keep `state`."""
 
 
 class HoldSpec:
-    """The loop `up` runs until the control loop lands: the spec's state, unchanged."""
+    """A loop that keeps the spec's state (`specfleet up --no-loop`)."""
 
-    def tick(self, state: LiveState, windows: dict[str, dict[str, Window]], now: float) -> LiveState | None:
+    def tick(self, state: LiveState, obs: Observation, now: float) -> LiveState | None:
         return None
+
+
+class ControlLoop:
+    """The operator's SLO loop, run here: the same `specfleet_control.loop.tick` on the same
+    windows, its memory in this object (the SDD status in a cluster), its events logged and kept
+    (the last 100) for `specfleet status`."""
+
+    def __init__(self, spec: dict[str, Any], clock: Callable[[], float] = time.time):
+        self.spec, self.policy = spec, SloPolicy.from_spec(spec)
+        self.memory = slo_loop.Memory()
+        self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        self.decided = 0  # ticks that judged a complete observation
+        self.skipped = 0  # ticks on missing data (nothing decided)
+        self.clock = clock
+
+    def fleet(self, state: LiveState) -> manifests.FleetState:
+        m = self.memory
+        return manifests.FleetState(mode=FALLBACK if m.whole else "speculative", canary_weight=state.canary_weight,
+                                    fallback=m.fallback_types(), fallback_clusters=m.fallback_clusters(),
+                                    mirror_share=state.mirror_share, drift_epoch=state.drift_epoch)
+
+    def tick(self, state: LiveState, obs: Observation, now: float) -> LiveState | None:
+        t = slo_loop.tick(obs, self.memory, self.policy, now, per_type=True)
+        if not t.decided:
+            self.skipped += 1
+            return None
+        self.decided += 1
+        self.memory = t.memory
+        for reason, message in t.events:
+            log.info("control loop: %s", message, extra={"reason": reason})
+            self.events.append({"time": round(now, 3), "reason": reason, "message": message})
+        wanted = manifests.live_state(self.spec, self.fleet(state))
+        fields = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(LiveState)
+                  if f.name not in ("version", "updated")}
+        if all(getattr(state, k) == v for k, v in fields.items()):
+            return None
+        return state.next(**fields)
+
+    def document(self) -> dict[str, Any]:
+        """What `specfleet status` shows of the loop."""
+        return {"memory": self.memory.to_status(), "fallback": {"promptTypes": list(self.memory.fallback_types()),
+                                                                 "clusters": list(self.memory.fallback_clusters()),
+                                                                 "deployment": self.memory.whole},
+                "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
 
 
 class StateWriter:
@@ -71,13 +131,17 @@ class StateWriter:
                         extra={"key": self.key, "version": self.state.version})
             self.write()
         arms = tuple(self.state.k) or ("stable",)
-        decided = self.loop.tick(self.state, read_windows(self.client, self.namespace, self.name, arms), self.clock())
+        obs = observe.read(self.client, self.namespace, self.name, arms, self.state.drift_epoch)
+        decided = self.loop.tick(self.state, obs, self.clock())
         if decided is not None:
             if decided.version <= self.state.version:
                 raise ValueError(f"the loop's state has version {decided.version}, not above "
                                  f"{self.state.version}: return state.next(...)")
             self.write(decided)
             log.info("live state: new version", extra={"key": self.key, "version": self.state.version})
+        document = getattr(self.loop, "document", None)
+        if document is not None:
+            self.client.set(loop_key(self.namespace, self.name), json.dumps(document()))
 
     def start(self) -> StateWriter:
         self._thread.start()

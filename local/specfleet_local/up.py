@@ -30,7 +30,9 @@ from . import runfile
 from .plan import Plan, SpecError, load_resource, make_plan
 from .procs import Child
 from .redis_server import RedisServer
-from .state import StateWriter, initial_state
+from specfleet_control.slo import SloPolicy
+
+from .state import ControlLoop, HoldSpec, StateWriter, initial_state
 
 HOST = "127.0.0.1"  # everything `up` starts listens on loopback only
 
@@ -66,6 +68,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--redis-port", type=int, default=0, help="the local redis-server (default: a free port)")
     g.add_argument("--worker-ports", type=int, default=0, metavar="BASE",
                    help="worker i listens on gRPC BASE+2i and HTTP (/metrics) BASE+2i+1 (default: free ports)")
+    g = p.add_argument_group("the control loop (docs/control-loop.md)")
+    g.add_argument("--no-loop", action="store_true",
+                   help="hold the spec's live state: no SLO fallback (the loop runs by default, as the operator's)")
+    g.add_argument("--loop-period", type=float, default=1.0, metavar="SECONDS",
+                   help="how often the loop reads the windows and decides (default 1)")
     g = p.add_argument_group("process")
     g.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on Ctrl-C, how long the router, then each worker, gets for requests in flight (default 30)")
@@ -193,7 +200,9 @@ class Fleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(port=self.args.redis_port or None, workdir=self.workdir, detached=True).start()
         state = initial_state(self.plan.spec)
-        self.writer = StateWriter(self.redis.client(), self.plan.namespace, self.plan.name, state)
+        loop = HoldSpec() if self.args.no_loop else ControlLoop(self.plan.spec)
+        self.writer = StateWriter(self.redis.client(), self.plan.namespace, self.plan.name, state, loop=loop,
+                                  period_s=self.args.loop_period)
         self.writer.write()
         self.writer.start()
         self.workers = [self._worker(arm.name, i, n) for n, (arm, i) in
@@ -243,9 +252,15 @@ class Fleet:
                # Admin on a free loopback port: the default one would collide between workers on one host
                "--admin-port", "0", "--drain-seconds", str(a.drain_seconds), "--threads", str(threads), *a.worker_arg]
         env = {"SPECFLEET_REDIS_URL": self.redis.url, "SPECFLEET_DEPLOYMENT": p.deployment, "POD_NAME": name,
+               "SPECFLEET_FLEET_WINDOW_S": str(self.window_s),
                "OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_SERVICE_NAME": f"specfleet-{p.name}-{arm}",
                "OMP_NUM_THREADS": str(threads)}
         return Child(name, cmd, self.workdir / "logs" / f"{name}.log", env, arm=arm)
+
+    @property
+    def window_s(self) -> float:
+        """The SLO window: the length of the windows workers and the router publish."""
+        return SloPolicy.from_spec(self.plan.spec).window_s
 
     def _router(self) -> Child:
         p, a, state = self.plan, self.args, self.writer.state
@@ -261,7 +276,8 @@ class Fleet:
             cmd += ["--model-alias", p.model_name]
         for w in self.workers:
             cmd += ["--backend", f"{w.arm}={HOST}:{w.ports['grpc']}"]
-        return Child("router", cmd, self.workdir / "logs" / "router.log")
+        return Child("router", cmd, self.workdir / "logs" / "router.log",
+                     {"POD_NAME": f"{p.name}-router", "SPECFLEET_FLEET_WINDOW_S": str(self.window_s)})
 
     def _wait(self, done, timeout_s: float, stop: threading.Event, what: str) -> bool:
         """True once done(); False when stopped first; UpError when a process died or time ran out."""

@@ -135,7 +135,7 @@ def test_the_writer_keeps_the_key_and_writes_what_the_loop_decides(redis_server)
     writer.tick_once()
     written = LiveState.from_json(client.get(key))
     assert (written.version, written.canary_weight) == (2, 50.0)
-    assert set(loop.calls[0]) == {"stable", "canary"}  # the loop sees both arms' windows
+    assert set(loop.calls[0].windows) == {"stable", "canary"}  # the loop sees both arms' windows
     client.delete(key)  # Redis lost it
     writer.start()
     try:
@@ -213,3 +213,32 @@ def test_the_status_document_from_what_was_observed():
     # nothing reachable: the document says so instead of guessing
     empty = status.document(status.Observed("default", "local", "redis://x", None, redis_error="refused"))
     assert empty["mode"] is None and empty["redis"]["connected"] is False and empty["arms"][0]["weight"] is None
+
+
+def test_the_local_loop_is_the_operators_it_falls_back_per_type_and_says_so_in_redis(redis_server):
+    """`specfleet up` runs specfleet_control's loop on the windows in the local Redis: a collapsed
+    prompt type goes into the live state's fallback list; the loop's memory and events are mirrored
+    for `specfleet status`; missing data (Redis away) decides nothing."""
+    from specfleet_local.state import ControlLoop, loop_key
+    from specfleet_operator.testing import publish_window
+
+    client = redis_server.client()
+    p = make_plan(load_resource(EXAMPLES / "local.yaml"))
+    loop = ControlLoop(p.spec)
+    writer = StateWriter(client, "default", "local", initial_state(p.spec), loop=loop)
+    writer.write()
+    for t in ("code", "chat"):
+        publish_window(client, "default", "local", t, alpha=0.6)
+    writer.tick_once()
+    assert writer.state.version == 1 and loop.memory.keys["type:code"].baseline == 0.6
+    publish_window(client, "default", "local", "code", alpha=0.02, speedup=0.85)
+    writer.tick_once()
+    state = LiveState.from_json(client.get(state_key("default", "local")))
+    assert state.version == 2 and state.fallback == ("code",) and state.probe_share == 5.0
+    doc = json.loads(client.get(loop_key("default", "local")))
+    assert doc["fallback"]["promptTypes"] == ["code"] and doc["events"][0]["reason"] == "FallbackEntered"
+    writer.tick_once()
+    assert writer.state.version == 2  # nothing new: no new version
+    from specfleet_control.observe import Observation
+    assert loop.tick(writer.state, Observation(complete=False, error="ConnectionError"), time.time()) is None
+    assert loop.skipped == 1 and loop.memory.fallback_types() == ("code",)
