@@ -1,9 +1,14 @@
 """The Alertmanager receiver: webhook posts (payload v4, as Alertmanager sends them) to the running
-operator HTTP server, behind a bearer token, into the AlertInbox the control loop reads."""
+operator HTTP server, behind a bearer token, into the AlertInbox the control loop reads; and a real
+Alertmanager (Debian's prometheus-alertmanager, which ./dev setup installs: missing, the test fails)
+delivering to it with the receiver config docs/alerts.md gives."""
 from __future__ import annotations
 
 import copy
 import json
+import pathlib
+import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -13,12 +18,15 @@ import urllib.error
 import urllib.request
 
 import pytest
+import yaml
 from prometheus_client import REGISTRY
 
 from specfleet_operator import manifests
 from specfleet_operator.alerts import AlertInbox, BearerToken, PayloadError, parse
 from specfleet_operator.health import AlertReceiver, Heartbeat, serve
+from specfleet_worker.testing import wait_for
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 TIMEOUT_S = 10
 TOKEN = "s3cret-token"
 STARTS = "2026-12-01T16:40:00.123456789Z"  # Alertmanager writes nanoseconds
@@ -244,18 +252,14 @@ def test_the_operator_command_serves_the_receiver_from_its_token_file(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", code, "--no-leader-election", "--metrics-port", str(port),
                              "--alertmanager-token-file", str(tmp_path / "token")],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    def accepted():
+        assert proc.poll() is None, "the operator exited before its metrics port answered"
+        try:
+            return post(port, PAYLOAD)[0] == 200
+        except OSError:
+            return False
     try:
-        end = time.monotonic() + TIMEOUT_S
-        while True:
-            try:
-                status, _ = post(port, PAYLOAD)
-                if status == 200:
-                    break
-            except OSError:
-                pass
-            assert proc.poll() is None, "the operator exited before its metrics port answered"
-            assert time.monotonic() < end, f"no 200 from /alertmanager on port {port} within {TIMEOUT_S} s"
-            time.sleep(0.05)
+        wait_for(accepted, TIMEOUT_S, f"a 200 from /alertmanager on port {port}", poll_s=0.05)
         assert post(port, PAYLOAD, token="wrong")[0] == 401
         _, metrics = get(port, "/metrics")
         assert 'specfleet_alerts_received_total{status="firing"} 2.0' in metrics
@@ -263,3 +267,87 @@ def test_the_operator_command_serves_the_receiver_from_its_token_file(tmp_path):
     finally:
         proc.kill()
         proc.wait(TIMEOUT_S)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def docs_receiver_config():
+    """The Alertmanager config docs/alerts.md gives (the block with `receivers:`)."""
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "alerts.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "receivers:" in b]
+    return yaml.safe_load("\n".join(line[3:] for line in block.splitlines()))  # the list's indent
+
+
+def alertmanager_post(port, alerts):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/api/v2/alerts", data=json.dumps(alerts).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(req, timeout=TIMEOUT_S) as resp:
+        assert resp.status == 200
+
+
+def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_refused(server, tmp_path):
+    exe = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
+    assert exe, "alertmanager not found: run ./dev setup (installs Debian's prometheus-alertmanager)"
+    # the documented receiver, pointed at this server, with its token file; one route with a wrong token
+    config = docs_receiver_config()
+    (route,) = config["route"]["routes"]
+    route.update(group_wait="0s", group_interval="1s")
+    (hook,) = config["receivers"][0]["webhook_configs"]
+    hook["url"] = f"http://127.0.0.1:{server.server_port}/alertmanager"
+    hook["http_config"]["authorization"]["credentials_file"] = str(server.token_file)
+    wrong = copy.deepcopy(config["receivers"][0])
+    wrong["name"] = "intruder"
+    wrong["webhook_configs"][0]["http_config"]["authorization"] = {"type": "Bearer", "credentials": "guessed"}
+    config["receivers"].append(wrong)
+    config["route"] = {"receiver": "intruder", "group_wait": "0s", "group_interval": "1s",
+                       "routes": [{**route, "matchers": [*route["matchers"], 'sdd_name!="intruder"'], "continue": False}]}
+    (tmp_path / "am.yml").write_text(yaml.safe_dump(config))
+    amtool = shutil.which("amtool")
+    assert amtool, "amtool not found: run ./dev setup (installs Debian's prometheus-alertmanager)"
+    check = subprocess.run([amtool, "check-config", str(tmp_path / "am.yml")], capture_output=True, text=True,
+                           timeout=TIMEOUT_S)
+    assert check.returncode == 0, check.stdout + check.stderr
+    port = free_port()
+    am = subprocess.Popen([exe, f"--config.file={tmp_path / 'am.yml'}", f"--storage.path={tmp_path / 'data'}",
+                           f"--web.listen-address=127.0.0.1:{port}", "--cluster.listen-address="],
+                          stdout=subprocess.DEVNULL, stderr=(tmp_path / "am.log").open("w"))
+    inbox = server.receiver.inbox
+    now = time.time()
+    labels = {"alertname": manifests.ALERT_ALPHA, "severity": "warning", "sdd_namespace": "ml", "sdd_name": "chat",
+              "prompt_type": "code"}
+    alert = {"labels": labels, "annotations": {"summary": "alpha of code below its SLO"},
+             "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - 60)),
+             "generatorURL": "http://prometheus:9090/graph"}
+    intruder = {**alert, "labels": {**labels, "sdd_name": "intruder"}}
+    unauthorized = refused("unauthorized")
+
+    def up():
+        assert am.poll() is None, f"alertmanager exited: {(tmp_path / 'am.log').read_text()}"
+        try:
+            return get(port, "/-/ready")[0] == 200
+        except OSError:
+            return False
+    try:
+        wait_for(up, 20, "alertmanager to be ready", poll_s=0.1)
+        alertmanager_post(port, [alert, intruder])
+        firing = wait_for(lambda: inbox.firing("ml", "chat", now=time.time()), 20,
+                          "Alertmanager's webhook to reach the inbox", poll_s=0.1)
+        assert [(a.alertname, a.prompt_type, a.slo_miss) for a in firing] == [(manifests.ALERT_ALPHA, "code", True)]
+        wait_for(lambda: refused("unauthorized") > unauthorized, 20, "the wrong token to be refused", poll_s=0.1)
+        assert inbox.firing("ml", "intruder", now=time.time()) == []
+        # resolved: Alertmanager's next notification of the group removes it
+        alertmanager_post(port, [{**alert, "endsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))}])
+        wait_for(lambda: inbox.firing("ml", "chat", now=time.time()) == [], 20, "the resolved notification",
+                 poll_s=0.1)
+        assert get(server.server_port, "/healthz") == (200, "ok\n")
+    finally:
+        am.terminate()
+        try:
+            am.wait(TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            am.kill()
+            am.wait(TIMEOUT_S)
