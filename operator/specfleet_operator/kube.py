@@ -1,6 +1,11 @@
 """A small async Kubernetes client for the objects the operator owns: get, create, patch, delete,
 and `apply` (GET; create when absent, a 409 meaning "already there"; otherwise a three-way
-JSON merge patch against the last applied state, so an unchanged object costs one GET, no write). Built from kopf's ConnectionInfo.
+JSON merge patch against the last applied state, so an unchanged object costs one GET, no write).
+Built from kopf's ConnectionInfo.
+
+What `apply` owns: every field of the desired object (a hand edit of one is reverted), and the
+whole of the maps in OWNED_MAPS (a key added there by hand is removed). Everything else on the
+live object (annotations and labels someone added, server defaults, status) is left alone.
 """
 from __future__ import annotations
 
@@ -16,6 +21,9 @@ from . import GROUP
 
 LAST_APPLIED = f"{GROUP}/last-applied"
 MERGE_PATCH = "application/merge-patch+json"
+#: Maps owned whole, not key by key: a key added to a Service's selector (or a Deployment's, a
+#: PDB's) changes which pods it picks, one added to a ConfigMap's data what the workers read.
+OWNED_MAPS = frozenset({("data",), ("spec", "selector"), ("spec", "selector", "matchLabels")})
 
 PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Event": "events",
@@ -72,19 +80,45 @@ def holds(live: Any, desired: Any) -> bool:
     return live == desired or (not isinstance(desired, bool) and str(live) == str(desired))
 
 
-def drift(live: Any, desired: Any) -> Any:
-    """The part of `desired` that `live` does not hold, as a merge patch.
+def drift(live: Any, desired: Any, path: tuple[str, ...] = ()) -> Any:
+    """The part of `desired` that `live` does not hold, as a merge patch; in the maps of OWNED_MAPS
+    a key that only `live` has is removed (None).
     >>> drift({"a": 1, "b": {"c": 2, "x": 9}}, {"a": 1, "b": {"c": 3}})
     {'b': {'c': 3}}
+    >>> drift({"data": {"k": "v", "x": "9"}}, {"data": {"k": "v"}})
+    {'data': {'x': None}}
     """
-    out = {}
+    out: dict[str, Any] = {key: None for key in live if key not in desired} if path in OWNED_MAPS else {}
     for key, value in desired.items():
         if isinstance(value, dict) and isinstance(live.get(key), dict):
-            sub = drift(live[key], value)
+            sub = drift(live[key], value, (*path, key))
             if sub:
                 out[key] = sub
         elif key not in live or not holds(live[key], value):
             out[key] = value
+    return out
+
+
+def apply_patch(live: dict[str, Any], desired: dict[str, Any]) -> dict[str, Any]:
+    """The merge patch that makes `live` hold `desired`; {} when it already does: the fields
+    dropped since the last apply (LAST_APPLIED) are removed, and hand edits of owned fields
+    reverted. Pure, so a watch can tell drift from its event's body without a request.
+    >>> desired = {"metadata": {"name": "c"}, "data": {"a": "1"}}
+    >>> apply_patch({"metadata": {"name": "c", "annotations": {"note": "mine"}}, "data": {"a": "2"}}, desired)
+    {'data': {'a': '1'}}
+    """
+    last = json.loads(live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED, "{}"))
+    return _deep_update(_dropped(live, merge_diff(last, desired)), drift(live, desired))
+
+
+def _dropped(live: Any, patch: Any) -> dict[str, Any]:
+    """The removals (None) of `patch` whose key `live` still has."""
+    out: dict[str, Any] = {}
+    for key, value in patch.items() if isinstance(patch, dict) and isinstance(live, dict) else ():
+        if value is None and key in live:
+            out[key] = None
+        elif isinstance(value, dict) and (sub := _dropped(live.get(key), value)):
+            out[key] = sub
     return out
 
 
@@ -226,8 +260,7 @@ class Kube:
             if live is None:
                 raise ApiError(409, "Conflict", "the object vanished while being applied",
                                f"{desired['kind']} {meta.get('namespace')}/{meta['name']}")
-        last = json.loads(live.get("metadata", {}).get("annotations", {}).get(LAST_APPLIED, "{}"))
-        patch = _deep_update(merge_diff(last, desired), drift(live, desired))
+        patch = apply_patch(live, desired)
         if not patch:
             return "unchanged", live
         patch.setdefault("metadata", {}).setdefault("annotations", {})[LAST_APPLIED] = record

@@ -1,0 +1,204 @@
+"""Level-triggered reconcile (specfleet_operator.converge) with the real kopf operator on the
+emulator: a deleted child comes back, a hand edit of an owned field is reverted, what the operator
+does not own is left alone, and its own writes cause no further writes."""
+import asyncio
+import copy
+import json
+import pathlib
+
+import pytest
+import yaml
+
+from specfleet_operator import API_VERSION, KIND, converge, manifests as m
+from specfleet_operator.kube import LAST_APPLIED, apply_patch
+from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
+           "PodDisruptionBudget": "poddisruptionbudgets", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
+           "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
+           "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}
+EVENTS_ONLY = {"converge_interval": 3600.0}  # the periodic converge out of the way: the watches act alone
+
+
+def child(cluster, kind, name, ns="default"):
+    api_version = next(a for a, k, _ in m.child_refs("x") if k == kind)
+    return cluster.live(api_version, PLURALS[kind], ns, name)
+
+
+def children(cluster, sdd):
+    return {(k, n): obj for a, k, n in m.child_refs(sdd) if (obj := cluster.live(a, PLURALS[k], "default", n))}
+
+
+async def started(cluster, kube, body, memo=EVENTS_ONLY):
+    op = OperatorThread(cluster.endpoint, "op-a", memo=dict(memo)).start()
+    await kube.create(body)
+    await wait_for(lambda: ready(cluster, body["metadata"]["name"]), 20, "Ready")
+    return op
+
+
+def full_fleet():
+    """Every child kind: canary, autoscaler, ServiceMonitor and PrometheusRule on."""
+    body = yaml.safe_load((ROOT / "deploy" / "examples" / "draft-model.yaml").read_text())
+    body["spec"]["canary"] = {"weight": 10}
+    return body
+
+
+async def test_every_deleted_child_is_recreated(cluster, kube):
+    op = await started(cluster, kube, full_fleet())
+    try:
+        kids = children(cluster, "smollm2-draft")
+        assert len(kids) == 17 and {k for k, _ in kids} == set(PLURALS)
+        for (kind, name), before in kids.items():
+            api_version = before["apiVersion"]
+            await kube.delete(api_version, kind, "default", name)
+            back = await wait_for(lambda: (c := child(cluster, kind, name)) and c["metadata"]["uid"] != before[
+                "metadata"]["uid"] and c, 10, f"{kind} {name} recreated")
+            assert back["metadata"]["ownerReferences"] == before["metadata"]["ownerReferences"]
+            assert apply_patch(back, json.loads(before["metadata"]["annotations"][LAST_APPLIED])) == {}
+        assert set(children(cluster, "smollm2-draft")) == set(kids)
+    finally:
+        await op.stop_and_join()
+
+
+async def test_a_worker_deployment_scaled_by_hand_is_scaled_back(cluster, kube):
+    op = await started(cluster, kube, sdd_body("demo", replicas=2))
+    try:
+        await kube.patch("apps/v1", "Deployment", "default", "demo-stable", {"spec": {"replicas": 7}})
+        await wait_for(lambda: child(cluster, "Deployment", "demo-stable")["spec"]["replicas"] == 2, 10,
+                       "replicas back to 2")
+    finally:
+        await op.stop_and_join()
+
+
+async def test_a_changed_container_image_and_args_are_reverted(cluster, kube):
+    op = await started(cluster, kube, sdd_body("demo"))
+    try:
+        for deployment in ("demo-stable", "demo-router"):
+            pod = child(cluster, "Deployment", deployment)["spec"]["template"]["spec"]
+            container = copy.deepcopy(pod["containers"][0])
+            edited = {**container, "image": "evil.example/worker:latest", "args": [*container.get("args", []), "--x"]}
+            await kube.patch("apps/v1", "Deployment", "default", deployment,
+                             {"spec": {"template": {"spec": {"containers": [edited]}}}})
+            await wait_for(lambda: child(cluster, "Deployment", deployment)["spec"]["template"]["spec"]["containers"]
+                           == [container], 10, f"{deployment} container restored")
+    finally:
+        await op.stop_and_join()
+
+
+async def test_edited_configmap_data_is_reverted_and_a_stray_key_removed(cluster, kube):
+    op = await started(cluster, kube, sdd_body("demo"))
+    try:
+        data = dict(child(cluster, "ConfigMap", "demo-engine")["data"])
+        engine = json.loads(data["engine.json"])
+        engine["speculation"]["kMax"] = 64
+        await kube.patch("v1", "ConfigMap", "default", "demo-engine",
+                         {"data": {"engine.json": json.dumps(engine), "extra.json": "{}"}})
+        await wait_for(lambda: child(cluster, "ConfigMap", "demo-engine")["data"] == data, 10, "data restored")
+    finally:
+        await op.stop_and_join()
+
+
+async def test_an_edited_service_selector_and_port_are_reverted(cluster, kube):
+    op = await started(cluster, kube, sdd_body("demo"))
+    try:
+        for service in ("demo", "demo-stable"):
+            spec = copy.deepcopy(child(cluster, "Service", service)["spec"])
+            ports = [{**p, "port": p["port"] + 1} for p in spec["ports"]]
+            await kube.patch("v1", "Service", "default", service, {"spec": {
+                "selector": {**{k: "other" for k in spec["selector"]}, "app": "someone-else"}, "ports": ports}})
+            await wait_for(lambda: {k: child(cluster, "Service", service)["spec"][k] for k in ("selector", "ports")}
+                           == {k: spec[k] for k in ("selector", "ports")}, 10, f"Service {service} restored")
+    finally:
+        await op.stop_and_join()
+
+
+async def test_what_the_operator_does_not_own_is_left_alone(cluster, kube):
+    op = await started(cluster, kube, sdd_body("demo"), {"converge_interval": 0.2})
+    try:
+        note = {"metadata": {"annotations": {"team.example/owner": "search"}, "labels": {"team": "search"}}}
+        await kube.patch("v1", "Service", "default", "demo-stable", note)
+        await kube.patch("apps/v1", "Deployment", "default", "demo-stable", {
+            **note, "spec": {"template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": "now"}}}}})
+        await kube.patch("v1", "ConfigMap", "default", "demo-engine", note)
+        writes = cluster.writes("PATCH", "/services/demo-stable") + cluster.writes("PATCH", "/configmaps/")
+        deployment_writes = cluster.writes("PATCH", "/deployments/demo-stable")
+        await asyncio.sleep(1.5)  # several periodic converges and the watches' checks
+        assert cluster.writes("PATCH", "/services/demo-stable") + cluster.writes("PATCH", "/configmaps/") == writes
+        assert cluster.writes("PATCH", "/deployments/demo-stable") == deployment_writes
+        for kind, name in (("Service", "demo-stable"), ("Deployment", "demo-stable"), ("ConfigMap", "demo-engine")):
+            meta = child(cluster, kind, name)["metadata"]
+            assert meta["annotations"]["team.example/owner"] == "search" and meta["labels"]["team"] == "search"
+        deployment = child(cluster, "Deployment", "demo-stable")
+        assert deployment["spec"]["template"]["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] == "now"
+        assert deployment["status"]["readyReplicas"] == 1  # status is the Deployment controller's
+    finally:
+        await op.stop_and_join()
+
+
+async def test_the_operators_own_writes_end_there(cluster, kube):
+    """A converge that finds nothing to do writes nothing: no reconcile loop feeding on its events."""
+    op = await started(cluster, kube, full_fleet(), {"converge_interval": 0.2})
+    try:
+        await asyncio.sleep(1.0)  # the create's trailing events settle
+        before = len(cluster.log)
+        writes = [(v, p) for v, p in cluster.log if v in ("POST", "PATCH", "PUT", "DELETE")]
+        await asyncio.sleep(1.5)
+        after = [(v, p) for v, p in cluster.log if v in ("POST", "PATCH", "PUT", "DELETE")]
+        assert after == writes, after[len(writes):]
+        assert len(cluster.log) > before  # the periodic converge did read
+        await kube.patch("apps/v1", "Deployment", "default", "smollm2-draft-router", {"spec": {"replicas": 9}})
+        await wait_for(lambda: child(cluster, "Deployment", "smollm2-draft-router")["spec"]["replicas"] == 2, 10,
+                       "router replicas restored")
+        await asyncio.sleep(1.0)
+        settled = [(v, p) for v, p in cluster.log if v in ("PATCH", "POST", "PUT", "DELETE") and "/events" not in p]
+        await asyncio.sleep(1.5)
+        assert [(v, p) for v, p in cluster.log if v in ("PATCH", "POST", "PUT", "DELETE") and "/events" not in p
+                ] == settled
+    finally:
+        await op.stop_and_join()
+
+
+async def test_the_periodic_converge_repairs_what_no_watch_saw(cluster, kube):
+    """A child stripped of the fleet's managed-by label drops out of the label-filtered watch: only
+    the periodic converge sees that it was also scaled, and restores both."""
+    op = await started(cluster, kube, sdd_body("demo", replicas=2), {"converge_interval": 0.3})
+    try:
+        label = "app.kubernetes.io/managed-by"
+        await kube.patch("apps/v1", "Deployment", "default", "demo-stable",
+                         {"metadata": {"labels": {label: None}}, "spec": {"replicas": 5}})
+        await wait_for(lambda: (d := child(cluster, "Deployment", "demo-stable"))["spec"]["replicas"] == 2
+                       and d["metadata"]["labels"].get(label) == m.MANAGED_BY, 10, "replicas and label restored")
+        (event, *_) = await wait_for(lambda: [e for e in cluster.all_live("v1", "events") if e.get(
+            "reason") == "Converged"], 10, "Converged event")
+        assert "Deployment demo-stable edited" in event["message"] and "spec.replicas" in event["message"]
+    finally:
+        await op.stop_and_join()
+
+
+def test_every_watched_kind_may_be_listed_and_watched():
+    """The watches need list and watch on every child kind (deploy/base, and the chart, which a
+    test holds equal to it)."""
+    rules = [r for d in yaml.safe_load_all((ROOT / "deploy" / "base" / "rbac.yaml").read_text())
+             if d["kind"] == "ClusterRole" for r in d["rules"]]
+    for api_version, kind in converge.CHILD_KINDS:
+        group = api_version.rpartition("/")[0]
+        assert any(group in r["apiGroups"] and PLURALS[kind] in r["resources"] and {"list", "watch"} <= set(r["verbs"])
+                   for r in rules), f"{kind}: the operator's ClusterRole lacks list, watch"
+
+
+@pytest.mark.parametrize("live, desired, patch", [
+    ({"spec": {"replicas": 5, "paused": False}}, {"spec": {"replicas": 2}}, {"spec": {"replicas": 2}}),
+    ({"spec": {"selector": {"a": "1", "b": "2"}}}, {"spec": {"selector": {"a": "1"}}}, {"spec": {"selector": {"b": None}}}),
+    ({"metadata": {"annotations": {"mine": "x"}}, "data": {"k": "v"}}, {"metadata": {}, "data": {"k": "v"}}, {}),
+    ({"spec": {"ports": [{"port": 80, "protocol": "TCP"}]}}, {"spec": {"ports": [{"port": 80}]}}, {}),
+])
+def test_apply_patch_owns_the_desired_fields_and_whole_selectors(live, desired, patch):
+    assert apply_patch(live, desired) == patch
+
+
+def test_a_child_maps_to_its_owner_by_reference_before_label():
+    ref = {"kind": KIND, "apiVersion": API_VERSION, "name": "x" * 80, "uid": "u"}
+    body = {"metadata": {"ownerReferences": [ref], "labels": {m.LABEL_SDD: m.label_value("x" * 80)}}}
+    assert converge.owner_name(body) == "x" * 80
+    assert converge.owner_name({"metadata": {"labels": {m.LABEL_SDD: "short"}}}) == "short"
