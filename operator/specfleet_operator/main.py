@@ -100,7 +100,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         if leading is not None:
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
-                             heartbeat=options.heartbeat, alerts=options.alerts, **(memo or {}))
+                             heartbeat=options.heartbeat, **{"alerts": options.alerts, **(memo or {})})
         kopf_stop = asyncio.Event()
         running = asyncio.create_task(kopf.operator(
             settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,

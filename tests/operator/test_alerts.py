@@ -4,6 +4,7 @@ Alertmanager (Debian's prometheus-alertmanager, which ./dev setup installs: miss
 delivering to it with the receiver config docs/alerts.md gives."""
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import pathlib
@@ -24,6 +25,7 @@ from prometheus_client import REGISTRY
 from specfleet_operator import manifests
 from specfleet_operator.alerts import AlertInbox, BearerToken, PayloadError, parse
 from specfleet_operator.health import AlertReceiver, Heartbeat, serve
+from specfleet_operator.testing import wait_for as async_wait_for
 from specfleet_worker.testing import wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -351,3 +353,29 @@ def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_r
         except subprocess.TimeoutExpired:
             am.kill()
             am.wait(TIMEOUT_S)
+
+
+async def test_the_control_loop_reads_the_inbox_the_receiver_writes(cluster, monkeypatch):
+    """operate() hands Options.alerts (which `specfleet operator` serves on /alertmanager) to the
+    handlers as memo.alerts."""
+    import kopf
+
+    from specfleet_operator import main
+
+    seen = {}
+
+    async def kopf_operator(*, memo, stop_flag, **kwargs):
+        seen["memo"] = memo
+        await stop_flag.wait()
+
+    monkeypatch.setattr(kopf, "operator", kopf_operator)
+    options = main.Options(leader_election=False)
+    stop = threading.Event()
+    task = asyncio.ensure_future(main.operate(options, connection=kopf.ConnectionInfo(server=cluster.endpoint),
+                                              stop=stop))
+    try:
+        await async_wait_for(lambda: "memo" in seen, TIMEOUT_S, "kopf to start with the memo")
+        assert seen["memo"].alerts is options.alerts
+    finally:
+        stop.set()
+        assert await asyncio.wait_for(task, TIMEOUT_S) == 0
