@@ -100,6 +100,10 @@ def cases(rules):
         # healthy: nothing fires, ever; the operator's fallback gauge (scraped in its own namespace,
         # which no longer collides with the fleet's) fires the info alert
         "healthy": case(rules, worker({"code": "0.6x240", "chat": "0.45+0.0005x240"}) + [
+            # a slow canary beside it (0.1x): its analysis' business, not these alerts'
+            {"series": f"spec_decode_{counter}_total{{{TARGET.replace('stable', 'canary')}}}", "values": values}
+            for counter, values in (("busy_seconds", "0+600x240"), ("plain_equivalent_seconds", "0+60x240"),
+                                    ("num_draft_tokens", "0+1000x240"))] + [
             {"series": f'specfleet_fallback_active{{namespace="specfleet-system", job="specfleet", '
                        f'sdd_namespace="{NS}", sdd_name="{NAME}"}}', "values": "0x100 1x100"}], [
             (t, name, []) for t in (10, 60, 120, 239)

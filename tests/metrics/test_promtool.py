@@ -81,5 +81,5 @@ def test_operator_metrics_pass_promtool():
     finally:
         proc.kill()
         proc.wait(TIMEOUT_S)
-    assert "specfleet_fallback_active{" in text
+    assert 'specfleet_fallback_active{sdd_name="chat",sdd_namespace="team-a"}' in text  # no namespace clash
     assert promtool_check(text) == ""
