@@ -42,9 +42,10 @@ def desired_children(sdd: dict[str, Any], memo: Any) -> dict[tuple[str, str], di
     spec = specs.with_defaults(dict(sdd.get("spec") or {}))
     if specs.problems(spec):
         return None
-    loop = handlers.loop_state(sdd["status"])
+    status = sdd["status"]
+    fleet = handlers.fleet_state(handlers.loop_state(status), spec, handlers.memory_of(status))
     try:
-        desired = manifests.children(sdd, spec, memo.settings, handlers.fleet_state(loop, spec))
+        desired = manifests.children(sdd, spec, memo.settings, fleet)
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # reconcile reports it in the status
     kopf.adopt(desired, owner=sdd)
