@@ -89,6 +89,104 @@ def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def base_of(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """The spec's values under each leaf of `overrides` (a leaf the spec leaves unset is left out).
+
+    >>> base_of({"speculation": {"kMax": 8}}, {"speculation": {"kMax": 12}, "image": "w:2"})
+    {'speculation': {'kMax': 8}}
+    """
+    out: dict[str, Any] = {}
+    for path in _leaves(overrides):
+        value = lookup(spec, spec_path(path))
+        if value is not None:  # unset in the spec (e.g. template.image: the operator's default)
+            node = out
+            for key in path[:-1]:
+                node = node.setdefault(key, {})
+            node[path[-1]] = copy.deepcopy(value)
+    return out
+
+
+def apply_overrides(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with the overrides' leaves set (a copy).
+
+    >>> apply_overrides({"speculation": {"kMin": 1, "kMax": 8}}, {"speculation": {"kMax": 12}, "image": "w:2"})
+    {'speculation': {'kMin': 1, 'kMax': 12}, 'template': {'image': 'w:2'}}
+    """
+    out = copy.deepcopy(spec)
+    for path, value in _leaves(overrides).items():
+        node = out
+        where = spec_path(path)
+        for key in where[:-1]:
+            if not isinstance(node.get(key), dict):
+                node[key] = {}
+            node = node[key]
+        node[where[-1]] = copy.deepcopy(value)
+    return out
+
+
+def _unflatten(leaves: dict[tuple[str, ...], Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for path, value in leaves.items():
+        node = out
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = value
+    return out
+
+
+def promotion(spec: dict[str, Any], record: dict[str, Any] | None) -> tuple[dict[str, Any] | None,
+                                                                           tuple[tuple[str, str], ...]]:
+    """What is left of a promotion record under the spec now, and the events that say what went.
+
+    Each promoted leaf stays (the stable workers run it) until the spec holds the same value
+    (folded: nothing changes) or sets that field to something else than it held at promotion time
+    (superseded: the spec wins, and the workers follow it). Removing spec.canary changes neither.
+
+    >>> rec = {"overrides": {"speculation": {"kMax": 12}, "draft": {"method": "none"}},
+    ...        "base": {"speculation": {"kMax": 8}, "draft": {"method": "ngram"}}}
+    >>> spec = {"speculation": {"kMax": 8}, "draft": {"method": "ngram"}}
+    >>> promotion(spec, rec)[0] == rec
+    True
+    >>> kept, events = promotion({"speculation": {"kMax": 12}, "draft": {"method": "ngram"}}, rec)
+    >>> kept["overrides"], [r for r, _ in events]
+    ({'draft': {'method': 'none'}}, ['PromotionFolded'])
+    >>> promotion({"speculation": {"kMax": 6}, "draft": {"method": "none"}}, rec)
+    (None, (('PromotionFolded', 'the spec now holds the promoted draft.method none'), ('PromotionSuperseded', 'the spec set speculation.kMax to 6 after the promotion of 12: the stable workers follow the spec')))
+    """
+    if not record or not record.get("overrides"):
+        return None, ()
+    base = record.get("base") or {}
+    kept: dict[tuple[str, ...], Any] = {}
+    folded, superseded = [], []
+    for path, value in _leaves(record["overrides"]).items():
+        now = lookup(spec, spec_path(path))
+        name = ".".join(spec_path(path))
+        if now == value:
+            folded.append(f"{name} {value}")
+        elif now != lookup(base, path):
+            superseded.append(f"{name} to {now} after the promotion of {value}")
+        else:
+            kept[path] = value
+    events = []
+    if folded:
+        events.append(("PromotionFolded", f"the spec now holds the promoted {', '.join(folded)}"))
+    if superseded:
+        events.append(("PromotionSuperseded", f"the spec set {', '.join(superseded)}: the stable workers follow "
+                                              f"the spec"))
+    if not kept:
+        return None, tuple(events)
+    out = dict(record, overrides=_unflatten(kept),
+               base=_unflatten({p: lookup(base, p) for p in kept if lookup(base, p) is not None}))
+    return out, tuple(events)
+
+
+def settle_promotion(spec: dict[str, Any], state: CanaryState) -> tuple[CanaryState, tuple[tuple[str, str], ...]]:
+    """The state with its promotion record judged against the spec now (once per change: the
+    events fire when a leaf goes)."""
+    kept, events = promotion(spec, state.promoted)
+    return (dataclasses.replace(state, promoted=kept) if kept != state.promoted else state), events
+
+
 def _hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
@@ -150,7 +248,7 @@ class CanaryPolicy:
         ...     "canary": {"weight": 1, "overrides": {"quantization": "int8", "speculation": {"kMax": 12}},
         ...                "steps": [{"weight": 10, "pause": "2m"}], "analysis": {"interval": "30s"}}})
         >>> p.steps, p.interval_s, p.drift.threshold, p.base
-        (((10, 120.0),), 30.0, None, {'quantization': 'none', 'speculation': {'kMax': None}})
+        (((10, 120.0),), 30.0, None, {'quantization': 'none'})
         """
         canary = spec.get("canary")
         if not canary:
@@ -158,12 +256,7 @@ class CanaryPolicy:
         analysis = canary.get("analysis") or {}
         drift = analysis.get("drift") or {}
         overrides = copy.deepcopy(canary.get("overrides") or {})
-        base: dict[str, Any] = {}
-        for path in _leaves(overrides):
-            node = base
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = copy.deepcopy(lookup(spec, spec_path(path)))
+        base = base_of(spec, overrides)
         precision = ("quantization", "dtype")
         same = all(lookup(overrides, (k,)) in (None, spec.get(k)) for k in precision)
         exact = 1.0 if same else None  # speculation is lossless: the same precision must agree exactly
@@ -342,11 +435,14 @@ def _compare(name: str, canary: float | None, stable: float | None, tol: float, 
     return None
 
 
-def _absolute(w: Window, name: str) -> float | None:
-    return {"alpha": lambda: w.alpha, "tau": lambda: w.tau, "speedup": lambda: w.speedup,
-            "errorRate": lambda: w.error_rate, "p99LatencySeconds": lambda: w.ttft_quantile(0.99),
-            "ttftP50Seconds": lambda: w.ttft_quantile(0.5), "ttftP99Seconds": lambda: w.ttft_quantile(0.99),
-            "tpotP50Seconds": lambda: w.tpot_quantile(0.5), "tpotP99Seconds": lambda: w.tpot_quantile(0.99)}[name]()
+#: The canary's own figures that analysis.metrics may bound (the CRD's enum; p99LatencySeconds is
+#: the older name of ttftP99Seconds).
+METRICS = {
+    "alpha": lambda w: w.alpha, "tau": lambda w: w.tau, "speedup": lambda w: w.speedup,
+    "errorRate": lambda w: w.error_rate, "ttftP50Seconds": lambda w: w.ttft_quantile(0.5),
+    "ttftP99Seconds": lambda w: w.ttft_quantile(0.99), "tpotP50Seconds": lambda w: w.tpot_quantile(0.5),
+    "tpotP99Seconds": lambda w: w.tpot_quantile(0.99), "p99LatencySeconds": lambda w: w.ttft_quantile(0.99),
+}
 
 
 def _moments(d: DriftCounts) -> tuple[float, float, int]:
@@ -440,7 +536,7 @@ def analyse(obs: CanaryObservation, policy: CanaryPolicy) -> Analysis:
     if c.error_rate is not None and s.error_rate is not None and c.error_rate > s.error_rate + tol.error_rate:
         found.append(f"error rate {c.error_rate:.4g} > stable {s.error_rate:.4g} + {tol.error_rate:g}")
     for name, lo, hi in policy.checks:
-        value = _absolute(c, name)
+        value = METRICS[name](c)
         if value is None:
             found.append(f"{name} not reported by the canary")
         elif (lo is not None and value < lo) or (hi is not None and value > hi):
@@ -506,6 +602,13 @@ def decide_canary(obs: CanaryObservation, state: CanaryState, policy: CanaryPoli
         if state.phase in LIVE_PHASES:
             events.append(("CanaryRemoved", f"spec.canary was removed while the canary was {state.phase}: "
                                             f"its workers go, stable is unchanged"))
+        elif state.phase == "Aborted":
+            events.append(("CanaryRemoved", "spec.canary was removed after its abort: stable is unchanged"))
+        if state.phase != "Idle" and state.promoted:
+            events.append(("PromotionKept", f"spec.canary is gone; the stable workers keep the promoted overrides "
+                                            f"{json.dumps(state.promoted['overrides'], sort_keys=True)} "
+                                            f"(status.canary.promoted) until the spec holds them or sets them "
+                                            f"otherwise"))
         if state.phase == "Idle" and not state.message:
             return _decision(state, events, None)
         return _decision(CanaryState(last_gate=state.last_gate, promoted=state.promoted), events, None)

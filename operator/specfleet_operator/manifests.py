@@ -20,6 +20,7 @@ from typing import Any
 
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
 from specfleet_api.live_state import KBounds, LiveState, Routing
+from specfleet_control import canary as canaries
 
 from . import API_VERSION, GROUP, KIND
 
@@ -31,6 +32,7 @@ ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 CONFIG_DIR = "/etc/specfleet"
 MODEL_CACHE = DEFAULT_MODEL_CACHE  # where the worker also looks for a relative model path
 CONTROL_KEY = "control.json"
+CONTROL_KEYS = {"stable": CONTROL_KEY, "canary": "control-canary.json"}  # each arm's, in the ConfigMap
 WORKER_UID = 65532  # "nonroot" in distroless images
 PRESTOP_SLEEP_S = 5  # lets endpoints drop the pod before SIGTERM starts the drain
 ROLES = ("stable", "canary")
@@ -77,11 +79,13 @@ class FleetState:
 
     mode: str = "speculative"  # or "fallback": the whole deployment
     canary_weight: float | None = None  # percent of requests; None: spec.canary.weight (the start)
-    canary_phase: str = "Idle"  # Idle | Progressing | Promoted | Aborted
+    canary_phase: str = "Idle"  # specfleet_control.canary.PHASES
     fallback: tuple[str, ...] = ()  # prompt types in fallback (the router routes them to `none`)
     fallback_clusters: tuple[str, ...] = ()  # prompt clusters in fallback
     mirror_share: float = 0.0  # percent of greedy requests mirrored for the canary's drift check
     drift_epoch: str = ""  # the canary run the drift counts belong to
+    # what stable runs since a promotion (status.canary.promoted, specfleet_control.canary.promotion)
+    promoted: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
 
 
 def _digest(sdd_name: str) -> str:
@@ -171,22 +175,32 @@ def router_name(sdd_name: str) -> str:
     return child_name(sdd_name, "router")
 
 
-def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
-    return out
+def promoted_overrides(spec: dict[str, Any], state: FleetState) -> dict[str, Any]:
+    """The overrides stable runs since a promotion, what is left of them under the spec now
+    (specfleet_control.canary.promotion): removing spec.canary never changes them.
+
+    >>> s = {"speculation": {"kMax": 8}}
+    >>> rec = {"overrides": {"speculation": {"kMax": 12}}, "base": {"speculation": {"kMax": 8}}}
+    >>> promoted_overrides(s, FleetState(promoted=rec)), promoted_overrides({"speculation": {"kMax": 6}},
+    ...                                                                     FleetState(promoted=rec))
+    ({'speculation': {'kMax': 12}}, {})
+    """
+    record = state.promoted
+    if record is None and state.canary_phase == "Promoted" and spec.get("canary"):
+        # a status written before promotions were recorded: the canary's overrides, as then
+        over = spec["canary"].get("overrides") or {}
+        record = {"overrides": over, "base": canaries.base_of(spec, over)}
+    kept, _ = canaries.promotion(spec, record)
+    return kept["overrides"] if kept else {}
 
 
 def effective_spec(spec: dict[str, Any], role: str, state: FleetState = FleetState()) -> dict[str, Any]:
-    """The spec a role runs: the canary applies its overrides; after promotion, so does stable."""
-    canary = spec.get("canary") or {}
-    if role == "canary" or (role == "stable" and state.canary_phase == "Promoted"):
-        over = canary.get("overrides", {})
-        spec = _merge(spec, {k: over[k] for k in ("draft", "speculation") if k in over})
-        if "image" in over:
-            spec = _merge(spec, {"template": {"image": over["image"]}})
-    return spec
+    """The spec a role runs: stable, the base spec with what a promotion left it; the canary,
+    stable's with its own overrides on top."""
+    out = canaries.apply_overrides(spec, promoted_overrides(spec, state))
+    if role == "canary":
+        out = canaries.apply_overrides(out, (spec.get("canary") or {}).get("overrides") or {})
+    return out
 
 
 def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetState()) -> dict[str, Any]:
@@ -209,9 +223,11 @@ def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetStat
     }
 
 
-def control_config(spec: dict[str, Any], state: FleetState) -> dict[str, Any]:
-    """control.json: what the control loop moves at run time, outside the config hash so a
-    fallback never restarts a pod (the worker re-reads the mounted file)."""
+def control_config(spec: dict[str, Any], state: FleetState, role: str = "stable") -> dict[str, Any]:
+    """control.json of one arm: what the control loop moves at run time, outside the config hash
+    so a fallback never restarts a pod (the worker re-reads the mounted file). The canary's has its
+    overrides' K bounds: a worker clamps its K to these, so a shared file would undo them."""
+    spec = effective_spec(spec, role, state)
     k = spec["speculation"]
     speculate = state.mode == "speculative" and spec["draft"]["method"] != "none"
     return {"speculate": speculate, "kMin": k["kMin"], "kMax": k["kMax"] if speculate else 0}
@@ -237,13 +253,18 @@ def replica_counts(spec: dict[str, Any], state: FleetState) -> tuple[int | None,
     """(stable, canary) worker counts. Stable is None under an autoscaler. The router splits
     requests, so pods no longer carry the share: the canary runs canary.replicas while it lives.
 
+    A canary waiting for its workers routes nothing (weight 0) but has its pods.
+
     >>> s = {"replicas": 100, "canary": {"weight": 1, "replicas": 2}}
     >>> replica_counts(s, FleetState()), replica_counts(s, FleetState(canary_phase="Promoted"))
     ((100, 2), (100, 0))
+    >>> replica_counts(s, FleetState(canary_phase="Waiting", canary_weight=0))
+    (100, 2)
     """
     scaling = spec.get("scaling")
     stable = None if scaling else spec.get("replicas", 1)
-    canary = (spec.get("canary") or {}).get("replicas", 1) if canary_weight(spec, state) else 0
+    live = spec.get("canary") and state.canary_phase not in ("Promoted", "Aborted")
+    canary = spec["canary"].get("replicas", 1) if live else 0
     return stable, canary
 
 
@@ -397,7 +418,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "containers": [container],
         "volumes": [
             {"name": "config", "configMap": {"name": child_name(name, "engine"), "items": [
-                {"key": engine_key, "path": "engine.json"}, {"key": CONTROL_KEY, "path": CONTROL_KEY}]}},
+                {"key": engine_key, "path": "engine.json"}, {"key": CONTROL_KEYS[role], "path": CONTROL_KEY}]}},
             {"name": "model-cache", "emptyDir": {}},
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         ],
@@ -434,6 +455,7 @@ def engine_configmap(sdd: dict[str, Any], spec: dict[str, Any], state: FleetStat
             CONTROL_KEY: _dumps(control_config(spec, state))}
     if spec.get("canary"):
         data["engine-canary.json"] = _dumps(engine_config(spec, "canary", state))
+        data[CONTROL_KEYS["canary"]] = _dumps(control_config(spec, state, "canary"))
     return {
         "apiVersion": "v1", "kind": "ConfigMap",
         "metadata": {"name": child_name(name, "engine"), "namespace": sdd["metadata"]["namespace"],

@@ -218,6 +218,8 @@ def _durations(spec: dict[str, Any]) -> list[tuple[str, str]]:
     found = [("spec.slo.window", slo.get("window")),
              ("spec.slo.fallback.recoverAfter", slo.get("fallback", {}).get("recoverAfter"))]
     if canary:
-        found.append(("spec.canary.analysis.interval", canary.get("analysis", {}).get("interval")))
+        found += [("spec.canary.analysis.interval", canary.get("analysis", {}).get("interval")),
+                  ("spec.canary.pause", canary.get("pause")),
+                  ("spec.canary.progressDeadline", canary.get("progressDeadline"))]
         found += [(f"spec.canary.steps[{i}].pause", s.get("pause")) for i, s in enumerate(canary.get("steps", []))]
     return [(field, text) for field, text in found if text is not None]

@@ -5,7 +5,9 @@ lastTransitionTime); a condition keeps its lastTransitionTime while its status d
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
+import json
 from typing import Any
 
 from .manifests import FleetState
@@ -57,6 +59,9 @@ class Observed:
     failed_checks: int = 0
     fallback_since: str | None = None
     last_analysis: str | None = None
+    # the canary run's section as specfleet_control.canary.CanaryState.to_status() writes it; None:
+    # built from the fields above
+    canary_status: dict[str, Any] | None = None
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
@@ -117,14 +122,21 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     else:
         speculating = (True, "SpeculationOn", f"draft method {o.draft_method}")
 
-    phase = o.state.canary_phase
-    canary_msg = {"Idle": "no canary", "Progressing": "the canary is being analysed",
-                  "Promoted": "the canary was promoted", "Aborted": "the canary failed its analysis"}[phase]
-    canary_cond = (phase == "Progressing", f"Canary{phase}", canary_msg)
+    section = _canary_section(o, previous)
+    phase = section["phase"]
+    canary_msg = section.get("message") or _CANARY_MESSAGES.get(phase, phase)
+    promoted = section.get("promoted")
+    if promoted and phase in ("Idle", "Promoted"):
+        canary_msg += (f"; the stable workers run the promoted overrides "
+                       f"{json.dumps(promoted.get('overrides'), sort_keys=True)} (status.canary.promoted): "
+                       f"fold them into the spec")
+    canary_cond = (phase in _LIVE_PHASES, f"Canary{phase}", canary_msg)
 
     conds = [_condition(t, *c, gen, prev, now) for t, c in zip(
         CONDITION_TYPES, (ready, progressing, degraded, speculating, canary_cond))]
-    status: dict[str, Any] = {"conditions": conds, "mode": o.state.mode}
+    # an invalid spec stops the loop, not its memory: the mode (and the canary run) stay as they were
+    mode = (previous or {}).get("mode", o.state.mode) if invalid else o.state.mode
+    status: dict[str, Any] = {"conditions": conds, "mode": mode}
     if gen is not None:
         status["observedGeneration"] = gen
     for key, value in (("alpha", o.alpha), ("meanAcceptedLength", o.mean_accepted_length),
@@ -140,11 +152,26 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
                               "ready": stable.ready + (canary.ready if canary else 0)}
     if o.router is not None:
         status["router"] = {"desired": o.router.desired, "ready": o.router.ready}
-    status["canary"] = {"weight": o.state.canary_weight or 0, "step": o.canary_step, "phase": phase,
-                        "failedChecks": o.failed_checks}
-    if o.last_analysis:
-        status["canary"]["lastAnalysis"] = o.last_analysis
+    status["canary"] = section
     return status
+
+
+_LIVE_PHASES = ("Waiting", "Progressing", "Paused")
+_CANARY_MESSAGES = {"Idle": "no canary", "Waiting": "waiting for the canary workers to be ready",
+                    "Progressing": "the canary is being analysed", "Paused": "the canary is paused",
+                    "Promoted": "the canary was promoted", "Aborted": "the canary failed its analysis"}
+
+
+def _canary_section(o: Observed, previous: dict[str, Any] | None) -> dict[str, Any]:
+    if o.problems and (previous or {}).get("canary") is not None:
+        return copy.deepcopy(previous["canary"])  # as the mode: the run waits for a valid spec
+    if o.canary_status is not None:
+        return copy.deepcopy(o.canary_status)
+    out = {"weight": o.state.canary_weight or 0, "step": o.canary_step, "phase": o.state.canary_phase,
+           "failedChecks": o.failed_checks}
+    if o.last_analysis:
+        out["lastAnalysis"] = o.last_analysis
+    return out
 
 
 def condition(status: dict[str, Any], ctype: str) -> dict[str, Any] | None:

@@ -358,7 +358,12 @@ def test_removing_the_canary_goes_idle_and_keeps_the_promotion_record():
     p = policy()
     promoted = c.decide_canary(obs(gate="promote"), progressing(p), p, now=5.0).state
     d = c.decide_canary(obs(), promoted, None, now=10.0)
-    assert d.state.phase == "Idle" and d.state.promoted == promoted.promoted and d.events == ()
+    assert d.state.phase == "Idle" and d.state.promoted == promoted.promoted
+    ((reason, message),) = d.events
+    assert reason == "PromotionKept" and '{"speculation": {"kMax": 12}}' in message
+    assert c.decide_canary(obs(), d.state, None, now=20.0).events == ()  # said once
+    aborted = c.decide_canary(obs(gate="abort"), progressing(p), p, now=5.0).state
+    assert [r for r, _ in c.decide_canary(obs(), aborted, None, now=10.0).events] == ["CanaryRemoved"]
     live = progressing(p)
     d = c.decide_canary(obs(), live, None, now=10.0)
     assert d.state.phase == "Idle" and [r for r, _ in d.events] == ["CanaryRemoved"] and d.weight == 0
@@ -394,7 +399,7 @@ def test_policy_from_a_defaulted_spec():
     p = c.CanaryPolicy.from_spec(spec)
     assert p.weight == 0.5 and p.steps == ((5, 300.0),) and p.interval_s == 60.0 and p.failure_limit == 3
     assert p.progress_deadline_s == 600.0 and p.min_requests >= 1 and p.drift.min_pairs >= 1
-    assert p.base == {"image": None, "speculation": {"kMax": 8}}
+    assert p.base == {"speculation": {"kMax": 8}}
     assert c.CanaryPolicy.from_spec(with_defaults(BASE)) is None
     changed = c.CanaryPolicy.from_spec(with_defaults({**BASE, "speculation": {"kMax": 6, "kInitial": 4},
                                                       "canary": spec["canary"]}))
@@ -408,3 +413,27 @@ def test_observation_from_the_loops_reading():
     assert v.stable.window.counts.requests == 200 and v.canary.window is None and v.canary.desired == 1
     assert v.gate == "pause" and v.drift["canary"].pairs == 1
     assert c.observation(Observation(complete=False), None).complete is False
+
+
+def test_settle_promotion_drops_folded_and_superseded_leaves_once():
+    record = {"overrides": {"speculation": {"kMax": 12}, "draft": {"method": "none"}},
+              "base": {"speculation": {"kMax": 8}, "draft": {"method": "ngram"}}, "at": "t", "configHash": "h"}
+    state = c.CanaryState(promoted=record)
+    spec = with_defaults(BASE)
+    same, events = c.settle_promotion(spec, state)
+    assert same is state and events == ()
+    folded = with_defaults({**BASE, "draft": {"method": "none"}})
+    s, events = c.settle_promotion(folded, state)
+    assert s.promoted["overrides"] == {"speculation": {"kMax": 12}} and s.promoted["at"] == "t"
+    assert [r for r, _ in events] == ["PromotionFolded"] and "draft.method none" in events[0][1]
+    assert c.settle_promotion(folded, s) == (s, ())  # said once
+    moved = with_defaults({**BASE, "draft": {"method": "none"}, "speculation": {"kMax": 6, "kInitial": 4}})
+    s, events = c.settle_promotion(moved, s)
+    assert s.promoted is None and [r for r, _ in events] == ["PromotionSuperseded"]
+    assert "speculation.kMax to 6 after the promotion of 12" in events[0][1]
+
+
+def test_apply_overrides_puts_the_image_under_the_template():
+    out = c.apply_overrides({"template": {"resources": {}}, "quantization": "none"},
+                            {"image": "w:2", "quantization": "int8"})
+    assert out == {"template": {"resources": {}, "image": "w:2"}, "quantization": "int8"}

@@ -57,7 +57,7 @@ def test_schema_is_structural():
         if path == "$.metadata":
             continue
         assert "type" in node or node.get("x-kubernetes-int-or-string"), f"{path} has no type"
-        if node.get("type") == "object" and path != "$.metadata":
+        if node.get("type") == "object" and not node.get("x-kubernetes-preserve-unknown-fields"):
             assert "properties" in node or "additionalProperties" in node, f"{path}: an object needs fields"
 
 
@@ -226,6 +226,10 @@ UNSUPPORTED = {
     "canary eagle": ({"canary": {"overrides": {"draft": {"method": "eagle", "uri": "/m/e"}}}},
                      "spec.canary.overrides.draft.method",
                      enums.not_served("draft.method", "eagle", enums.SERVED_METHODS)),
+    "canary fp8": ({"canary": {"overrides": {"quantization": "fp8"}}}, "spec.canary.overrides.quantization",
+                   enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS)),
+    "canary float16": ({"canary": {"overrides": {"dtype": "float16"}}}, "spec.canary.overrides.dtype",
+                       enums.not_served("dtype", "float16", enums.SERVED_DTYPES)),
     "canary tree": ({"canary": {"overrides": {"speculation": {"tree": {"branching": 2}}}}},
                     "spec.canary.overrides.speculation.tree.branching",
                     enums.not_served("speculation.tree.branching", 2, enums.SERVED_TREE_BRANCHING)),
@@ -289,6 +293,8 @@ API_ENUMS = {
     "spec.canary.overrides.speculation.kPolicy": (enums.K_POLICIES, enums.SERVED_K_POLICIES, "speculation.kPolicy"),
     "spec.quantization": (enums.QUANTIZATIONS, enums.SERVED_QUANTIZATIONS, "quantization"),
     "spec.dtype": (enums.DTYPES, enums.SERVED_DTYPES, "dtype"),
+    "spec.canary.overrides.quantization": (enums.QUANTIZATIONS, enums.SERVED_QUANTIZATIONS, "quantization"),
+    "spec.canary.overrides.dtype": (enums.DTYPES, enums.SERVED_DTYPES, "dtype"),
 }
 #: Enums that are Kubernetes' own or the operator's (not a worker's): nothing in specfleet_api.
 OTHER_ENUMS = {"spec.template.imagePullPolicy", "spec.template.tolerations[].operator",
@@ -324,6 +330,12 @@ def test_tree_branching_is_served_as_a_chain_only(path):
     {"canary": {"weight": 0}}, {"canary": {"weight": 0.001}}, {"canary": {"weight": "1%"}},
     {"canary": {"replicas": 0}}, {"canary": {"steps": [{"weight": 0}]}}, {"router": {"replicas": 0}},
     {"speculation": {"kMax": 99}}, {"slo": {"window": "five minutes"}}, {"model": {"name": "m"}},
+    {"canary": {"progressDeadline": "ten minutes"}}, {"canary": {"pause": "5"}},
+    {"canary": {"analysis": {"minRequests": 0}}}, {"canary": {"analysis": {"compare": {"alpha": -0.1}}}},
+    {"canary": {"analysis": {"compare": {"errorRate": 2}}}}, {"canary": {"analysis": {"drift": {"threshold": 1.5}}}},
+    {"canary": {"analysis": {"drift": {"sampleShare": 101}}}}, {"canary": {"analysis": {"drift": {"minPairs": 0}}}},
+    {"canary": {"analysis": {"metrics": [{"name": "latency", "max": 1}]}}},
+    {"canary": {"overrides": {"quantization": "int3"}}},
 ])
 def test_schema_rejects_enums_ranges_and_required(over):
     doc = copy.deepcopy(GOOD)
@@ -413,3 +425,45 @@ def test_routing_keys_are_the_routers_prompt_types():
     assert rule["message"] == f"routing.byPromptType keys must be prompt types: {', '.join(enums.PROMPT_TYPES)}"
     assert cel_failures({t: "ngram" for t in enums.PROMPT_TYPES}, node) == []
     assert cel_failures({"chat": "ngram", "poetry": "none"}, node) == [rule["message"]]
+
+
+def test_canary_defaults_are_the_canary_policys():
+    """The CRD's defaults and specfleet_control.canary's are one set of numbers."""
+    from specfleet_control import canary
+
+    spec = defaulted({**GOOD, "spec": {**GOOD["spec"], "canary": {}}})["spec"]
+    c = spec["canary"]
+    assert (c["pause"], c["progressDeadline"]) == ("5m", "10m")
+    assert set(c["analysis"]["compare"]) == {"alpha", "tau", "speedup", "ttftP50", "ttftP99", "tpotP50", "tpotP99",
+                                             "errorRate"}
+    p = canary.CanaryPolicy.from_spec(spec)
+    assert p.compare == canary.Compare() and p.drift == canary.DriftPolicy()
+    assert (p.pause_s, p.progress_deadline_s, p.interval_s, p.failure_limit, p.min_requests) == \
+        (canary.CanaryPolicy.pause_s, canary.CanaryPolicy.progress_deadline_s, canary.CanaryPolicy.interval_s,
+         canary.CanaryPolicy.failure_limit, canary.CanaryPolicy.min_requests)
+    assert "threshold" not in c["analysis"]["drift"]  # its default depends on the two arms' precision
+    node = SCHEMA["properties"]["spec"]["properties"]["canary"]["properties"]["analysis"]["properties"]
+    assert node["metrics"]["items"]["properties"]["name"]["enum"] == list(canary.METRICS)
+    phases = SCHEMA["properties"]["status"]["properties"]["canary"]["properties"]["phase"]["enum"]
+    assert tuple(phases) == canary.PHASES
+
+
+@pytest.mark.parametrize("field, value", [("pause", "5 minutes"), ("progressDeadline", "1d")])
+def test_canary_durations_are_checked_by_the_operator_too(field, value):
+    doc = _with({"canary": {field: value}})
+    (problem,) = specs.problems(doc["spec"])
+    assert problem.field == f"spec.canary.{field}" and repr(value) in problem.message
+
+
+def test_a_canary_status_section_validates():
+    """What specfleet_control.canary writes to status.canary passes the CRD's status schema."""
+    from specfleet_control import canary
+
+    state = canary.CanaryState("Promoted", 2, 0.0, started=1.0e9, last_analysis=1.0e9 + 60, epoch="e", config_hash="h",
+                               last_gate="promote", message="m", promoted={
+                                   "overrides": {"speculation": {"kMax": 12}, "image": "w:2", "quantization": "int8"},
+                                   "base": {"speculation": {"kMax": 8}}, "at": "2026-01-01T00:00:00Z",
+                                   "configHash": "h"})
+    validate_openapi({**GOOD, "status": {"canary": state.to_status()}})
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi({**GOOD, "status": {"canary": {"phase": "Rolling"}}})

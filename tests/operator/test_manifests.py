@@ -348,3 +348,70 @@ def test_live_state_from_spec_and_loop_state():
     promoted = m.live_state(s, m.FleetState(canary_phase="Promoted"))
     assert promoted.canary_weight == 0 and promoted.k["stable"] == KBounds(1, 10)
     assert m.live_state(spec(draft={"method": "none"}), m.FleetState()).speculate is False
+
+
+def test_each_arm_gets_its_own_control_json_so_the_canarys_k_is_not_clamped():
+    """A worker clamps K to its control.json: one file built from the base spec undid the canary's
+    K overrides on start."""
+    s = spec(speculation={"kMin": 1, "kInitial": 2, "kMax": 4},
+             canary={"overrides": {"speculation": {"kMin": 2, "kMax": 12}}})
+    cm = m.engine_configmap(SDD, s)["data"]
+    assert json.loads(cm["control.json"]) == {"speculate": True, "kMin": 1, "kMax": 4}
+    assert json.loads(cm["control-canary.json"]) == {"speculate": True, "kMin": 2, "kMax": 12}
+    for role, key in (("stable", "control.json"), ("canary", "control-canary.json")):
+        (volume,) = [v for v in m.deployment(SDD, s, role, m.Settings())["spec"]["template"]["spec"]["volumes"]
+                     if v["name"] == "config"]
+        assert {"key": key, "path": "control.json"} in volume["configMap"]["items"]
+    live = m.live_state(s, m.FleetState())
+    assert (live.k["stable"], live.k["canary"]) == (KBounds(1, 4), KBounds(2, 12))
+    # a canary that turns speculation off has it off in its own file only
+    off = spec(canary={"overrides": {"draft": {"method": "none"}}})
+    data = m.engine_configmap(SDD, off)["data"]
+    assert json.loads(data["control-canary.json"])["speculate"] is False
+    assert json.loads(data["control.json"])["speculate"] is True
+
+
+def test_the_canary_may_run_another_precision():
+    s = spec(canary={"overrides": {"quantization": "int8"}})
+    assert m.engine_config(s, "canary")["quantization"] == "int8" and m.engine_config(s, "stable")["quantization"] == "none"
+
+
+def test_a_waiting_canary_has_its_pods_but_no_requests():
+    s = spec(canary={"weight": 5, "replicas": 2})
+    waiting = m.FleetState(canary_phase="Waiting", canary_weight=0)
+    assert m.replica_counts(s, waiting) == (2, 2) and m.live_state(s, waiting).canary_weight == 0
+    for phase in ("Promoted", "Aborted"):
+        assert m.replica_counts(s, m.FleetState(canary_phase=phase)) == (2, 0)
+
+
+RECORD = {"overrides": {"speculation": {"kMax": 12}, "image": "w:2"}, "base": {"speculation": {"kMax": 8}}}
+
+
+def test_removing_the_canary_after_promotion_keeps_stable_as_promoted():
+    with_canary = spec(canary={"overrides": {"speculation": {"kMax": 12}, "image": "w:2"}})
+    promoted = m.FleetState(canary_phase="Promoted", promoted=RECORD)
+    before = m.deployment(SDD, with_canary, "stable", m.Settings(), promoted)
+    removed = spec()  # spec.canary deleted; the status keeps the record
+    after = m.deployment(SDD, removed, "stable", m.Settings(), m.FleetState(promoted=RECORD))
+    assert after == before  # not a pod rolls
+    assert m.engine_config(removed, "stable", m.FleetState(promoted=RECORD))["speculation"]["kMax"] == 12
+    assert after["spec"]["template"]["spec"]["containers"][0]["image"] == "w:2"
+    assert json.loads(m.engine_configmap(SDD, removed, m.FleetState(promoted=RECORD))["data"]["control.json"])[
+        "kMax"] == 12
+
+
+def test_a_promotion_ends_when_the_spec_holds_it_or_says_otherwise():
+    folded = spec(speculation={"kMax": 12}, template={"image": "w:2"})
+    state = m.FleetState(promoted=RECORD)
+    assert m.promoted_overrides(folded, state) == {}
+    assert m.engine_config(folded, "stable", state)["speculation"]["kMax"] == 12
+    other = spec(speculation={"kMax": 6, "kInitial": 4})  # the user moved kMax after the promotion: the spec wins
+    assert m.promoted_overrides(other, state) == {"image": "w:2"}
+    assert m.engine_config(other, "stable", state)["speculation"]["kMax"] == 6
+
+
+def test_a_canary_after_a_promotion_starts_from_the_promoted_stable():
+    s = spec(canary={"overrides": {"draft": {"method": "none"}}})
+    state = m.FleetState(promoted=RECORD)
+    canary = m.engine_config(s, "canary", state)
+    assert canary["speculation"]["kMax"] == 12 and canary["draft"]["method"] == "none"

@@ -91,3 +91,48 @@ def test_not_ready_until_the_router_is():
     assert condition(rolling, "Progressing")["status"] == "True"
     ok = compute(Observed(generation=1, stable=workers, router=ROUTER), None, T0)
     assert condition(ok, "Ready")["status"] == "True" and condition(ok, "Progressing")["status"] == "False"
+
+
+def test_a_status_write_for_an_invalid_spec_keeps_the_mode_and_the_canary_run():
+    """An invalid spec stops the loop; it must not reset its memory (fallback -> speculative with no
+    Event, a canary run back to Idle)."""
+    before = compute(Observed(generation=1, stable=Workers(1, 1, 1), router=ROUTER, state=FleetState(mode="fallback"),
+                              canary_status={"phase": "Progressing", "step": 1, "weight": 10.0, "failedChecks": 1,
+                                             "epoch": "e-1"}), None, T0)
+    assert before["mode"] == "fallback"
+    bad = compute(Observed(generation=2, problems=(Problem("spec.speculation", "kMin <= kInitial <= kMax"),)),
+                  before, T1)
+    assert bad["mode"] == "fallback" and bad["canary"] == before["canary"]
+    assert condition(bad, "Ready")["reason"] == "InvalidSpec"
+    fresh = compute(Observed(generation=1, problems=(Problem("spec", "x"),)), None, T0)
+    assert fresh["mode"] == "speculative" and fresh["canary"]["phase"] == "Idle"
+
+
+def test_the_canary_section_is_the_canary_runs():
+    from specfleet_control.canary import CanaryState
+
+    run = CanaryState("Waiting", 0, 1.0, started=1.7e9, epoch="abc-1", config_hash="abc",
+                      message="waiting for the canary workers: 0/1 ready")
+    s = compute(Observed(generation=1, stable=Workers(2, 2, 2), canary=Workers(1, 0, 0), router=ROUTER,
+                         canary_status=run.to_status()), None, T0)
+    assert s["canary"] == run.to_status()
+    cond = condition(s, "CanaryProgressing")
+    assert (cond["status"], cond["reason"], cond["message"]) == (
+        "True", "CanaryWaiting", "waiting for the canary workers: 0/1 ready")
+    paused = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
+                              canary_status={"phase": "Paused", "step": 0, "weight": 1.0}), None, T0)
+    assert condition(paused, "CanaryProgressing")["reason"] == "CanaryPaused"
+    assert condition(paused, "CanaryProgressing")["status"] == "True"
+
+
+def test_a_promotion_asks_to_be_folded_into_the_spec_until_it_is():
+    record = {"overrides": {"speculation": {"kMax": 12}}, "base": {"speculation": {"kMax": 8}}}
+    for phase in ("Promoted", "Idle"):  # Idle: spec.canary removed after the promotion
+        s = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
+                             canary_status={"phase": phase, "step": 0, "weight": 0.0, "promoted": record}), None, T0)
+        cond = condition(s, "CanaryProgressing")
+        assert cond["status"] == "False" and cond["reason"] == f"Canary{phase}"
+        assert '{"speculation": {"kMax": 12}}' in cond["message"] and "fold them into the spec" in cond["message"]
+    done = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
+                            canary_status={"phase": "Idle", "step": 0, "weight": 0.0}), None, T0)
+    assert "fold" not in condition(done, "CanaryProgressing")["message"]
