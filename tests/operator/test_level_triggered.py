@@ -176,6 +176,27 @@ async def test_the_periodic_converge_repairs_what_no_watch_saw(cluster, kube):
         await op.stop_and_join()
 
 
+async def test_children_converge_to_the_loops_memory_and_stay_there(cluster, kube):
+    """The loop keeps its memory in the status: converge derives the children from it as reconcile
+    does, so a whole-deployment fallback there is what control.json says, and nothing flaps."""
+    from specfleet_control.loop import DEPLOYMENT, Memory
+    from specfleet_control.slo import FALLBACK, KeyState
+    op = await started(cluster, kube, sdd_body("demo"), {"converge_interval": 0.2})
+    try:
+        control = lambda: json.loads(child(cluster, "ConfigMap", "demo-engine")["data"][m.CONTROL_KEY])
+        assert control()["speculate"] is True
+        memory = Memory({DEPLOYMENT: KeyState(mode=FALLBACK, since=1.0, reason="alpha 0.02 < floor")})
+        await kube.patch(API_VERSION, KIND, "default", "demo", {"status": {"slo": memory.to_status()}},
+                         subresource="status")
+        await wait_for(lambda: control() == {"speculate": False, "kMin": 0, "kMax": 0}, 10, "control.json off")
+        await asyncio.sleep(0.5)
+        writes = cluster.writes("PATCH", "/configmaps/demo-engine")
+        await asyncio.sleep(1.5)  # several periodic converges
+        assert cluster.writes("PATCH", "/configmaps/demo-engine") == writes and control()["speculate"] is False
+    finally:
+        await op.stop_and_join()
+
+
 def test_every_watched_kind_may_be_listed_and_watched():
     """The watches need list and watch on every child kind (deploy/base, and the chart, which a
     test holds equal to it)."""
