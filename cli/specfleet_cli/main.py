@@ -29,9 +29,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: all cores)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    # serve, operator, router, up and status own their flags: hand everything after the subcommand straight over
+    # serve, operator, router, up, status and canary own their flags: hand everything after the
+    # subcommand straight over
+    if argv and argv[0] == "canary":
+        from .canary import main as canary_main
+
+        return canary_main(argv[1:], prog=f"{prog} canary")
     if argv and argv[0] == "serve":
         from specfleet_worker.main import main as serve_main
 
@@ -54,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         return status_main(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
-    parser = argparse.ArgumentParser(prog="specfleet", description=DESCRIPTION,
+    parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
 
@@ -85,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                               "`specfleet up --help` lists its flags", add_help=False)
     sub.add_parser("status", help="the fleet `specfleet up` runs, as `kubectl get sdd -o wide` shows it; "
                                   "`specfleet status --help` lists its flags", add_help=False)
+    sub.add_parser("canary", help="pause, resume, promote or abort a SpecDecodeDeployment's canary "
+                                  "(also `kubectl specfleet canary ...`); `specfleet canary --help`", add_help=False)
 
     args = parser.parse_args(argv)
     try:
@@ -141,6 +148,11 @@ def _generate(args) -> int:
           f"tau {s.mean_accepted_length:.2f}, alpha {s.acceptance_rate:.2f}, finish {seq.finish_reason}]",
           file=sys.stderr)
     return 0
+
+
+def kubectl_plugin() -> int:
+    """`kubectl-specfleet`: kubectl runs it for `kubectl specfleet ...` with the words after `specfleet`."""
+    return main(prog="kubectl specfleet")
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ def specfleet(*args, timeout=600):
 def test_help_lists_every_subcommand():
     out = specfleet("--help")
     assert out.returncode == 0
-    for cmd in ("demo", "generate", "bench", "serve", "operator"):
+    for cmd in ("demo", "generate", "bench", "serve", "operator", "canary"):
         assert cmd in out.stdout
 
 
