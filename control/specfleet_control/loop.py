@@ -19,7 +19,11 @@ from typing import Any
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
 from .observe import Observation
-from .slo import FALLBACK, KeyState, Sample, SloPolicy, step
+from .slo import FALLBACK, KeyState, Sample, SloPolicy, step, wilson
+
+# Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
+# counts its drafted tokens as this many times fewer trials.
+DRAFT_CORRELATION = 3.0
 
 DEPLOYMENT = "deployment"
 
@@ -80,14 +84,12 @@ def sample_of(w: Window | None, alert: str | None = None) -> Sample | None:
 
 
 def _cluster_sample(cw: ClusterWindow, policy: SloPolicy) -> Sample | None:
-    if cw.requests < policy.cluster_min_requests:
+    """A cluster's window, judged by alpha's 99% interval (its requests are few)."""
+    if cw.requests < policy.cluster_min_requests or not cw.draft_tokens:
         return None
-    return Sample(alpha=cw.alpha, draft_tokens=cw.draft_tokens, requests=cw.spec_requests)
-
-
-def cluster_policy(policy: SloPolicy) -> SloPolicy:
-    """A cluster is a few requests of one kind: a quarter of the type's draft tokens decide it."""
-    return dataclasses.replace(policy, min_draft_tokens=max(1, policy.min_draft_tokens // 4))
+    n = cw.draft_tokens / DRAFT_CORRELATION
+    return Sample(alpha=cw.alpha, draft_tokens=cw.draft_tokens, requests=cw.spec_requests,
+                  alpha_bounds=wilson(cw.accepted_tokens / DRAFT_CORRELATION, n))
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
@@ -127,7 +129,6 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         move(type_key(prompt_type), f"prompt type {prompt_type}",
              sample_of(stable.get(prompt_type), type_alerts.get(prompt_type)))
     if policy.clusters:
-        cp = cluster_policy(policy)
         for cluster, cw in sorted(obs.clusters.items()):
             key = cluster_key(cluster)
             seen[key] = now
@@ -135,7 +136,7 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
                 continue  # the whole type runs plain: nothing to learn about its clusters now
             if key not in keys:  # a new cluster is judged against its type's baseline
                 keys[key] = KeyState(baseline=keys.get(type_key(cw.prompt_type), KeyState()).baseline)
-            move(key, f"prompt cluster {cluster} ({cw.prompt_type})", _cluster_sample(cw, policy), cp)
+            move(key, f"prompt cluster {cluster} ({cw.prompt_type})", _cluster_sample(cw, policy))
         for key in [k for k in keys if k.startswith("cluster:")]:
             # a cluster no router reports any more (its router restarted, or its traffic stopped)
             # is forgotten after ten windows; one in fallback says so

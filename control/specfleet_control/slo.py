@@ -77,6 +77,26 @@ class Sample:
     requests: int = 0
     alert: str | None = None  # an alert firing for this key (Alertmanager), named
     alerts_only: bool = False  # no windows to read (no Redis): the alerts are the observation
+    # where alpha is judged by its confidence interval (a cluster: a few requests), its bounds: a
+    # miss needs the upper bound under the line, a recovery the lower bound over it
+    alpha_bounds: tuple[float, float] | None = None
+
+
+def wilson(successes: float, n: float, z: float = 2.58) -> tuple[float, float]:
+    """The Wilson score interval of a proportion (z 2.58: 99%).
+
+    >>> lo, hi = wilson(0, 30); round(lo, 3), round(hi, 3)
+    (0.0, 0.182)
+    >>> [round(x, 3) for x in wilson(50, 100)]
+    [0.375, 0.625]
+    """
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * ((p * (1 - p) / n + z * z / (4 * n * n)) ** 0.5) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +148,8 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
     enough_speedup = sample.speedup is not None and sample.requests >= policy.min_requests
     if enough_speedup and sample.speedup < policy.speedup_floor * up:
         return MISSED, f"speedup {sample.speedup:.2f} under {policy.speedup_floor * up:.2f}"
+    if sample.alpha_bounds is not None and sample.alpha is not None and sample.draft_tokens:
+        return _judge_bounds(sample, state, policy, margin)
     if enough_alpha:
         if sample.alpha < policy.alpha_floor * up:
             return MISSED, f"alpha {sample.alpha:.3f} under the floor {policy.alpha_floor * up:.3g}"
@@ -142,6 +164,27 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
     alpha = f"alpha {sample.alpha:.3f}" if sample.alpha is not None else "alpha -"
     speedup = f"speedup {sample.speedup:.2f}" if sample.speedup is not None else "speedup -"
     return HEALTHY, f"{alpha}, {speedup}"
+
+
+def _judge_bounds(sample: Sample, state: KeyState, policy: SloPolicy, margin: float) -> tuple[str, str]:
+    """Alpha judged by its interval: MISSED when even its upper bound is under the line (the floor,
+    or the drop from the baseline), HEALTHY when its lower bound clears the line (with the margin
+    in fallback), else UNKNOWN: not enough evidence either way."""
+    lo, hi = sample.alpha_bounds
+    line = policy.alpha_floor * (1 + margin)
+    what = f"the floor {line:.3g}"
+    if state.baseline is not None:
+        drop = (1 - policy.alpha_drop) * state.baseline * (1 + margin)
+        if drop > line:
+            line, what = drop, f"{1 - policy.alpha_drop:.2g} x its baseline {state.baseline:.3f}"
+    if policy.recovery_alpha is not None and margin and policy.recovery_alpha > line:
+        line, what = policy.recovery_alpha, f"recoveryAlpha {policy.recovery_alpha}"
+    shown = f"alpha {sample.alpha:.3f} (99% in [{lo:.3f}, {hi:.3f}] over {sample.draft_tokens} drafted tokens)"
+    if hi < line:
+        return MISSED, f"{shown} under {what}"
+    if lo >= line:
+        return HEALTHY, shown
+    return UNKNOWN, f"{shown}: not yet clear of {what}"
 
 
 def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float

@@ -147,3 +147,14 @@ def test_without_windows_the_alerts_alone_move_the_deployment_both_ways():
     firing = Observation().with_alerts((Alert("SpecDecodeAlphaBelowSLO", "code"),))
     ticks = run([firing] * 2 + [Observation()] * 6, per_type=False)
     assert modes(ticks, DEPLOYMENT) == [FALLBACK] * 5 + [SPECULATIVE] * 3  # healthy from 1020, 30 s later
+
+
+def test_a_cluster_is_judged_by_its_interval_a_few_rejected_drafts_decide_nothing():
+    good = window(0.6)
+    few = ClusterWindow("code", requests=10, spec_requests=10, draft_tokens=12, accepted_tokens=0)
+    many = ClusterWindow("code", requests=10, spec_requests=10, draft_tokens=300, accepted_tokens=30)
+    ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": few})] * 3)
+    assert ticks[-1].memory.fallback_clusters() == ()
+    assert "not yet clear" in ticks[-1].memory.keys[cluster_key("r/0")].reason
+    ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": many})])
+    assert ticks[-1].memory.fallback_clusters() == ("r/0",)  # 0.1, its interval under 0.5 x 0.6
