@@ -112,3 +112,22 @@ def test_redis_away_never_holds_a_request_and_is_reported_once(h, worker, redis_
     warnings = [rec for rec in caplog.records if rec.name == "specfleet.router.fleet" and rec.levelno == logging.WARNING]
     assert len(warnings) == 1, [rec.getMessage() for rec in warnings]
     assert max(took) < 1.0, took  # a publish that waits on Redis would hold requests for its 1 s timeout
+
+
+def test_streamed_answers_count_in_their_clusters_window_from_the_last_message(h, worker):
+    with h.router_over([worker], router_name=ROUTER) as r, grpc.insecure_channel(r.grpc_target) as ch:
+        stub = pb_grpc.GenerationStub(ch)
+        req = pb.GenerateRequest(messages=[pb.ChatMessage(role="user", content=python_code(random.Random(0)))],
+                                 prompt_type="code", max_tokens=16, ignore_eos=True, temperature=0.0)
+        lasts = [list(stub.GenerateStream(req, timeout=30))[-1] for _ in range(3)]
+        http = h.client(r).chat.completions.create(model="specfleet", max_tokens=16, stream=True,
+                                                   messages=[{"role": "user", "content": python_code(random.Random(0))}])
+        assert [c for c in http]
+
+        async def snapshot():
+            return r.server.windows.snapshot()
+
+        windows = r.call(snapshot())
+    code = windows[f"{ROUTER}/0"]
+    assert code.prompt_type == "code" and code.requests == 4 and code.spec_requests == 4
+    assert code.draft_tokens >= sum(m.speculation.num_draft_tokens for m in lasts) > 0
