@@ -139,8 +139,8 @@ class Drift:
                 self._add(epoch, kind, DriftCounts(epoch, pairs=1, agree=int(pos is None), first_diff=diff))
                 self.metrics.drift_pairs.labels(kind, "agree" if pos is None else "differ").inc()
             else:
-                first, second = [await self._score(s if s != "client" else self._pick(route.arm, ()), msg,
-                                                   token_ids, request_id, kind) for s in sides]
+                first, second = [await self._score(s if s != "client" else self._served(route), msg, token_ids,
+                                                   request_id, kind) for s in sides]
                 diffs = logprob_differences(first, second)
                 self._add(epoch, kind, DriftCounts(epoch, scored=1, logprob_diff_sum=sum(diffs),
                                                    logprob_diff_sq_sum=sum(x * x for x in diffs),
@@ -167,6 +167,14 @@ class Drift:
         a = self._pick(STABLE, ())
         b = a and (self._pick(STABLE, [a]) or a)
         return None if a is None else (a, b)
+
+    def _served(self, route) -> Backend | None:
+        """Where the client's tokens are scored: the backend that generated them while it is still
+        available, else another of its arm."""
+        pool = self.backends.pools[route.arm]
+        now = pool.clock()
+        return next((b for b in pool.backends if b.target == route.backend and b.available(now)), None) \
+            or self._pick(route.arm, ())
 
     def _pick(self, arm: str, exclude) -> Backend | None:
         return self.backends.pools[arm].pick(list(exclude))
