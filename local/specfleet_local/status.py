@@ -23,6 +23,7 @@ from specfleet_api.enums import PROMPT_TYPES
 from specfleet_api.live_state import ARMS, LiveState, state_key
 
 from . import runfile
+from .state import loop_key
 from specfleet_api.windows import Window, read_windows, sum_windows
 
 
@@ -86,6 +87,7 @@ class Observed:
     router_error: str | None = None
     metrics: dict[str, list[tuple[dict[str, str], float]]] | None = None
     readyz: tuple[int, str] | None = None
+    loop: dict[str, Any] | None = None  # the control loop's mirror (state.loop_key), when it runs
     now: float = 0.0
 
 
@@ -107,6 +109,8 @@ def observe(namespace: str, name: str, redis_url: str | None, router_url: str | 
                     obs.state_error = str(e)
             arms = tuple(obs.state.k) if obs.state and obs.state.k else ARMS
             obs.windows = read_windows(client, namespace, name, arms)
+            raw_loop = client.get(loop_key(namespace, name))
+            obs.loop = json.loads(raw_loop) if raw_loop else None
         except redis.RedisError as e:
             obs.redis_error = f"{type(e).__name__}: {e}"
         finally:
@@ -152,6 +156,7 @@ def document(obs: Observed) -> dict[str, Any]:
         entry = {"name": t, "method": state.method_for(t) if state else None,
                  "mode": None if state is None else
                  ("fallback" if not state.speculate or t in state.fallback else "speculative"),
+                 "slo": ((obs.loop or {}).get("memory") or {}).get("keys", {}).get(f"type:{t}"),
                  **_window_doc(sum_windows([w for w in by_arm.values() if w])),
                  "byArm": {arm: {"method": state.method_for(t, arm) if state else None, **_window_doc(w)}
                            for arm, w in by_arm.items()}}
@@ -168,6 +173,10 @@ def document(obs: Observed) -> dict[str, Any]:
         "alpha": _round(overall.alpha), "tau": _round(overall.tau),
         "arms": arms,
         "promptTypes": types,
+        "fallback": {"promptTypes": list(state.fallback) if state else [],
+                     "clusters": list(state.fallback_clusters) if state else [],
+                     "probeShare": state.probe_share if state else None},
+        "loop": None if obs.loop is None else {"ticks": obs.loop.get("ticks"), "events": obs.loop.get("events", [])[-10:]},
         "kBounds": {a["name"]: {"kMin": a["kMin"], "kMax": a["kMax"]} for a in arms},
         "router": {
             "url": obs.router_url, "openai": f"{obs.router_url.rstrip('/')}/v1" if obs.router_url else None,

@@ -1,0 +1,390 @@
+"""An alpha-collapse episode on a real local fleet: `specfleet up` (Redis, a worker, the router,
+the control loop), the official openai client as the traffic, Redis read every second.
+
+Two prompt types speculate with n-gram drafts (translation and qa by default: Spec-Bench
+questions the router classifies as `translation` and `chat`; translation copies names and numbers
+from its prompt, so its drafts are accepted often). Phases:
+
+    warm      both types greedy: the loop learns each type's baseline alpha
+    collapse  the first type's traffic turns to sampling at a high temperature (1.5): its outputs
+              stop following the prompt and the n-gram drafts stop being accepted (alpha moves
+              with the temperature); that type must fall back alone
+    recover   it is greedy again: its probes see alpha back, speculation returns
+    cluster   (--cluster) it stays greedy, but a third of its requests are out-of-distribution
+              (gibberish to translate, sampled hot): that prompt cluster falls back alone
+
+It prints and writes (JSON, and a plot with --plot) how long each fallback took in seconds and
+windows, the transitions per key, the errors, the other type's mode, and the collapsed type's
+throughput in fallback against plain decoding, two ways: priced by the cost model (its windows'
+plain-equivalent / busy seconds) and measured in place (tokens/s of all its requests against its
+plain, non-probe requests of the same phase).
+
+    python -m specfleet_bench.alpha_collapse --plot docs/bench/alpha-collapse.png --out docs/bench/alpha-collapse.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+from specfleet_api.live_state import LiveState, state_key
+from specfleet_api.windows import read_cluster_windows, read_windows
+from specfleet_local import runfile
+from specfleet_local.state import loop_key
+from specfleet_router.classify import classify
+
+from .questions import default_questions, load_questions
+
+NAME, NAMESPACE = "collapse", "default"
+
+
+def ood_prompt(rng: random.Random) -> str:
+    """Out-of-distribution text inside the translation type: gibberish words to translate (the
+    classifier reads "Translate ... to English"); sampled hot, nothing in it helps a draft."""
+    consonants, vowels = "bcdfghjklmnpqrstvwxzyy", "aeiouäöü"
+    words = ["".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(rng.randint(2, 5)))
+             for _ in range(rng.randint(12, 20))]
+    return "Translate German to English: " + " ".join(words).capitalize() + "."
+
+
+def spec(model: str, window_s: float, dwell_s: float, recover_s: float, probe_share: float) -> dict:
+    return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
+            "metadata": {"name": NAME, "namespace": NAMESPACE},
+            "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
+                     "draft": {"method": "ngram"}, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3},
+                     "quantization": "int8", "replicas": 1,
+                     "slo": {"window": f"{int(window_s * 1000)}ms", "minDraftTokens": 50,
+                             "fallback": {"probeShare": probe_share, "minDwell": f"{int(dwell_s * 1000)}ms",
+                                          "recoverAfter": f"{int(recover_s * 1000)}ms",
+                                          "clusters": {"minRequests": 4}}}}}
+
+
+@dataclass
+class Call:
+    start: float
+    end: float
+    prompt_type: str
+    phase: str
+    tokens: int = 0
+    probe: bool = False
+    method: str = ""
+    cluster: str = ""
+    ood: bool = False
+    error: str = ""
+
+
+@dataclass
+class Sample:
+    t: float
+    version: int
+    fallback: list[str]
+    clusters: list[str]
+    alpha: dict[str, float | None]
+    speedup: dict[str, float | None]
+    plain_ratio: dict[str, float | None]  # type's plain-equivalent / busy seconds over its window
+    cluster_alpha: dict[str, float | None] = field(default_factory=dict)
+
+
+class Episode:
+    def __init__(self, args):
+        self.args = args
+        self.calls: list[Call] = []
+        self.samples: list[Sample] = []
+        self.events: list[dict] = []
+        self.phase = "warm"
+        self.t0 = 0.0
+        self.stop = threading.Event()
+        self.lock = threading.Lock()
+        qs = load_questions(Path(args.questions) if args.questions else default_questions())
+        by_type: dict[str, list[str]] = {}
+        for q in qs:
+            if len(q["turns"][0]) <= args.max_prompt_chars:
+                by_type.setdefault(classify(q["turns"][0]).value, []).append(q["turns"][0])
+        self.kinds = (args.type, args.other)
+        self.prompts = {t: by_type.get(t, [])[:24] for t in self.kinds}
+        assert all(len(p) >= 4 for p in self.prompts.values()), {t: len(p) for t, p in by_type.items()}
+
+    # -- the fleet ---------------------------------------------------------------------------
+
+    def start(self, workdir: Path) -> dict:
+        a = self.args
+        f = workdir / "collapse.yaml"
+        f.write_text(yaml.safe_dump(spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share)))
+        self.run_file = workdir / "up.json"
+        env = {k: v for k, v in os.environ.items() if k not in ("SPECFLEET_REDIS_URL", runfile.ENV)}
+        cmd = [sys.executable, "-m", "specfleet_cli.main", "up", "-f", str(f), "--http-port", "0", "--grpc-port", "0",
+               "--run-file", str(self.run_file), "--loop-period", str(a.loop_period), "--drain-seconds", "5",
+               "--worker-threads", str(a.worker_threads),
+               f"--worker-arg=--max-batch-size={a.max_batch}"]
+        if a.model != "smollm2":
+            cmd += ["--model", a.model]
+        self.up = subprocess.Popen(cmd, stdout=open(workdir / "up.out", "w"), stderr=subprocess.STDOUT, env=env)
+        end = time.monotonic() + a.ready_timeout
+        while True:
+            doc = runfile.read(self.run_file)
+            if doc is not None and doc.get("phase") == "serving":
+                return doc
+            if self.up.poll() is not None or time.monotonic() > end:
+                raise RuntimeError(f"specfleet up did not serve:\n{(workdir / 'up.out').read_text()[-3000:]}")
+            time.sleep(0.2)
+
+    def shutdown(self) -> None:
+        if self.up.poll() is None:
+            self.up.terminate()
+            try:
+                self.up.wait(30)
+            except subprocess.TimeoutExpired:
+                self.up.kill()
+
+    # -- traffic ------------------------------------------------------------------------------
+
+    def client_loop(self, openai_url: str, prompt_type: str, seed: int) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=openai_url, api_key="none", timeout=120, max_retries=0)
+        rng = random.Random(seed)
+        n = 0
+        while not self.stop.is_set():
+            phase = self.phase
+            mine = prompt_type == self.args.type
+            ood = mine and phase == "cluster" and rng.random() < 1 / 3
+            if ood:
+                prompt, temperature = ood_prompt(rng), self.args.temperature
+            else:
+                prompt = rng.choice(self.prompts[prompt_type])
+                temperature = self.args.temperature if (mine and phase == "collapse") else 0.0
+            n += 1
+            call = Call(time.monotonic() - self.t0, 0.0, prompt_type, phase, ood=ood)
+            try:
+                raw = client.chat.completions.with_raw_response.create(
+                    model=NAME, messages=[{"role": "user", "content": prompt}],
+                    max_tokens=self.args.max_tokens, temperature=temperature, seed=rng.randrange(2**31))
+                r = raw.parse()
+                call.tokens = r.usage.completion_tokens
+                call.probe = raw.headers.get("x-specfleet-probe") == "1"
+                call.method = raw.headers.get("x-specfleet-method", "")
+                call.cluster = raw.headers.get("x-specfleet-cluster", "")
+                got = raw.headers.get("x-specfleet-prompt-type")
+                if got != prompt_type and not ood:
+                    call.error = f"classified {got}"
+            except Exception as e:  # noqa: BLE001 - every failure is counted, none may happen
+                call.error = f"{type(e).__name__}: {e}"
+                self.stop.wait(0.2)
+            call.end = time.monotonic() - self.t0
+            with self.lock:
+                self.calls.append(call)
+
+    # -- observing ------------------------------------------------------------------------------
+
+    def sampler(self, redis_url: str) -> None:
+        import redis
+
+        client = redis.Redis.from_url(redis_url, socket_timeout=2)
+        while not self.stop.is_set():
+            try:
+                state = LiveState.from_json(client.get(state_key(NAMESPACE, NAME)))
+                windows = read_windows(client, NAMESPACE, NAME, ("stable",)).get("stable", {})
+                clusters = read_cluster_windows(client, NAMESPACE, NAME)
+                loop = json.loads(client.get(loop_key(NAMESPACE, NAME)) or "{}")
+                self.events = loop.get("events", self.events)
+                self.samples.append(Sample(
+                    t=time.monotonic() - self.t0, version=state.version, fallback=list(state.fallback),
+                    clusters=list(state.fallback_clusters),
+                    alpha={t: w.alpha for t, w in windows.items()},
+                    speedup={t: w.spec_speedup for t, w in windows.items()},
+                    plain_ratio={t: w.speedup for t, w in windows.items()},
+                    cluster_alpha={c: cw.alpha for c, cw in clusters.items()}))
+            except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the plot
+                print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
+            self.stop.wait(1.0)
+
+    def run(self) -> dict:
+        a = self.args
+        with tempfile.TemporaryDirectory(prefix="specfleet-collapse-") as tmp:
+            doc = self.start(Path(tmp))
+            try:
+                self.t0 = time.monotonic()
+                threads = [threading.Thread(target=self.sampler, args=(doc["redis"]["url"],), daemon=True)]
+                for i in range(a.clients):
+                    for t in self.kinds:
+                        threads.append(threading.Thread(target=self.client_loop,
+                                                        args=(doc["router"]["openai"], t, 17 * i + len(t)),
+                                                        daemon=True))
+                for th in threads:
+                    th.start()
+                schedule = [("warm", a.warm), ("collapse", a.collapse), ("recover", a.recover_phase)]
+                if a.cluster:
+                    schedule.append(("cluster", a.cluster_phase))
+                self.phases = {}
+                for phase, seconds in schedule:
+                    self.phase = phase
+                    self.phases[phase] = (round(time.monotonic() - self.t0, 2), None)
+                    print(f"[{time.monotonic() - self.t0:6.1f}s] phase {phase} for {seconds:.0f}s", flush=True)
+                    self.stop.wait(seconds)
+                    self.phases[phase] = (self.phases[phase][0], round(time.monotonic() - self.t0, 2))
+                self.stop.set()
+                for th in threads:
+                    th.join(timeout=a.max_tokens * 2 + 60)
+            finally:
+                self.shutdown()
+        return self.report()
+
+    # -- results ---------------------------------------------------------------------------------
+
+    def _first(self, since: float, pred) -> float | None:
+        return next((s.t for s in self.samples if s.t >= since and pred(s)), None)
+
+    def report(self) -> dict:
+        a, ph = self.args, self.phases
+        T, O = a.type, a.other
+        collapse_at, recover_at = ph["collapse"][0], ph["recover"][0]
+        entered = self._first(collapse_at, lambda s: T in s.fallback)
+        left = self._first(recover_at, lambda s: T not in s.fallback) if entered else None
+        transitions: dict[str, list[str]] = {}
+        for prev, cur in zip(self.samples, self.samples[1:]):
+            for t in set(prev.fallback) ^ set(cur.fallback):
+                transitions.setdefault(f"type:{t}", []).append("enter" if t in cur.fallback else "leave")
+            for c in set(prev.clusters) ^ set(cur.clusters):
+                transitions.setdefault(f"cluster:{c}", []).append("enter" if c in cur.clusters else "leave")
+        in_fallback = [c for c in self.calls if c.prompt_type == T and entered is not None
+                       and c.start >= entered and c.end <= (left if left is not None else ph["recover"][1])]
+        plain = [c for c in in_fallback if not c.probe and not c.error]
+        rate = lambda cs: sum(c.tokens for c in cs) / sum(c.end - c.start for c in cs) if cs else None
+        priced = [s.plain_ratio.get(T) for s in self.samples
+                  if entered is not None and s.t >= entered + a.window and T in s.fallback
+                  and s.plain_ratio.get(T) is not None]
+        chat_modes = {p: sorted({("fallback" if O in s.fallback else "speculative") for s in self.samples
+                                 if ph[p][0] <= s.t <= ph[p][1]}) for p in ph}
+        out = {
+            "model": a.model, "type": T, "other_type": O, "collapse_temperature": a.temperature, "window_s": a.window, "min_dwell_s": a.dwell, "recover_after_s": a.recover_after,
+            "probe_share_pct": a.probe_share, "clients_per_type": a.clients, "max_tokens": a.max_tokens,
+            "phases": ph,
+            "requests": len(self.calls), "errors": [asdict(c) for c in self.calls if c.error][:3],
+            "error_count": sum(1 for c in self.calls if c.error),
+            "fallback_after_s": None if entered is None else round(entered - collapse_at, 2),
+            "fallback_after_windows": None if entered is None else round((entered - collapse_at) / a.window, 2),
+            "recovered_after_s": None if left is None else round(left - recover_at, 2),
+            "transitions": transitions,
+            "other_type_modes_by_phase": chat_modes,
+            "type_requests_in_fallback": len(in_fallback), "type_probes_in_fallback": sum(c.probe for c in in_fallback),
+            "fallback_vs_plain_measured": (round(rate([c for c in in_fallback if not c.error]) / rate(plain), 3)
+                                           if plain and rate(plain) else None),
+            "fallback_vs_plain_priced": round(sum(priced) / len(priced), 3) if priced else None,
+            "loop_events": self.events,
+        }
+        if a.cluster:
+            cl = ph["cluster"][0]
+            ood_clusters = {c.cluster for c in self.calls if c.ood and c.cluster}
+            entered_c = self._first(cl, lambda s: bool(set(s.clusters) & ood_clusters))
+            out["cluster"] = {
+                "ood_clusters": sorted(ood_clusters),
+                "fallback_after_s": None if entered_c is None else round(entered_c - cl, 2),
+                "clusters_in_fallback": sorted({c for s in self.samples if s.t >= cl for c in s.clusters}),
+                "type_modes": sorted({("fallback" if T in s.fallback else "speculative")
+                                           for s in self.samples if s.t >= cl}),
+                "normal_request_methods_after": sorted({c.method for c in self.calls
+                                               if c.phase == "cluster" and not c.ood and c.prompt_type == T
+                                               and entered_c is not None and c.start > entered_c}),
+                "ood_methods_after": sorted({c.method for c in self.calls if c.ood and entered_c is not None
+                                             and c.start > entered_c + 1 and not c.probe}),
+            }
+        out["timeline"] = [asdict(s) for s in self.samples]
+        out["calls"] = [asdict(c) for c in self.calls]
+        return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = result["timeline"]
+    t = [s["t"] for s in tl]
+    fig, axes = plt.subplots(3, 1, figsize=(10, 8), sharex=True)
+    kinds = (result["type"], result["other_type"])
+    for typ, color in zip(kinds, ("tab:red", "tab:blue")):
+        axes[0].plot(t, [s["alpha"].get(typ) for s in tl], color=color, label=f"alpha {typ} (window)")
+        axes[1].step(t, [1 if typ in s["fallback"] else 0 for s in tl], where="post", color=color,
+                     label=f"{typ} in fallback")
+    if any(s["clusters"] for s in tl):
+        axes[1].step(t, [0.5 * bool(s["clusters"]) for s in tl], where="post", color="tab:purple",
+                     label=f"a {kinds[0]} prompt cluster in fallback")
+    calls = result["calls"]
+    for typ, color in zip(kinds, ("tab:red", "tab:blue")):
+        xs, ys = [], []
+        for s in range(0, int(max(t) if t else 0) + 1, 2):
+            done = [c for c in calls if c["prompt_type"] == typ and s <= c["end"] < s + 4 and not c["error"]]
+            xs.append(s + 2)
+            ys.append(sum(c["tokens"] for c in done) / 4.0)
+        axes[2].plot(xs, ys, color=color, label=f"{typ} tokens/s (4 s bins)")
+    for ax in axes:
+        for name, (start, _end) in result["phases"].items():
+            ax.axvline(start, color="grey", lw=0.8, ls="--")
+            if ax is axes[0]:
+                ax.text(start, 1.02, name, transform=ax.get_xaxis_transform(), fontsize=8)
+        ax.legend(loc="upper right", fontsize=8)
+    axes[0].set_ylabel("alpha")
+    axes[1].set_ylabel("mode (1 = fallback)")
+    axes[2].set_ylabel("tokens/s")
+    axes[2].set_xlabel("seconds")
+    fig.suptitle(f"alpha collapse on {result['model']}: window {result['window_s']}s, probe "
+                 f"{result['probe_share_pct']}%, fallback after {result['fallback_after_s']}s, "
+                 f"back {result['recovered_after_s']}s after good traffic")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specfleet_bench.alpha_collapse", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny-random")
+    p.add_argument("--type", default="translation", help="the prompt type that collapses (default translation)")
+    p.add_argument("--other", default="chat", help="the prompt type that stays healthy (default chat)")
+    p.add_argument("--temperature", type=float, default=1.5, help="the collapsed traffic's temperature (default 1.5)")
+    p.add_argument("--window", type=float, default=10.0, help="slo.window in seconds (default 10)")
+    p.add_argument("--dwell", type=float, default=10.0, help="fallback.minDwell in seconds (default 10)")
+    p.add_argument("--recover-after", type=float, default=20.0, help="fallback.recoverAfter, seconds (default 20)")
+    p.add_argument("--probe-share", type=float, default=10.0, help="fallback.probeShare, percent (default 10)")
+    p.add_argument("--loop-period", type=float, default=1.0)
+    p.add_argument("--warm", type=float, default=40.0, help="seconds of good traffic first (default 40)")
+    p.add_argument("--collapse", type=float, default=60.0, help="seconds of collapsed code traffic (default 60)")
+    p.add_argument("--recover-phase", type=float, default=70.0, help="seconds of good traffic after (default 70)")
+    p.add_argument("--cluster", action="store_true", help="then a phase with an out-of-distribution code cluster")
+    p.add_argument("--cluster-phase", type=float, default=60.0)
+    p.add_argument("--clients", type=int, default=2, help="concurrent clients per prompt type (default 2)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--worker-threads", type=int, default=2)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--questions", default=None)
+    p.add_argument("--max-prompt-chars", type=int, default=800, help="leave longer questions out (default 800)")
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.add_argument("--plot", default=None, help="write the plot (PNG) here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = Episode(args).run()
+    summary = {k: v for k, v in result.items() if k not in ("timeline", "calls", "loop_events")}
+    print(json.dumps(summary, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
