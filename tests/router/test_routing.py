@@ -72,6 +72,10 @@ def test_the_routing_table_from_flags_picks_the_method(h, both_arms):
     (["--canary-weight", "1.234"], "two decimals"),
     (["--backend", "blue=h:1"], "stable or canary"),
     (["--deployment", "chat"], "NAMESPACE/NAME"),
+    (["--max-clusters", "0"], "--max-clusters 0: need at least 1"),
+    (["--cluster-similarity", "1.5"], "--cluster-similarity 1.5: a cosine"),
+    (["--fleet-window-seconds", "0"], "--fleet-window-seconds 0: need a positive"),
+    (["--mirror-concurrency", "-1"], "--mirror-concurrency -1"),
 ])
 def test_bad_flags_say_what_is_wrong(argv, wrong):
     args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", *argv])
@@ -110,3 +114,15 @@ def test_drain_seconds_is_also_the_grace_of_a_backend_discovery_removed():
             await server.stop(0)
 
     assert cfg.drain_s == 7.0 and asyncio.run(asyncio.wait_for(grace(), timeout=30)) == 7.0
+
+
+def test_the_cluster_and_window_settings_come_from_flags_or_the_environment(monkeypatch):
+    base = ["--backend", "stable=127.0.0.1:1"]
+    monkeypatch.setenv("SPECFLEET_FLEET_WINDOW_S", "30")
+    monkeypatch.setenv("SPECFLEET_MAX_CLUSTERS", "4")
+    monkeypatch.setenv("POD_NAME", "chat-router-0")
+    cfg = config_from_args(build_parser().parse_args(base))
+    assert (cfg.fleet_window_s, cfg.max_clusters, cfg.router_name) == (30.0, 4, "chat-router-0")
+    cfg = config_from_args(build_parser().parse_args(base + ["--max-clusters", "8", "--router-name", "r1",
+                                                             "--cluster-similarity", "0.6"]))
+    assert (cfg.max_clusters, cfg.router_name, cfg.cluster_similarity) == (8, "r1", 0.6)
