@@ -9,10 +9,15 @@ import time
 
 import pytest
 
+import grpc
+
+from specfleet_api.live_state import LiveState
+from specfleet_api.windows import TPOT_BUCKETS, TTFT_BUCKETS, TypeCounts, bucket_of, parse_window
 from specfleet_worker import fleet
 from specfleet_worker.fleet import FleetPublisher, Windows
 from specfleet_worker.live import redis_client
-from specfleet_api.windows import TypeCounts
+from specfleet_worker.main import main as serve_main
+from specfleet_worker.metrics import Metrics
 from specfleet_worker.testing import TINY, pb, running_worker
 
 KEY = "specfleet:v1:default/demo:window:canary:pod-a"
@@ -63,6 +68,20 @@ def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(c
         assert 0 < w["tpot_seconds_sum"] < sum(x.latency_s for x in responses)
         assert w["busy_seconds"] > 0 and w["plain_seconds"] > 0
         assert 0 < w["window_seconds"] < 60 and abs(w["updated"] - time.time()) < 60
+        assert w["errors"] == 0
+        ttft = [0] * (len(TTFT_BUCKETS) + 1)
+        for x in responses:
+            ttft[bucket_of(x.time_to_first_token_s, TTFT_BUCKETS)] += 1
+        assert w["ttft_hist"] == ttft
+        tpot = [0] * (len(TPOT_BUCKETS) + 1)
+        for x in responses:  # first token to last, over the tokens after the first
+            tpot[bucket_of((x.latency_s - x.time_to_first_token_s) / (len(x.token_ids) - 1), TPOT_BUCKETS)] += 1
+        assert w["tpot_hist"] == tpot
+    # every request of code ran ngram, none of chat speculated: the spec_ fields are all or nothing
+    assert got["code"]["spec_requests"] == 3 and got["chat"]["spec_requests"] == 0
+    assert got["code"]["spec_busy_seconds"] == got["code"]["busy_seconds"]
+    assert got["code"]["spec_plain_seconds"] == got["code"]["plain_seconds"]
+    assert got["chat"]["spec_busy_seconds"] == got["chat"]["spec_plain_seconds"] == 0
     assert got["chat"]["drafts"] == 0
     # plain decoding priced as plain decoding: its two sides nearly agree (proposing nothing costs little)
     assert 0.8 < got["chat"]["plain_seconds"] / got["chat"]["busy_seconds"] <= 1.0 + 1e-9
@@ -119,3 +138,97 @@ def test_a_window_slides_over_the_last_window_s_of_running_totals():
     assert seconds == 70 and win["code"].requests == 3  # since t=30: the last record at least 60 s old
     seconds, win = at(200)
     assert seconds == 100 and win["code"].requests == 0 and win["chat"].requests == 0
+
+
+def test_in_fallback_the_spec_fields_hold_the_probes_alone(redis_server):
+    with running_worker(cfg=dataclasses.replace(TINY, by_prompt_type={"code": "ngram"})) as r:
+        r.worker.live.apply_live_state(LiveState(version=1, speculate=False), "stable")  # the soft off
+        pub = FleetPublisher(redis_client(redis_server.url), r.worker, name="pod-a", deployment=("default", "demo"))
+        counts = r.worker.scheduler.metrics.counts_by_type
+        probe = run(r, "code", "ngram", [7] * 10, 40)
+        assert probe.speculation.num_draft_tokens > 0
+        after_probe = counts()["code"]
+        plain = run(r, "code", "", [7] * 10, 40)
+        assert plain.speculation.method == "none"
+        c = counts()["code"]
+        assert (c.requests, c.spec_requests) == (2, 1)
+        assert c.busy_seconds > after_probe.busy_seconds  # the plain request's steps count in the whole
+        assert c.spec_busy_seconds == after_probe.busy_seconds == after_probe.spec_busy_seconds
+        assert c.spec_plain_seconds == after_probe.plain_seconds
+        assert pub.publish_once()
+        w = parse_window(redis_server.client().hget("specfleet:v1:default/demo:window:stable:pod-a", "code"))
+        assert w.counts.spec_requests == 1
+        assert w.spec_speedup == pytest.approx(after_probe.plain_seconds / after_probe.busy_seconds)
+        pub.stop()
+        r.admin.UpdateConfig(pb.UpdateConfigRequest(k_min=0, k_max=0))  # a draft method, but no room to draft
+        assert run(r, "code", "ngram", [7] * 10, 20).speculation.method == "ngram"
+        c2 = counts()["code"]
+        assert (c2.requests, c2.spec_requests, c2.spec_busy_seconds) == (3, 1, c.spec_busy_seconds)
+
+
+def test_latencies_count_in_the_windows_buckets():
+    m = Metrics("m", "none")
+    m.finished("code", "stop", 5, 1.0, ttft_s=0.03, tpot_s=0.007)
+    m.finished("code", "stop", 1, 1.0, ttft_s=99.0, tpot_s=None)
+    c = m.counts_by_type()["code"]
+    assert c.ttft_hist == (0, 0, 1) + (0,) * 8 + (1,)  # (0.025, 0.05] and above the last bound
+    assert c.tpot_hist == (0, 0, 1) + (0,) * 9  # (0.005, 0.01]
+
+
+def test_a_request_that_fails_inside_the_worker_counts_as_an_error_of_its_type():
+    with running_worker() as r:
+        engine_step = r.engine.step
+        calls = []
+
+        def failing_step():
+            calls.append(1)
+            if len(calls) == 2:  # the first decoding step of the request
+                raise RuntimeError("the accelerator fell off the bus")
+            return engine_step()
+
+        r.engine.step = failing_step
+        with pytest.raises(grpc.RpcError) as e:
+            run(r, "math", "ngram", [1, 2, 3] * 4, 8)
+        assert e.value.code() == grpc.StatusCode.INTERNAL
+        ok = run(r, "math", "ngram", [1, 2, 3] * 4, 8)
+        assert len(ok.token_ids) == 8
+        c = r.worker.scheduler.metrics.counts_by_type()["math"]
+        assert (c.errors, c.requests) == (1, 1)
+        with pytest.raises(grpc.RpcError) as e:  # refused at the door: the caller's doing, not an error
+            r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1], max_tokens=0, prompt_type="math"), timeout=RPC_S)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert r.worker.scheduler.metrics.counts_by_type()["math"].errors == 1
+
+
+def test_the_window_length_is_SPECFLEET_FLEET_WINDOW_S(monkeypatch, redis_server):
+    monkeypatch.delenv("SPECFLEET_FLEET_WINDOW_S", raising=False)
+    assert fleet.window_from_env() == 60.0
+    for bad in ("abc", "0", "-5", "nan", "inf", "1e999"):
+        monkeypatch.setenv("SPECFLEET_FLEET_WINDOW_S", bad)
+        with pytest.raises(ValueError, match=f"SPECFLEET_FLEET_WINDOW_S: '{bad}' is not a positive number"):
+            fleet.window_from_env()
+    monkeypatch.setenv("SPECFLEET_FLEET_WINDOW_S", "0.3")
+    monkeypatch.setenv("SPECFLEET_REDIS_URL", redis_server.url)
+    monkeypatch.setenv("SPECFLEET_DEPLOYMENT", "default/demo")
+    with running_worker() as r:
+        pub = FleetPublisher.from_env(r.worker, name="pod-a")
+        run(r, "math", "ngram", [1, 2, 3] * 4, 8)
+
+        def window() -> dict:
+            assert pub.publish_once()
+            return json.loads(redis_server.client().hget("specfleet:v1:default/demo:window:stable:pod-a", "math"))
+
+        assert window()["requests"] == 1
+        time.sleep(0.4)
+        window()
+        time.sleep(0.4)
+        w = window()  # 0.3 s on: the request has left the window (it would stay for 60 s by default)
+        assert w["requests"] == 0 and 0.3 <= w["window_seconds"] < 0.8
+        pub.stop()
+
+
+def test_a_bad_window_length_is_a_bad_configuration(monkeypatch, capsys):
+    monkeypatch.setenv("SPECFLEET_FLEET_WINDOW_S", "sixty")
+    assert serve_main(["--grpc-port", "0", "--http-port", "0"]) == 2
+    rec = json.loads(capsys.readouterr().err.splitlines()[-1])
+    assert rec["msg"] == "bad configuration" and "SPECFLEET_FLEET_WINDOW_S" in rec["error"]

@@ -8,11 +8,13 @@ expiring after three periods so that a worker that died drops out on its own:
                                                                 a hash, field = prompt type, value = JSON
 
 A window is what the requests of one prompt type did on this worker over the last `window_s`
-(60 s; less while the worker is younger): requests, output tokens, decoding steps, drafts, draft
-and accepted tokens, the plain-equivalent and busy seconds of their share of each step (the
-speedup meter's two sides), and TTFT and TPOT sums and counts (`metrics.TypeCounts`), with
-`window_seconds` and `updated`. Readers sum a field over the pods of an arm (the loop, the
-router, `specfleet status`). Redis being away costs a warning per outage, never a request.
+(SPECFLEET_FLEET_WINDOW_S, 60 s by default, set to the SLO window; less while the worker is
+younger): requests and errors, output tokens, decoding steps, drafts, draft and accepted tokens,
+the plain-equivalent and busy seconds of their share of each step (the speedup meter's two
+sides; `spec_` the same for the requests that speculated, the probes in fallback), and TTFT and
+TPOT sums, counts and histograms (`specfleet_api.windows.TypeCounts`), with `window_seconds` and
+`updated`. Readers sum a field over the pods of an arm (the loop, the router, `specfleet
+status`). Redis being away costs a warning per outage, never a request.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import os
 import socket
 import threading
@@ -35,6 +38,23 @@ from specfleet_api.windows import TypeCounts
 log = logging.getLogger("specfleet.worker")
 
 KEY_PREFIX = "specfleet:worker:"
+WINDOW_ENV = "SPECFLEET_FLEET_WINDOW_S"
+DEFAULT_WINDOW_S = 60.0
+
+
+def window_from_env() -> float:
+    """SPECFLEET_FLEET_WINDOW_S in seconds (60 when unset); ValueError naming it when it is not a
+    positive number."""
+    raw = os.environ.get(WINDOW_ENV, "").strip()
+    if not raw:
+        return DEFAULT_WINDOW_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{WINDOW_ENV}: {raw!r} is not a positive number of seconds")
+    return value
 
 
 def snapshot(worker) -> dict[str, str]:
@@ -83,7 +103,7 @@ class Windows:
 
 class FleetPublisher:
     def __init__(self, client, worker, name: str | None = None, period_s: float = 5.0,
-                 deployment: tuple[str, str] | None = None, window_s: float = 60.0):
+                 deployment: tuple[str, str] | None = None, window_s: float = DEFAULT_WINDOW_S):
         self.client, self.worker, self.period_s = client, worker, period_s
         pod = name or os.environ.get("POD_NAME") or socket.gethostname()
         self.key = KEY_PREFIX + pod
@@ -95,11 +115,12 @@ class FleetPublisher:
 
     @classmethod
     def from_env(cls, worker, **kw) -> FleetPublisher | None:
-        """None without SPECFLEET_REDIS_URL; windows too with SPECFLEET_DEPLOYMENT (ValueError when
-        it is malformed)."""
+        """None without SPECFLEET_REDIS_URL; windows too with SPECFLEET_DEPLOYMENT, of
+        SPECFLEET_FLEET_WINDOW_S seconds (ValueError when either is malformed)."""
         url = os.environ.get(REDIS_URL_ENV)
         if not url:
             return None
+        kw.setdefault("window_s", window_from_env())
         return cls(redis_client(url, timeout_s=2.0), worker, deployment=deployment_from_env(), **kw)
 
     def window_fields(self) -> dict[str, str]:

@@ -221,11 +221,13 @@ def main(argv: list[str] | None = None) -> int:
     from . import logs
 
     logs.configure(args.log_level)
+    from .fleet import window_from_env
     from .live import deployment_from_env
 
     try:
         cfg = EngineConfig.load(args.config) if args.config else EngineConfig()
         deployment_from_env()
+        window_from_env()
     except (OSError, ValueError) as e:
         log.error("bad configuration", extra={"config": args.config, "error": str(e)})
         return 2

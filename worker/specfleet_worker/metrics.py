@@ -4,7 +4,8 @@ The spec_decode_num_* counters are vLLM's (`vllm:spec_decode_num_drafts`, ...) u
 spec_decode_ prefix this fleet's dashboards, alerts and operator read. The gauges are computed
 over a sliding window of recent verify steps, so one scrape is one window's view (the operator
 relies on that). Each server owns its registry: two servers in one process do not collide.
-`TypeCounts` are the same events summed per prompt type, for the fleet windows (fleet.py).
+`TypeCounts` are the same events summed per prompt type, for the fleet windows (fleet.py), with
+latency histograms on the windows' own buckets (specfleet_api.windows).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import dataclasses
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from specfleet_api.windows import TypeCounts
+from specfleet_api import windows
+from specfleet_api.windows import TypeCounts, bucket_of
 from specfleet_engine.acceptance import Acceptance, window
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -129,17 +131,21 @@ class Metrics:
         self.busy_seconds.labels(self.model).inc(actual_s)
         self.plain_equivalent_seconds.labels(self.model).inc(plain_s)
 
-    def cost(self, prompt_type: str, plain_s: float, actual_s: float) -> None:
-        """One request's share of an engine step (`busy` counts the whole step)."""
+    def cost(self, prompt_type: str, plain_s: float, actual_s: float, spec: bool = False) -> None:
+        """One request's share of an engine step (`busy` counts the whole step); `spec`: the
+        request speculated in that step (counted in the `spec_` fields too)."""
         with self._by_type_lock:
             c = self._counts(prompt_type)
             c.plain_seconds += plain_s
             c.busy_seconds += actual_s
+            if spec:
+                c.spec_plain_seconds += plain_s
+                c.spec_busy_seconds += actual_s
 
     def finished(self, prompt_type: str, finish_reason: str, output_tokens: int, e2e_s: float,
-                 ttft_s: float | None, tpot_s: float | None) -> None:
+                 ttft_s: float | None, tpot_s: float | None, spec: bool = False) -> None:
         """A request that ran to its end (stop, length or abort); TTFT is None when no token came,
-        TPOT when fewer than two did."""
+        TPOT when fewer than two did; `spec`: speculation was in effect for it (in some step)."""
         m = self.model
         self.requests.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(e2e_s)
@@ -150,13 +156,21 @@ class Metrics:
         with self._by_type_lock:
             c = self._counts(prompt_type)
             c.requests += 1
+            c.spec_requests += spec
             c.output_tokens += output_tokens
             if ttft_s is not None:
                 c.ttft_seconds_sum += ttft_s
                 c.ttft_count += 1
+                c.ttft_hist = _counted(c.ttft_hist, bucket_of(ttft_s, windows.TTFT_BUCKETS))
             if tpot_s is not None:
                 c.tpot_seconds_sum += tpot_s
                 c.tpot_count += 1
+                c.tpot_hist = _counted(c.tpot_hist, bucket_of(tpot_s, windows.TPOT_BUCKETS))
+
+    def error(self, prompt_type: str) -> None:
+        """A request that failed inside the worker (the engine failed, or the worker stopped under it)."""
+        with self._by_type_lock:
+            self._counts(prompt_type).errors += 1
 
     def counts_by_type(self) -> dict[str, TypeCounts]:
         """A consistent copy of every prompt type's counts (any thread)."""
@@ -172,3 +186,7 @@ class Metrics:
     def draft_error(self, n: int) -> None:
         self.totals["draft_errors"] += n
         self.draft_failures.labels(self.model).inc(n)
+
+
+def _counted(hist: tuple[int, ...], bucket: int) -> tuple[int, ...]:
+    return hist[:bucket] + (hist[bucket] + 1,) + hist[bucket + 1:]
