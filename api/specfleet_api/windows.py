@@ -18,6 +18,16 @@ from .live_state import ARMS, PREFIX, window_key
 log = logging.getLogger("specfleet.windows")
 
 
+def publish_period(window_s: float) -> float:
+    """How often windows of `window_s` are published: 5 s, or a quarter of a shorter window (at
+    least 0.25 s), so that a loop on a short SLO window sees each window change.
+
+    >>> publish_period(300.0), publish_period(6.0), publish_period(0.5)
+    (5.0, 1.5, 0.25)
+    """
+    return min(5.0, max(0.25, window_s / 4))
+
+
 # Upper bounds (seconds) of the latency histograms a window carries; the last bucket is +Inf.
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 TPOT_BUCKETS = (0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0)

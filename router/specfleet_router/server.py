@@ -15,13 +15,14 @@ from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from specfleet_api.live_state import LiveState
+from specfleet_api.windows import publish_period
 from specfleet_proto import worker_pb2_grpc as pb_grpc
 
 from . import clusters as cl
 from . import drift as dr
 from .backends import Backends, Discovery, StaticDiscovery
 from .dispatch import Router
-from .fleet import PERIOD_S, FleetPublisher
+from .fleet import FleetPublisher
 from .grpc_api import GenerationFront
 from .http_api import HttpFront, Models
 from .metrics import RouterMetrics
@@ -54,7 +55,7 @@ class RouterConfig:
     max_clusters: int = cl.DEFAULT_MAX_CLUSTERS  # per prompt type
     cluster_similarity: float = cl.DEFAULT_THRESHOLD
     fleet_window_s: float = cl.DEFAULT_WINDOW_S
-    fleet_publish_s: float = PERIOD_S
+    fleet_publish_s: float | None = None  # None: specfleet_worker's rule (5 s, a quarter of a short window)
     mirror_concurrency: int = dr.DEFAULT_CONCURRENCY
     mirror_timeout_s: float = dr.DEFAULT_TIMEOUT_S
 
@@ -97,7 +98,8 @@ class RouterServer:
         self.publisher = None
         if cfg.redis_url:
             self.publisher = FleetPublisher(cfg.redis_url, cfg.namespace, cfg.name, cfg.router_name, self.metrics,
-                                            windows=self.windows, drift=self.drift, period_s=cfg.fleet_publish_s)
+                                            windows=self.windows, drift=self.drift, period_s=cfg.fleet_publish_s if cfg.fleet_publish_s is not None else
+                                            publish_period(cfg.fleet_window_s))
             self.publisher.start()
 
         front = HttpFront(self.router, Models(cfg.name, cfg.model_aliases), self.metrics,

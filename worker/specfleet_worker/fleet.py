@@ -33,7 +33,7 @@ from collections.abc import Callable
 from specfleet_api.live_state import window_key
 
 from .live import REDIS_URL_ENV, deployment_from_env, redis_client
-from specfleet_api.windows import TypeCounts
+from specfleet_api.windows import TypeCounts, publish_period
 
 log = logging.getLogger("specfleet.worker")
 
@@ -102,8 +102,9 @@ class Windows:
 
 
 class FleetPublisher:
-    def __init__(self, client, worker, name: str | None = None, period_s: float = 5.0,
+    def __init__(self, client, worker, name: str | None = None, period_s: float | None = None,
                  deployment: tuple[str, str] | None = None, window_s: float = DEFAULT_WINDOW_S):
+        period_s = publish_period(window_s) if period_s is None else period_s
         self.client, self.worker, self.period_s = client, worker, period_s
         pod = name or os.environ.get("POD_NAME") or socket.gethostname()
         self.key = KEY_PREFIX + pod
