@@ -289,6 +289,7 @@ class Router:
         if not out.speculation_method or out.speculation_method == "auto":
             out.speculation_method = route.method
         out.prompt_type = route.prompt_type
+        out.probe = route.probe  # a probe speculates through a soft fallback on the worker
         return out
 
     def observe(self, route: Route, outcome: str, *, arrival: float | None = None, first_at: float | None = None,
