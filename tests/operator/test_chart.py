@@ -297,3 +297,13 @@ def test_the_operator_flags_the_chart_passes_exist():
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     options = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
     assert options.worker.router_image == "ghcr.io/specfleet/router:0.1.0" and options.worker.read_redis_secrets
+
+
+def test_the_liveness_staleness_is_a_chart_value():
+    from specfleet_operator.main import parse_args
+    for values, seconds in (({}, 60.0), ({"metrics": {"livenessStaleAfter": 180}}, 180.0)):
+        docs, _ = render(values)
+        assert parse_args(_operator_args(docs)).heartbeat.stale_after_s == seconds
+    for bad in (0, -5, "1m"):
+        with pytest.raises(helm.HelmError):
+            helm.Chart.load(str(CHART)).validate_schema({"metrics": {"livenessStaleAfter": bad}})
