@@ -711,3 +711,32 @@ def decide_canary(obs: CanaryObservation, state: CanaryState, policy: CanaryPoli
             events.append(("CanaryAnalysisHalted", message))
         return _decision(dataclasses.replace(state, message=message), events, policy)
     return _promote(state, policy, now, f"passed every step, {state.failed_checks} failed analyses", events)
+
+
+def tick(spec: dict[str, Any], metadata: dict[str, Any] | None, section: dict[str, Any] | None,
+         obs: CanaryObservation, now: float) -> CanaryDecision:
+    """One canary tick from what the operator (or the local loop) holds: the defaulted spec, the
+    resource's metadata (its gate annotation), its status.canary section and the observation
+    (whose `gate` this sets). The promotion record is judged against the spec first; a gate value
+    that is not one is an Event (once per value) and no gate.
+
+    >>> meta = {"annotations": {GATE_ANNOTATION: "hold"}}
+    >>> d = tick({"canary": {"weight": 1}}, meta, None, CanaryObservation(), now=0.0)
+    >>> d.state.phase, [r for r, _ in d.events], d.state.last_gate
+    ('Waiting', ['CanaryGateInvalid', 'CanaryStarted'], 'hold')
+    >>> [r for r, _ in tick({"canary": {"weight": 1}}, meta, d.state.to_status(), CanaryObservation(), 1.0).events]
+    []
+    """
+    state = CanaryState.from_status(section)
+    state, events = settle_promotion(spec, state)
+    raw = ((metadata or {}).get("annotations") or {}).get(GATE_ANNOTATION)
+    try:
+        gate, invalid = gate_from_annotations(metadata), None
+    except ValueError as e:
+        gate, invalid = None, str(e)
+        if raw != state.last_gate:
+            events += (("CanaryGateInvalid", f"{e}: ignored"),)
+    decision = decide_canary(dataclasses.replace(obs, gate=gate), state, CanaryPolicy.from_spec(spec), now)
+    if invalid is not None:
+        decision = dataclasses.replace(decision, state=dataclasses.replace(decision.state, last_gate=raw))
+    return dataclasses.replace(decision, events=tuple(events) + decision.events)

@@ -437,3 +437,42 @@ def test_apply_overrides_puts_the_image_under_the_template():
     out = c.apply_overrides({"template": {"resources": {}}, "quantization": "none"},
                             {"image": "w:2", "quantization": "int8"})
     assert out == {"template": {"resources": {}, "image": "w:2"}, "quantization": "int8"}
+
+
+def test_a_whole_run_through_the_status_as_the_operator_keeps_it():
+    """tick() from the spec, the annotation and status.canary, the section written back each time:
+    nothing of the run is lost between ticks."""
+    spec = with_defaults({**BASE, "canary": {"weight": 1, "pause": "1m", "steps": [{"weight": 20, "pause": "1m"}],
+                                             "overrides": {"speculation": {"kMax": 12}},
+                                             "analysis": {"drift": {"sampleShare": 0}}}})
+    section, seen, t0 = None, [], 1_750_000_000.25
+    ticks = [(0, obs(ready=(0, 1)), None), (30, obs(), None), (90, obs(), None), (150, obs(), None)]
+    for t, o, gate in ticks:
+        meta = {"annotations": {c.GATE_ANNOTATION: gate}} if gate else {}
+        d = c.tick(spec, meta, section, o, t0 + t)
+        section = d.state.to_status()
+        seen.append((d.state.phase, d.weight, [r for r, _ in d.events]))
+    assert seen == [("Waiting", 0.0, ["CanaryStarted"]), ("Progressing", 1, ["CanaryReady"]),
+                    ("Progressing", 20, ["CanaryStepped"]), ("Promoted", 0.0, ["CanaryPromoted"])]
+    assert section["promoted"]["overrides"] == {"speculation": {"kMax": 12}}
+    # spec.canary removed: stable keeps the promotion, said once
+    bare = with_defaults(BASE)
+    d = c.tick(bare, {}, section, obs(), t0 + 200)
+    assert [r for r, _ in d.events] == ["PromotionKept"] and d.state.promoted == section["promoted"]
+    d = c.tick(bare, {}, d.state.to_status(), obs(), t0 + 210)
+    assert d.events == () and d.state.phase == "Idle"
+    # the user folds kMax 12 into the spec: the record goes
+    folded = with_defaults({**BASE, "speculation": {"kMax": 12}})
+    d = c.tick(folded, {}, d.state.to_status(), obs(), t0 + 220)
+    assert [r for r, _ in d.events] == ["PromotionFolded"] and d.state.promoted is None
+
+
+def test_an_invalid_gate_is_an_event_once_and_no_gate():
+    spec = with_defaults({**BASE, "canary": {"weight": 1}})
+    meta = {"annotations": {c.GATE_ANNOTATION: "ship-it"}}
+    d = c.tick(spec, meta, None, obs(ready=(0, 1)), 0.0)
+    assert [r for r, _ in d.events] == ["CanaryGateInvalid", "CanaryStarted"] and "'ship-it'" in d.events[0][1]
+    d = c.tick(spec, meta, d.state.to_status(), obs(ready=(0, 1)), 10.0)
+    assert d.events == () and d.state.phase == "Waiting"
+    d = c.tick(spec, {"annotations": {c.GATE_ANNOTATION: "abort"}}, d.state.to_status(), obs(), 20.0)
+    assert d.state.phase == "Aborted" and d.clear_gate
