@@ -15,11 +15,19 @@ import kmock
 import kopf
 import pytest
 import yaml
-
-from specfleet_operator import API_VERSION, GROUP, KIND, converge, manifests as m
+from specfleet_operator import API_VERSION, GROUP, KIND, converge
+from specfleet_operator import manifests as m
 from specfleet_operator.kube import PLURALS, apply_patch
-from specfleet_operator.testing import (Cluster, OperatorThread, declare_resources, publish_window, ready, sdd_body,
-                                        stored_live_state, wait_for)
+from specfleet_operator.testing import (
+    Cluster,
+    OperatorThread,
+    declare_resources,
+    publish_window,
+    ready,
+    sdd_body,
+    stored_live_state,
+    wait_for,
+)
 
 SEEDS = range(10)
 WRITES = {"POST", "PUT", "PATCH", "DELETE"}
@@ -36,7 +44,7 @@ class KillingCluster(Cluster):
     aside: kopf posts them from a queue, in no fixed order): before serving it (the write is lost)
     or after (it lands, the answer is lost)."""
 
-    victim: subprocess.Popen | None = None
+    victim: asyncio.subprocess.Process | None = None
     kill_at, before, writes_seen, killed_at = 0, False, 0, None
 
     async def _handle(self, request):
@@ -59,22 +67,23 @@ class KillingCluster(Cluster):
 @pytest.fixture()
 async def cluster():
     """conftest's emulator, as a KillingCluster (conftest's `kube` talks to it)."""
-    async with KillingCluster() as handler, kmock.Server(handler) as server:
+    async with KillingCluster() as handler, kmock.Server(handler):
         declare_resources(handler)
         yield handler
 
 
-async def run_and_kill(cluster, kubeconfig, kill_at: int, before: bool) -> str:
+async def run_and_kill(cluster, kubeconfig, log, kill_at: int, before: bool) -> str:
     """A `specfleet operator` process, SIGKILLed at its kill_at-th write; what it was doing then."""
     cluster.writes_seen, cluster.kill_at, cluster.before, cluster.killed_at = 0, kill_at, before, None
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "specfleet_operator.main", "--no-leader-election", "--metrics-port=0",
-         "--loop-interval=3600", "--log-level=WARNING"], env={**os.environ, "KUBECONFIG": str(kubeconfig)},
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    with log.open("wb") as err:  # a file, not a pipe: the operator never blocks on a full pipe
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "specfleet_operator.main", "--no-leader-election", "--metrics-port=0",
+            "--loop-interval=3600", "--log-level=WARNING", env={**os.environ, "KUBECONFIG": str(kubeconfig)},
+            stdout=subprocess.DEVNULL, stderr=err)
     cluster.victim = proc
     try:
         quiet_since, seen = time.monotonic(), 0
-        while proc.poll() is None:  # killed at kill_at, or, when its reconcile wrote less, once it is idle
+        while proc.returncode is None:  # killed at kill_at, or, when its reconcile wrote less, once idle
             if cluster.writes_seen != seen:
                 quiet_since, seen = time.monotonic(), cluster.writes_seen
             elif seen and time.monotonic() - quiet_since > IDLE_S:
@@ -83,12 +92,12 @@ async def run_and_kill(cluster, kubeconfig, kill_at: int, before: bool) -> str:
             assert time.monotonic() - quiet_since < 30, f"no write in 30 s (kill at write {kill_at})"
             await asyncio.sleep(0.05)
     finally:
-        if proc.poll() is None:
+        if proc.returncode is None:
             proc.kill()
         cluster.victim = None
-        err = proc.stderr.read().decode()
-        proc.wait(5)
-    assert proc.returncode == -signal.SIGKILL, f"the operator exited {proc.returncode} by itself:\n{err[-3000:]}"
+        await asyncio.wait_for(proc.wait(), 10)
+    assert proc.returncode == -signal.SIGKILL, \
+        f"the operator exited {proc.returncode} by itself:\n{log.read_text()[-3000:]}"
     return cluster.killed_at
 
 
@@ -138,9 +147,11 @@ async def test_operator_killed_mid_reconcile_converges_after_restart(seed, clust
     slo = {"window": "1s", "minDraftTokens": 100}
     created = await kube.create(sdd_body("chaos", replicas=2, canary={"weight": 10}, slo=slo,
                                          redis={"url": redis_server.url}))
-    first = await run_and_kill(cluster, kubeconfig, rng.randint(1, CREATE_WRITES), rng.random() < 0.5)
+    first = await run_and_kill(cluster, kubeconfig, tmp_path / "first.log", rng.randint(1, CREATE_WRITES),
+                               rng.random() < 0.5)
     await kube.patch(API_VERSION, KIND, "default", "chaos", {"spec": {"canary": None}})
-    second = await run_and_kill(cluster, kubeconfig, rng.randint(1, REMOVE_WRITES), rng.random() < 0.5)
+    second = await run_and_kill(cluster, kubeconfig, tmp_path / "second.log", rng.randint(1, REMOVE_WRITES),
+                                rng.random() < 0.5)
     where = f"seed {seed}: killed {first}, then {second}"
     print(where)
 
