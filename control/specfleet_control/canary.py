@@ -333,10 +333,18 @@ class CanaryState:
     message: str = ""
     promoted: dict[str, Any] | None = dataclasses.field(default=None, hash=False)  # see promotion_record
 
+    @property
+    def routed_weight(self) -> float:
+        """The share of requests the router sends the canary now: the step's once it is Ready."""
+        routed = self.phase in ("Progressing", "Paused") and self.ready_since is not None
+        return self.weight if routed else 0.0
+
     def to_status(self) -> dict[str, Any]:
-        """The status `canary` section (the CRD's names; times as RFC 3339)."""
-        out: dict[str, Any] = {"phase": self.phase, "step": self.step, "weight": self.weight,
-                               "failedChecks": self.failed_checks, "analysedSeconds": round(self.analysed_s, 3)}
+        """The status `canary` section (the CRD's names; times as RFC 3339): `weight` is what the
+        router sends now, `stepWeight` the step's."""
+        out: dict[str, Any] = {"phase": self.phase, "step": self.step, "weight": self.routed_weight,
+                               "stepWeight": self.weight, "failedChecks": self.failed_checks,
+                               "analysedSeconds": round(self.analysed_s, 3)}
         for key, value in (("startedAt", self.started), ("stepSince", self.step_since),
                            ("readySince", self.ready_since), ("progressSince", self.progress_since),
                            ("lastAnalysis", self.last_analysis)):
@@ -362,7 +370,8 @@ class CanaryState:
         c = section or {}
         phase = c.get("phase", "Idle")
         return cls(phase=phase if phase in PHASES else "Idle", step=int(c.get("step", 0)),
-                   weight=float(c.get("weight", 0.0) or 0.0), started=_epoch(c.get("startedAt")),
+                   weight=float(c.get("stepWeight", c.get("weight", 0.0)) or 0.0),
+                   started=_epoch(c.get("startedAt")),
                    step_since=_epoch(c.get("stepSince")), ready_since=_epoch(c.get("readySince")),
                    progress_since=_epoch(c.get("progressSince")), analysed_s=float(c.get("analysedSeconds", 0.0)),
                    failed_checks=int(c.get("failedChecks", 0)), last_analysis=_epoch(c.get("lastAnalysis")),
@@ -391,9 +400,9 @@ class CanaryDecision:
 
 def _decision(state: CanaryState, events: list[tuple[str, str]], policy: CanaryPolicy | None,
               clear_gate: bool = False) -> CanaryDecision:
-    routed = state.phase in ("Progressing", "Paused") and state.ready_since is not None
+    routed = state.routed_weight > 0
     mirror = policy.drift.sample_share if policy is not None and routed else 0.0
-    return CanaryDecision(state, tuple(events), state.weight if routed else 0.0, mirror,
+    return CanaryDecision(state, tuple(events), state.routed_weight, mirror,
                           state.epoch if state.phase in LIVE_PHASES else "", clear_gate)
 
 

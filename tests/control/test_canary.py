@@ -83,6 +83,8 @@ def test_no_analysis_until_every_canary_worker_is_ready():
     assert all(d.weight == 0 and d.mirror_share == 0 for d in ds)
     assert all(d.state.failed_checks == 0 and d.state.last_analysis is None for d in ds)
     assert "1/2 ready" in ds[-1].state.message and ds[0].drift_epoch == ds[0].state.epoch != ""
+    section = ds[-1].state.to_status()  # `kubectl get sdd` shows the share routed now
+    assert (section["weight"], section["stepWeight"]) == (0.0, 1)
     d = c.decide_canary(obs(ready=(2, 2)), ds[-1].state, p, now=310.0)
     assert d.state.phase == "Progressing" and d.weight == 1 and d.state.ready_since == 310.0
     assert [r for r, _ in d.events] == ["CanaryReady"]
