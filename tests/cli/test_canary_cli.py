@@ -85,12 +85,12 @@ async def test_errors_are_clear_and_non_zero(cluster, kubeconfig, tmp_path):
 
 async def test_an_unreachable_api_server_is_an_error_not_a_traceback(tmp_path):
     config = tmp_path / "kubeconfig"
-    config.write_text(f"""apiVersion: v1
+    config.write_text("""apiVersion: v1
 kind: Config
 current-context: x
-clusters: [{{name: x, cluster: {{server: "http://127.0.0.1:9"}}}}]
-users: [{{name: u, user: {{token: t}}}}]
-contexts: [{{name: x, context: {{cluster: x, user: u}}}}]
+clusters: [{name: x, cluster: {server: "http://127.0.0.1:9"}}]
+users: [{name: u, user: {token: t}}]
+contexts: [{name: x, context: {cluster: x, user: u}}]
 """)
     rc, _, err = await run(*specfleet("pause", "chat", "--kubeconfig", str(config)))
     assert rc == 1 and "cannot reach the API server" in err and "Traceback" not in err
