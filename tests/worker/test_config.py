@@ -185,7 +185,7 @@ def test_the_control_file_is_applied_when_it_changes_and_its_off_is_the_soft_one
         s = live.settings
         # soft: the hard switch stays on, and a probe keeps the bounds in force (kMax 0 means "off" there)
         assert s.speculation_enabled and (s.k_min, s.k_max) == (1, 8)
-        assert s.method_for("", "code") == "none" and s.method_for("ngram", "code") == "ngram"
+        assert s.method_for("ngram", "code") == "none" and s.method_for("ngram", "code", probe=True) == "ngram"
         path.write_text(json.dumps({"speculate": True, "kMin": 2, "kMax": 5}))
         wait_for(lambda: live.settings.default_speculate, 5, "speculate: true")
         assert (live.settings.k_min, live.settings.k_max) == (2, 5)
@@ -201,25 +201,27 @@ def test_the_config_docstring_examples_hold():
     assert doctest.testmod(config).failed == 0
 
 
-def test_the_soft_off_runs_only_named_methods_and_the_hard_off_runs_nothing():
+def test_the_soft_off_runs_only_probes_and_the_hard_off_runs_nothing():
     live = LiveConfig(EngineConfig(), ["ngram"])
     live.update(by_prompt_type={"code": "ngram"})
     on = live.settings
-    assert on.method_for("", "code") == on.method_for("auto", "code") == "ngram"
-    assert on.drafts("ngram", "") and not on.drafts("none", "")
+    assert on.method_for("", "code") == on.method_for("auto", "code") == on.method_for("ngram", "chat") == "ngram"
+    assert on.drafts("ngram", probe=False) and not on.drafts("none", probe=True)
     soft = live.update(default_speculate=False)
     assert soft.speculation_enabled
-    assert soft.method_for("", "code") == soft.method_for("auto", "chat") == "none"
-    assert soft.method_for("ngram", "code") == "ngram" and soft.method_for("none", "code") == "none"
-    # a running request: one routed to ngram stops drafting, one that named ngram (a probe) goes on
-    assert not soft.drafts("ngram", "") and not soft.drafts("ngram", "auto") and soft.drafts("ngram", "ngram")
+    # a method named without the probe flag (a caller of its own, a router on an older state) runs plain
+    assert soft.method_for("", "code") == soft.method_for("ngram", "code") == "none"
+    assert soft.method_for("ngram", "chat", probe=True) == soft.method_for("", "code", probe=True) == "ngram"
+    assert soft.method_for("none", "code", probe=True) == "none"
+    # running requests: those not probes stop drafting, probes go on
+    assert not soft.drafts("ngram", probe=False) and soft.drafts("ngram", probe=True)
     hard = live.update(speculation_enabled=False, default_speculate=True)
-    assert hard.method_for("ngram", "code") == hard.method_for("", "code") == "none"
-    assert not hard.drafts("ngram", "ngram") and not hard.drafts("ngram", "")
+    assert hard.method_for("ngram", "code", probe=True) == hard.method_for("", "code") == "none"
+    assert not hard.drafts("ngram", probe=True) and not hard.drafts("ngram", probe=False)
     both = live.update(default_speculate=False)
-    assert not both.drafts("ngram", "ngram")
+    assert not both.drafts("ngram", probe=True)
     back = live.update(speculation_enabled=True, default_speculate=True)
-    assert back.method_for("", "code") == "ngram" and back.drafts("ngram", "")
+    assert back.method_for("", "code") == "ngram" and back.drafts("ngram", probe=False)
 
 
 def test_the_live_states_speculate_is_the_soft_switch_and_its_kmax_0_keeps_the_bounds():

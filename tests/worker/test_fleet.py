@@ -34,9 +34,11 @@ def canary():
         yield r
 
 
-def run(r, prompt_type: str, method: str, prompt: list[int], max_tokens: int) -> pb.GenerateResponse:
+def run(r, prompt_type: str, method: str, prompt: list[int], max_tokens: int,
+        probe: bool = False) -> pb.GenerateResponse:
     return r.gen.Generate(pb.GenerateRequest(prompt_token_ids=prompt, max_tokens=max_tokens, ignore_eos=True,
-                                             prompt_type=prompt_type, speculation_method=method), timeout=RPC_S)
+                                             prompt_type=prompt_type, speculation_method=method, probe=probe),
+                          timeout=RPC_S)
 
 
 def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(canary, redis_server):
@@ -145,10 +147,10 @@ def test_in_fallback_the_spec_fields_hold_the_probes_alone(redis_server):
         r.worker.live.apply_live_state(LiveState(version=1, speculate=False), "stable")  # the soft off
         pub = FleetPublisher(redis_client(redis_server.url), r.worker, name="pod-a", deployment=("default", "demo"))
         counts = r.worker.scheduler.metrics.counts_by_type
-        probe = run(r, "code", "ngram", [7] * 10, 40)
+        probe = run(r, "code", "ngram", [7] * 10, 40, probe=True)
         assert probe.speculation.num_draft_tokens > 0
         after_probe = counts()["code"]
-        plain = run(r, "code", "", [7] * 10, 40)
+        plain = run(r, "code", "ngram", [7] * 10, 40)
         assert plain.speculation.method == "none"
         c = counts()["code"]
         assert (c.requests, c.spec_requests) == (2, 1)
@@ -161,7 +163,7 @@ def test_in_fallback_the_spec_fields_hold_the_probes_alone(redis_server):
         assert w.spec_speedup == pytest.approx(after_probe.plain_seconds / after_probe.busy_seconds)
         pub.stop()
         r.admin.UpdateConfig(pb.UpdateConfigRequest(k_min=0, k_max=0))  # a draft method, but no room to draft
-        assert run(r, "code", "ngram", [7] * 10, 20).speculation.method == "ngram"
+        assert run(r, "code", "ngram", [7] * 10, 20, probe=True).speculation.method == "ngram"
         c2 = counts()["code"]
         assert (c2.requests, c2.spec_requests, c2.spec_busy_seconds) == (3, 1, c.spec_busy_seconds)
 

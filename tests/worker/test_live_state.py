@@ -110,11 +110,11 @@ def test_a_state_written_is_applied_within_2s_with_this_arms_bounds_only(followe
     assert time.monotonic() - t < APPLIED_WITHIN_S
     assert bounds(r) == (True, 2, 3)
 
-    def method(named: str) -> str:
-        return r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, speculation_method=named),
-                              timeout=RPC_S).speculation.method
+    def method(probe: bool) -> str:
+        return r.gen.Generate(pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_tokens=4, speculation_method="ngram",
+                                                 probe=probe), timeout=RPC_S).speculation.method
 
-    assert method("") == "none" and method("ngram") == "ngram"  # the router's probe names its method
+    assert method(probe=False) == "none" and method(probe=True) == "ngram"  # the router's probe speculates
 
 
 def test_redis_sigkilled_the_worker_serves_on_the_last_state_then_resyncs_on_restart(followed, redis_server,

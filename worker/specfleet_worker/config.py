@@ -7,8 +7,8 @@ state in Redis (live.py). EngineConfig lives in the torch-free specfleet_api.
 
 Speculation has two switches. `speculation_enabled` is the hard one (Admin.UpdateConfig, the
 operator's emergency switch): off, every request runs plain. `default_speculate` is the soft one
-(the live state's and control.json's `speculate`, the fleet's fallback): off, requests that name
-no method run plain, while a request that names one (the router's probe) still speculates.
+(the live state's and control.json's `speculate`, the fleet's fallback): off, only the router's
+probes (`GenerateRequest.probe`) speculate, with the method they name.
 """
 
 from __future__ import annotations
@@ -38,35 +38,31 @@ class Settings:
     k_policy: str
     default_method: str
     by_prompt_type: dict[str, str]
-    default_speculate: bool = True  # soft: off, only requests that name a method speculate
+    default_speculate: bool = True  # soft: off, only the router's probes speculate
 
-    def method_for(self, requested: str, prompt_type: str) -> str:
-        """The method a new request runs with: "none" under the hard off; the one it names; else
-        "none" under the soft off, or the route of its prompt type.
+    def method_for(self, requested: str, prompt_type: str, probe: bool = False) -> str:
+        """The method a new request runs with: "none" under the hard off, and under the soft off
+        unless it is a probe; else the one it names, or the route of its prompt type.
 
         >>> s = Settings(True, 0, 8, 4, "adaptive", "ngram", {"chat": "none"}, default_speculate=False)
-        >>> s.method_for("", "code"), s.method_for("ngram", "code")
+        >>> s.method_for("ngram", "code"), s.method_for("ngram", "code", probe=True)
         ('none', 'ngram')
-        >>> dataclasses.replace(s, speculation_enabled=False).method_for("ngram", "code")
+        >>> dataclasses.replace(s, speculation_enabled=False).method_for("ngram", "code", probe=True)
         'none'
         """
-        if not self.speculation_enabled:
+        if not self.speculates(probe):
             return Method.NONE.value
-        if explicit(requested):
+        if requested and requested != AUTO:
             return requested
-        if not self.default_speculate:
-            return Method.NONE.value
         return self.by_prompt_type.get(prompt_type, self.default_method)
 
-    def drafts(self, method: str, requested: str) -> bool:
-        """Whether a running request with this method, asked for as `requested`, may draft now."""
-        return (method != Method.NONE.value and self.speculation_enabled
-                and (self.default_speculate or explicit(requested)))
+    def speculates(self, probe: bool) -> bool:
+        """Whether speculation is on for a request, a probe or not."""
+        return self.speculation_enabled and (self.default_speculate or probe)
 
-
-def explicit(requested: str) -> bool:
-    """Whether a request named its method (the router's probes do) rather than leaving it to routing."""
-    return bool(requested) and requested != AUTO
+    def drafts(self, method: str, probe: bool) -> bool:
+        """Whether a running request with this method may draft now."""
+        return method != Method.NONE.value and self.speculates(probe)
 
 
 class LiveConfig:

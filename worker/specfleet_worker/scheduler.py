@@ -72,10 +72,10 @@ class Event:
 class Request:
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, method: str,
                  prompt_type: str, k_initial: int, deadline: float | None = None,
-                 on_finish: Callable[[Request, Rejected | None], None] | None = None, requested: str = ""):
+                 on_finish: Callable[[Request, Rejected | None], None] | None = None, probe: bool = False):
         self.request_id, self.prompt_ids, self.params = request_id, prompt_ids, params
         self.method, self.prompt_type, self.deadline = method, prompt_type, deadline
-        self.requested = requested  # the method the caller named ("" or "auto": routing's choice)
+        self.probe = probe  # the router's probe: speculates through a soft off
         self.k_initial = k_initial
         self.on_finish = on_finish  # called once, on the scheduler thread, when the request leaves
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
@@ -343,7 +343,7 @@ class Scheduler:
         s = self.live.settings
         for req in self._active:
             seq = req.seq
-            if s.drafts(req.method, req.requested):
+            if s.drafts(req.method, req.probe):
                 seq.k_min, seq.k_max = s.k_min, s.k_max
             else:
                 seq.k_min = seq.k_max = 0

@@ -128,14 +128,14 @@ class Worker:
                           f"this worker has {', '.join(self.live.methods + [AUTO])}")
         prompt_type = msg.prompt_type if msg.prompt_type in self.known_prompt_types else (
             "default" if not msg.prompt_type else "other")
-        method = settings.method_for(requested, msg.prompt_type)
+        method = settings.method_for(requested, msg.prompt_type, msg.probe)
         needed = self.scheduler.blocks_needed(len(prompt), params.max_tokens)
         if needed > self.engine.cache.allocator.num_blocks:
             raise Invalid(f"max_tokens: prompt and output need {needed} KV blocks; "
                           f"this worker's cache holds {self.engine.cache.allocator.num_blocks}")
         rid = msg.request_id or uuid.uuid4().hex
         return Request(rid, prompt, params, method, prompt_type, settings.k_initial if method != Method.NONE else 0,
-                       self._deadline(context), requested=requested)
+                       self._deadline(context), probe=msg.probe)
 
     def build_score(self, msg: pb.ScoreRequest, context: grpc.ServicerContext | None = None) -> ScoreJob:
         """A scoring job from a ScoreRequest, validated as Generate's request is (Invalid naming the field)."""
