@@ -15,8 +15,9 @@ import json
 import os
 import threading
 import time
+from collections.abc import Iterable
 from datetime import datetime
-from typing import Any, Iterable
+from typing import Any
 
 from .manifests import ALERT_ALPHA, ALERT_SPEEDUP, PROM_LABEL_SDD, label_value
 
@@ -223,6 +224,6 @@ class BearerToken:
         return None
 
     @classmethod
-    def from_env(cls, path: str | None) -> "BearerToken":
+    def from_env(cls, path: str | None) -> BearerToken:
         return cls(path=path or os.environ.get("SPECFLEET_ALERTMANAGER_TOKEN_FILE") or None,
                    value=os.environ.get("SPECFLEET_ALERTMANAGER_TOKEN") or None)

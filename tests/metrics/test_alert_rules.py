@@ -13,7 +13,6 @@ import subprocess
 import helm_python as helm
 import pytest
 import yaml
-
 from specfleet_operator import manifests
 from specfleet_operator.spec import with_defaults
 

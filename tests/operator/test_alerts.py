@@ -21,7 +21,6 @@ import urllib.request
 import pytest
 import yaml
 from prometheus_client import REGISTRY
-
 from specfleet_operator import manifests
 from specfleet_operator.alerts import AlertInbox, BearerToken, PayloadError, parse
 from specfleet_operator.health import AlertReceiver, Heartbeat, serve
@@ -279,7 +278,7 @@ def free_port():
 
 def docs_receiver_config():
     """The Alertmanager config docs/alerts.md gives (the block with `receivers:`)."""
-    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "alerts.md").read_text(), re.S)
+    blocks = re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / "alerts.md").read_text(), re.DOTALL)
     (block,) = [b for b in blocks if "receivers:" in b]
     return yaml.safe_load("\n".join(line[3:] for line in block.splitlines()))  # the list's indent
 
@@ -359,7 +358,6 @@ async def test_the_control_loop_reads_the_inbox_the_receiver_writes(cluster, mon
     """operate() hands Options.alerts (which `specfleet operator` serves on /alertmanager) to the
     handlers as memo.alerts."""
     import kopf
-
     from specfleet_operator import main
 
     seen = {}
