@@ -2,7 +2,8 @@
 per fleet, for the control loop to treat an SLO alert as it treats a missed SLO it saw itself.
 
 `parse` checks a post and names what is wrong with it; `AlertInbox` is what the HTTP server's thread
-writes and the loop reads (`firing(namespace, name, now)`); `BearerToken` is the receiver's secret.
+writes and the loop reads (`slo_misses(namespace, name, now)`, for `Observation.with_alerts`);
+`BearerToken` is the receiver's secret.
 The HTTP side (status codes, the route) is health.py's; the rules that raise these alerts are
 manifests.alert_rules (docs/alerts.md).
 """
@@ -18,6 +19,8 @@ import time
 from collections.abc import Iterable
 from datetime import datetime
 from typing import Any
+
+from specfleet_control.observe import Alert as LoopAlert
 
 from .manifests import ALERT_ALPHA, ALERT_SPEEDUP, PROM_LABEL_SDD, label_value
 
@@ -38,7 +41,7 @@ class PayloadError(ValueError):
 
 
 @dataclasses.dataclass(frozen=True)
-class Alert:
+class WebhookAlert:
     """One entry of a webhook post's `alerts`."""
     status: str  # firing or resolved
     labels: dict[str, str]
@@ -93,7 +96,7 @@ def _strings(value: Any, where: str) -> dict[str, str]:
     return value
 
 
-def parse(body: bytes) -> list[Alert]:
+def parse(body: bytes) -> list[WebhookAlert]:
     """The alerts of one webhook post.
 
     >>> a, = parse(b'{"version": "4", "status": "firing", "alerts": [{"status": "firing",'
@@ -136,7 +139,7 @@ def parse(body: bytes) -> list[Alert]:
             fingerprint = hashlib.sha256(json.dumps(labels, sort_keys=True).encode()).hexdigest()[:16]
         elif not isinstance(fingerprint, str) or not fingerprint:
             raise PayloadError(f"{where}.fingerprint: expected a non-empty string")
-        out.append(Alert(status, labels, annotations, starts or 0.0, ends, fingerprint))
+        out.append(WebhookAlert(status, labels, annotations, starts or 0.0, ends, fingerprint))
     return out
 
 
@@ -145,12 +148,14 @@ class AlertInbox:
     asyncio, reads: one lock. The clock (epoch seconds) is passed in, as everywhere in the loop.
 
     >>> inbox = AlertInbox(ttl_s=600)
-    >>> firing = Alert("firing", {"alertname": "SpecDecodeAlphaBelowSLO", "sdd_namespace": "ml",
+    >>> firing = WebhookAlert("firing", {"alertname": "SpecDecodeAlphaBelowSLO", "sdd_namespace": "ml",
     ...                "sdd_name": "chat", "prompt_type": "code"}, {}, 100.0, None, "f1")
     >>> inbox.record([firing], now=100.0)
     1
     >>> [(a.alertname, a.prompt_type, a.slo_miss) for a in inbox.firing("ml", "chat", now=200.0)]
     [('SpecDecodeAlphaBelowSLO', 'code', True)]
+    >>> inbox.slo_misses("ml", "chat", now=200.0)  # what the loop's Observation.with_alerts takes
+    (Alert(name='SpecDecodeAlphaBelowSLO', prompt_type='code'),)
     >>> inbox.firing("ml", "chat", now=701.0)  # not resent within the TTL
     []
     >>> _ = inbox.record([firing], now=800.0)
@@ -161,10 +166,10 @@ class AlertInbox:
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S):
         self.ttl_s = ttl_s
-        self._firing: dict[str, tuple[Alert, float]] = {}  # fingerprint -> (alert, expires at)
+        self._firing: dict[str, tuple[WebhookAlert, float]] = {}  # fingerprint -> (alert, expires at)
         self._lock = threading.Lock()
 
-    def record(self, alerts: Iterable[Alert], now: float | None = None) -> int:
+    def record(self, alerts: Iterable[WebhookAlert], now: float | None = None) -> int:
         """Take in one post's alerts; returns how many named a fleet (the others are ignored)."""
         now = time.time() if now is None else now
         matched = 0
@@ -193,6 +198,10 @@ class AlertInbox:
                     out.append(FiringAlert(a.alertname, a.labels.get("prompt_type") or None, a.starts_at, fp,
                                            a.annotations.get("summary", "")))
         return sorted(out, key=lambda f: (f.since, f.fingerprint))
+
+    def slo_misses(self, namespace: str, name: str, now: float) -> tuple[LoopAlert, ...]:
+        """The firing SLO alerts as the loop's observation takes them (`Observation.with_alerts`)."""
+        return tuple(LoopAlert(a.alertname, a.prompt_type) for a in self.firing(namespace, name, now) if a.slo_miss)
 
 
 class BearerToken:

@@ -21,6 +21,9 @@ import urllib.request
 import pytest
 import yaml
 from prometheus_client import REGISTRY
+from specfleet_control.loop import Memory, tick
+from specfleet_control.observe import Observation
+from specfleet_control.slo import SloPolicy
 from specfleet_operator import manifests
 from specfleet_operator.alerts import AlertInbox, BearerToken, PayloadError, parse
 from specfleet_operator.health import AlertReceiver, Heartbeat, serve
@@ -338,8 +341,16 @@ def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_r
         firing = wait_for(lambda: inbox.firing("ml", "chat", now=time.time()), 20,
                           "Alertmanager's webhook to reach the inbox", poll_s=0.1)
         assert [(a.alertname, a.prompt_type, a.slo_miss) for a in firing] == [(manifests.ALERT_ALPHA, "code", True)]
+        # the same fallback: the loop, given what the inbox holds, takes prompt type code (only) off
+        moved = tick(Observation().with_alerts(inbox.slo_misses("ml", "chat", time.time())), Memory(),
+                     SloPolicy(), time.time())
+        assert moved.memory.fallback_types() == ("code",) and not moved.memory.whole
+        assert moved.events == (("FallbackEntered", f"prompt type code: speculation off: alert {manifests.ALERT_ALPHA} "
+                                 "firing"),)
         wait_for(lambda: refused("unauthorized") > unauthorized, 20, "the wrong token to be refused", poll_s=0.1)
         assert inbox.firing("ml", "intruder", now=time.time()) == []
+        assert tick(Observation().with_alerts(inbox.slo_misses("ml", "intruder", time.time())), Memory(),
+                    SloPolicy(), time.time()).memory.fallback_types() == ()
         # resolved: Alertmanager's next notification of the group removes it
         alertmanager_post(port, [{**alert, "endsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))}])
         wait_for(lambda: inbox.firing("ml", "chat", now=time.time()) == [], 20, "the resolved notification",
