@@ -113,6 +113,27 @@ async def test_an_edited_service_selector_and_port_are_reverted(cluster, kube):
         await op.stop_and_join()
 
 
+async def test_an_owned_child_the_spec_no_longer_wants_is_removed(cluster, kube):
+    """A canary Deployment brought back (a backup restored, a stale GitOps copy) after the canary
+    left the spec is removed again; one that is not the operator's is left alone."""
+    op = await started(cluster, kube, sdd_body("demo", canary={"weight": 10}))
+    try:
+        stale = copy.deepcopy(child(cluster, "Deployment", "demo-canary"))
+        await kube.patch(API_VERSION, KIND, "default", "demo", {"spec": {"canary": None}})
+        await wait_for(lambda: child(cluster, "Deployment", "demo-canary") is None, 10, "canary removed")
+        await wait_for(lambda: ready(cluster, "demo"), 10, "Ready without a canary")
+        for key in ("uid", "resourceVersion", "creationTimestamp", "generation"):
+            stale["metadata"].pop(key)
+        await kube.create(stale)
+        await wait_for(lambda: child(cluster, "Deployment", "demo-canary") is None, 10, "restored canary removed")
+        stale["metadata"]["ownerReferences"] = []  # someone else's, by the same name: not the operator's
+        await kube.create(stale)
+        await asyncio.sleep(1.0)
+        assert child(cluster, "Deployment", "demo-canary") is not None
+    finally:
+        await op.stop_and_join()
+
+
 async def test_what_the_operator_does_not_own_is_left_alone(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo"), {"converge_interval": 0.2})
     try:
