@@ -180,6 +180,19 @@ async def test_the_operators_own_writes_end_there(cluster, kube):
         await op.stop_and_join()
 
 
+async def test_an_autoscaled_deployments_replicas_are_the_autoscalers(cluster, kube):
+    """Under spec.scaling the HPA moves the stable workers' replicas: the operator sets none, so a
+    converge never fights it."""
+    op = await started(cluster, kube, full_fleet(), {"converge_interval": 0.2})
+    try:
+        await kube.patch("apps/v1", "Deployment", "default", "smollm2-draft-stable", {"spec": {"replicas": 5}})
+        await asyncio.sleep(1.5)  # several periodic converges
+        assert child(cluster, "Deployment", "smollm2-draft-stable")["spec"]["replicas"] == 5
+        assert not [e for e in cluster.all_live("v1", "events") if e.get("reason") == "Converged"]  # not drift
+    finally:
+        await op.stop_and_join()
+
+
 async def test_the_periodic_converge_repairs_what_no_watch_saw(cluster, kube):
     """A child stripped of the fleet's managed-by label drops out of the label-filtered watch: only
     the periodic converge sees that it was also scaled, and restores both."""
