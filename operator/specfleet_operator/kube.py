@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import ssl
 import tempfile
+from decimal import Decimal
 from typing import Any
 
 import aiohttp
@@ -24,6 +26,11 @@ MERGE_PATCH = "application/merge-patch+json"
 #: Maps owned whole, not key by key: a key added to a Service's selector (or a Deployment's, a
 #: PDB's) changes which pods it picks, one added to a ConfigMap's data what the workers read.
 OWNED_MAPS = frozenset({("data",), ("spec", "selector"), ("spec", "selector", "matchLabels")})
+QUANTITY_MAPS = frozenset({"requests", "limits"})  # a container's resources: quantities
+_SUFFIXES = {"": Decimal(1), "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "k": Decimal(10) ** 3,
+             "M": Decimal(10) ** 6, "G": Decimal(10) ** 9, "T": Decimal(10) ** 12, "P": Decimal(10) ** 15,
+             "E": Decimal(10) ** 18, **{s: Decimal(2) ** (10 * i) for i, s in enumerate(("Ki", "Mi", "Gi", "Ti", "Pi", "Ei"), 1)}}
+_QUANTITY = re.compile(r"([+-]?(?:\d+\.?\d*|\.\d+)(?:[eE][+-]?\d+)?)(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E)?")
 
 PLURALS = {
     "ConfigMap": "configmaps", "Service": "services", "Secret": "secrets", "Event": "events",
@@ -70,14 +77,31 @@ def merge_diff(before: Any, after: Any) -> Any:
     return patch
 
 
-def holds(live: Any, desired: Any) -> bool:
+def holds(live: Any, desired: Any, quantities: bool = False) -> bool:
     """Whether `live` holds `desired`: dicts may have more keys (server defaults), lists match
-    item by item, and a quantity may come back as a string (1 == "1")."""
+    item by item, a number may come back as a string (1 == "1"), and inside `requests` and
+    `limits` a quantity in the API server's canonical form (0.5 == "500m", "1024Mi" == "1Gi")."""
     if isinstance(desired, dict):
-        return isinstance(live, dict) and all(k in live and holds(live[k], v) for k, v in desired.items())
+        return isinstance(live, dict) and all(
+            k in live and holds(live[k], v, quantities or k in QUANTITY_MAPS) for k, v in desired.items())
     if isinstance(desired, list):
-        return isinstance(live, list) and len(live) == len(desired) and all(map(holds, live, desired))
-    return live == desired or (not isinstance(desired, bool) and str(live) == str(desired))
+        return isinstance(live, list) and len(live) == len(desired) and all(
+            holds(a, b, quantities) for a, b in zip(live, desired))
+    if live == desired or (not isinstance(desired, bool) and str(live) == str(desired)):
+        return True
+    return quantities and quantity(live) is not None and quantity(live) == quantity(desired)
+
+
+def quantity(value: Any) -> Decimal | None:
+    """A Kubernetes resource quantity as a number; None when `value` is not one.
+    >>> quantity("500m") == quantity(0.5), quantity("1Gi") == quantity("1024Mi"), quantity("4x")
+    (True, True, None)
+    """
+    match = _QUANTITY.fullmatch(str(value)) if isinstance(value, (str, int, float)) \
+        and not isinstance(value, bool) else None
+    if match is None:
+        return None
+    return Decimal(match[1]) * _SUFFIXES[match[2] or ""]
 
 
 def drift(live: Any, desired: Any, path: tuple[str, ...] = ()) -> Any:

@@ -247,6 +247,12 @@ def test_every_watched_kind_may_be_listed_and_watched():
     ({"spec": {"selector": {"a": "1", "b": "2"}}}, {"spec": {"selector": {"a": "1"}}}, {"spec": {"selector": {"b": None}}}),
     ({"metadata": {"annotations": {"mine": "x"}}, "data": {"k": "v"}}, {"metadata": {}, "data": {"k": "v"}}, {}),
     ({"spec": {"ports": [{"port": 80, "protocol": "TCP"}]}}, {"spec": {"ports": [{"port": 80}]}}, {}),
+    # the API server's canonical quantities are no drift (else every converge would patch them)
+    ({"c": [{"resources": {"requests": {"cpu": "500m", "memory": "1Gi"}}}]},
+     {"c": [{"resources": {"requests": {"cpu": 0.5, "memory": "1024Mi"}}}]}, {}),
+    ({"c": [{"resources": {"limits": {"cpu": "2"}}}]}, {"c": [{"resources": {"limits": {"cpu": "1"}}}]},
+     {"c": [{"resources": {"limits": {"cpu": "1"}}}]}),
+    ({"c": [{"image": "1000m"}]}, {"c": [{"image": "1"}]}, {"c": [{"image": "1"}]}),  # quantities only there
 ])
 def test_apply_patch_owns_the_desired_fields_and_whole_selectors(live, desired, patch):
     assert apply_patch(live, desired) == patch
