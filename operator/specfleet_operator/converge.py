@@ -21,6 +21,7 @@ from . import spec as specs
 from .kube import PLURALS, ApiError, apply_patch
 
 logger = logging.getLogger("specfleet.operator.converge")
+CONVERGE_INTERVAL_S = 60.0  # memo.converge_interval unless set
 
 #: (apiVersion, kind) of every child the operator may create, each watched.
 CHILD_KINDS = tuple(dict.fromkeys((api_version, kind) for api_version, kind, _ in manifests.child_refs("x")))
@@ -117,8 +118,8 @@ def _watch(api_version: str, kind: str) -> None:
         await asyncio.sleep(memo.get("converge_debounce", 0.1))
         try:
             await converge(memo, ns, owner, only=(kind, name))
-        except ApiError as exc:
-            raise kopf.TemporaryError(f"converging {kind} {ns}/{name}: {exc}", delay=5) from exc
+        except (ApiError, kopf.TemporaryError) as exc:  # kopf retries no event handler: the daemon will
+            logger.warning("converging %s %s/%s failed, the periodic converge retries: %s", kind, ns, name, exc)
 
 
 for _api_version, _kind in CHILD_KINDS:
@@ -127,16 +128,16 @@ for _api_version, _kind in CHILD_KINDS:
 
 @kopf.on.startup()
 async def defaults(memo: Any, **_: Any) -> None:
-    memo.setdefault("converge_interval", 60.0)
+    memo.setdefault("converge_interval", CONVERGE_INTERVAL_S)
 
 
-@kopf.daemon(handlers.SDD[0], handlers.SDD[1], handlers.SDD[2], cancellation_timeout=1.0)
+@kopf.daemon(*handlers.SDD, cancellation_timeout=1.0)
 async def converge_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonStopped, **_: Any) -> None:
     """Every converge_interval: check every child of the resource (a missed event, a watch that
     was down) and reconcile what drifted."""
     meta = body["metadata"]
     while not stopped:
-        await stopped.wait(memo.get("converge_interval", 60.0))
+        await stopped.wait(memo.get("converge_interval", CONVERGE_INTERVAL_S))
         if stopped:
             break
         try:
