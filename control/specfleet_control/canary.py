@@ -406,6 +406,16 @@ def _decision(state: CanaryState, events: list[tuple[str, str]], policy: CanaryP
                           state.epoch if state.phase in LIVE_PHASES else "", clear_gate)
 
 
+def routing(state: CanaryState, spec: dict[str, Any]) -> CanaryDecision:
+    """What a canary state routes, without a tick (a reconcile between two): its weight now, the
+    drift mirror share and epoch.
+
+    >>> routing(CanaryState(), {}).weight
+    0.0
+    """
+    return _decision(state, [], CanaryPolicy.from_spec(spec))
+
+
 def promotion_record(state: CanaryState, policy: CanaryPolicy, now: float) -> dict[str, Any]:
     """What stable runs after this promotion: the overrides (on top of an earlier promotion's) and
     the spec's values under them at promotion time (specfleet_operator.manifests.promotion judges

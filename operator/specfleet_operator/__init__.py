@@ -1,6 +1,6 @@
 """specfleet's Kubernetes operator: SpecDecodeDeployment in, worker fleet out.
 
-Pure modules (spec, manifests, status, policy) hold the logic; handlers glue them to kopf.
+Pure modules (spec, manifests, status; the loop in specfleet_control) hold the logic; handlers glue them to kopf.
 Nothing here imports torch: the operator image stays small and starts fast.
 """
 

@@ -44,7 +44,7 @@ def desired_children(sdd: dict[str, Any], memo: Any) -> dict[tuple[str, str], di
     if specs.problems(spec):
         return None
     status = sdd["status"]
-    fleet = handlers.fleet_state(handlers.loop_state(status), spec, handlers.memory_of(status))
+    fleet = handlers.fleet_state(handlers.canary_state(status), spec, handlers.memory_of(status))
     try:
         desired = manifests.children(sdd, spec, memo.settings, fleet)
     except (KeyError, TypeError, ValueError, AttributeError):

@@ -2,7 +2,8 @@
 
 create / update / resume -> reconcile (apply every child, delete the ones no longer wanted,
 write the status, then the live state in Redis); worker and router Deployment events -> refresh
-the owner's status; a daemon per resource runs the control loop (policy.decide); delete -> delete
+the owner's status; a daemon per resource runs the control loop (specfleet_control: the SLO loop and
+the canary analysis, docs/control-loop.md); delete -> delete
 what this resource owns. Clients and sources come in through kopf's memo, so tests swap them
 without patching.
 """
@@ -19,13 +20,14 @@ from typing import Any, Sequence
 
 import kopf
 
+from specfleet_api.windows import Window, sum_windows
+from specfleet_control import canary as canaries
 from specfleet_control import loop as slo_loop
-from specfleet_api.windows import sum_windows
-from specfleet_control.observe import Alert, Observation
+from specfleet_control.observe import Observation
 from specfleet_control.slo import FALLBACK, SloPolicy
 
 from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
-from . import manifests, metrics, policy, redis_state
+from . import manifests, metrics, redis_state
 from . import spec as specs
 from . import status as statuses
 from .kube import ApiError, Kube
@@ -34,8 +36,8 @@ SDD = (GROUP, VERSION, PLURAL)
 FLEET_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}  # worker and router Deployments
 OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusRule": "observability.prometheusRule",
                   "HorizontalPodAutoscaler": "scaling"}
-WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "InvalidSpec", "Unsupported",
-                   "ApplyFailed"}
+WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "CanaryGateInvalid",
+                   "CanaryAnalysisHalted", "InvalidSpec", "Unsupported", "ApplyFailed", "NoDecision"}
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -48,14 +50,9 @@ def _epoch(text: str | None) -> float | None:
     return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text else None
 
 
-def loop_state(status: dict[str, Any]) -> policy.LoopState:
-    canary = status.get("canary") or {}
-    return policy.LoopState(
-        mode=status.get("mode", "speculative"), fallback_since=_epoch(status.get("fallbackSince")),
-        canary_phase=canary.get("phase", "Idle"), canary_step=canary.get("step", 0),
-        canary_weight=canary.get("weight") if canary.get("phase") == "Progressing" else None,
-        step_since=_epoch(canary.get("stepSince")), failed_checks=canary.get("failedChecks", 0),
-        last_analysis=_epoch(canary.get("lastAnalysis")))
+def canary_state(status: dict[str, Any]) -> canaries.CanaryState:
+    """The canary analysis' memory, kept in status.canary."""
+    return canaries.CanaryState.from_status(status.get("canary"))
 
 
 def memory_of(status: dict[str, Any]) -> slo_loop.Memory:
@@ -63,30 +60,27 @@ def memory_of(status: dict[str, Any]) -> slo_loop.Memory:
     return slo_loop.Memory.from_status(status.get("slo"))
 
 
-def fleet_state(loop: policy.LoopState, spec: dict[str, Any], memory: slo_loop.Memory | None = None
+def fleet_state(cstate: canaries.CanaryState, spec: dict[str, Any], memory: slo_loop.Memory | None = None
                 ) -> manifests.FleetState:
+    """What shapes the children and the live state: the SLO loop's fallbacks and the canary's
+    routing (its weight now, the drift mirror share and epoch, a promotion record)."""
     memory = memory or slo_loop.Memory()
-    state = manifests.FleetState(mode=FALLBACK if memory.whole else "speculative", canary_weight=loop.canary_weight,
-                                 canary_phase=loop.canary_phase, fallback=memory.fallback_types(),
-                                 fallback_clusters=memory.fallback_clusters())
-    return dataclasses.replace(state, canary_weight=manifests.canary_weight(spec, state))
+    routing = canaries.routing(cstate, spec)
+    return manifests.FleetState(mode=FALLBACK if memory.whole else "speculative", canary_weight=routing.weight,
+                                canary_phase=cstate.phase, fallback=memory.fallback_types(),
+                                fallback_clusters=memory.fallback_clusters(), mirror_share=routing.mirror_share,
+                                drift_epoch=routing.drift_epoch, promoted=cstate.promoted)
 
 
-def _canary_hash(spec: dict[str, Any]) -> str | None:
-    if not spec.get("canary"):
-        return None
-    return manifests.config_hash([manifests.engine_config(spec, "canary"), spec["canary"]])
-
-
-def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: dict[str, Any] | None,
-              canary: dict[str, Any] | None, errors: list[str], m: policy.Metrics | None = None,
+def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, stable: dict[str, Any] | None,
+              canary: dict[str, Any] | None, errors: list[str], window: Window | None = None,
               router: dict[str, Any] | None = None, memory: slo_loop.Memory | None = None) -> statuses.Observed:
     prev = body.get("status") or {}
     memory = memory or memory_of(prev)
-    fleet = fleet_state(loop, spec, memory)
+    fleet = fleet_state(cstate, spec, memory)
     whole = memory.keys.get(slo_loop.DEPLOYMENT)
     stable_n, canary_n = manifests.replica_counts(spec, fleet)
-    sm = m.stable if m else None
+    w = window
     live_hash = ((stable or {}).get("spec", {}).get("template", {}).get("metadata", {})
                  .get("annotations", {}).get(manifests.ANNOTATION_CONFIG_HASH))
     k = manifests.effective_spec(spec, "stable", fleet)["speculation"]
@@ -99,25 +93,23 @@ def _observed(body: Any, spec: dict[str, Any], loop: policy.LoopState, stable: d
         state=fleet, draft_method=manifests.effective_spec(spec, "stable", fleet)["draft"]["method"],
         k_bounds=(k["kMin"], k["kMax"]),
         config_hash=live_hash or prev.get("configHash"),
-        alpha=sm.alpha if sm and sm.alpha is not None else prev.get("alpha"),
-        mean_accepted_length=(sm.mean_accepted_length if sm and sm.mean_accepted_length is not None
-                              else prev.get("meanAcceptedLength")),
-        speedup=sm.speedup if sm and sm.speedup is not None else prev.get("speedup"),
-        canary_step=loop.canary_step, failed_checks=loop.failed_checks,
+        alpha=_round(w.alpha) if w and w.alpha is not None else prev.get("alpha"),
+        mean_accepted_length=_round(w.tau) if w and w.tau is not None else prev.get("meanAcceptedLength"),
+        speedup=_round(w.speedup) if w and w.speedup is not None else prev.get("speedup"),
         fallback_since=_iso(whole.since) if whole is not None and whole.mode == FALLBACK else None,
-        last_analysis=_iso(loop.last_analysis))
+        canary_status=cstate.to_status())
 
 
-def _status(observed: statuses.Observed, body: Any, loop: policy.LoopState, spec: dict[str, Any],
-            memory: slo_loop.Memory) -> dict[str, Any]:
+def _round(x: float) -> float:
+    return round(x, 4)
+
+
+def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> dict[str, Any]:
     prev = body.get("status") or {}
     now = _iso(time.time())
     out = statuses.compute(observed, prev, now)
     out["slo"] = memory.to_status()
     out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
-    out["canary"]["configHash"] = _canary_hash(spec)
-    if loop.step_since is not None:
-        out["canary"]["stepSince"] = _iso(loop.step_since)
     if "fallbackSince" not in out and prev.get("fallbackSince"):
         out["fallbackSince"] = None  # merge patch: drop the key
     return out
@@ -172,39 +164,36 @@ def reconcile_lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
     return memo.setdefault("reconcile_locks", {}).setdefault((namespace, name), asyncio.Lock())
 
 
-async def reconcile(body: Any, memo: Any, loop: policy.LoopState | None = None,
-                    m: policy.Metrics | None = None, memory: slo_loop.Memory | None = None, *,
+async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = None,
+                    window: Window | None = None, memory: slo_loop.Memory | None = None, *,
                     locked: bool = False) -> None:
     """Make the children match the spec, then write the status from what is live. `locked`: the
     caller holds reconcile_lock."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not locked:
         async with reconcile_lock(memo, ns, name):
-            return await reconcile(body, memo, loop, m, memory, locked=True)
+            return await reconcile(body, memo, cstate, window, memory, locked=True)
     spec = specs.with_defaults(dict(body.get("spec") or {}))
     problems = specs.problems(spec)
     prev = body.get("status") or {}
-    loop = loop or loop_state(prev)
+    cstate = cstate or canary_state(prev)
     memory = memory or memory_of(prev)
     if not problems:
         try:
-            manifests.children(body, spec, memo.settings, fleet_state(loop, spec, memory))
+            manifests.children(body, spec, memo.settings, fleet_state(cstate, spec, memory))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             problems = [specs.Problem("spec", f"cannot build the workers from this spec: {exc!r}")]
     if problems:  # no child is created: nothing a worker would refuse reaches a pod
         _event(body, specs.rejection_reason(problems), "; ".join(str(p) for p in problems))
         await write_status(memo, ns, name, problems=problems)
         return
-    if _canary_hash(spec) != (prev.get("canary") or {}).get("configHash") and loop.canary_phase != "Idle":
-        loop = dataclasses.replace(loop, canary_phase="Idle", canary_step=0, canary_weight=None, step_since=None,
-                                   failed_checks=0, last_analysis=None)
-    results, errors = await _apply_children(body, spec, fleet_state(loop, spec, memory), memo)
+    results, errors = await _apply_children(body, spec, fleet_state(cstate, spec, memory), memo)
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:
         _event(body, "Created", "created " + ", ".join(created))
     if errors:
         _event(body, "ApplyFailed", "; ".join(errors))
-    await write_status(memo, ns, name, loop=loop, m=m, errors=errors, memory=memory)
+    await write_status(memo, ns, name, cstate=cstate, window=window, errors=errors, memory=memory)
 
 
 def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
@@ -212,8 +201,8 @@ def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
     return locks.setdefault((namespace, name), asyncio.Lock())
 
 
-async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.LoopState | None = None,
-                       m: policy.Metrics | None = None, errors: Sequence[str] = (),
+async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries.CanaryState | None = None,
+                       window: Window | None = None, errors: Sequence[str] = (),
                        problems: Sequence[specs.Problem] = (),
                        memory: slo_loop.Memory | None = None) -> dict[str, Any] | None:
     """Read the resource and its workers, compute the status, write it if it changed, and the
@@ -235,14 +224,14 @@ async def write_status(memo: Any, namespace: str, name: str, *, loop: policy.Loo
             observed = statuses.Observed(generation=sdd["metadata"].get("generation"), problems=tuple(problems))
             new = statuses.compute(observed, prev, _iso(time.time()))
         else:
-            loop = loop or loop_state(prev)
+            cstate = cstate or canary_state(prev)
             memory = memory or memory_of(prev)
-            fleet = fleet_state(loop, spec, memory)
+            fleet = fleet_state(cstate, spec, memory)
             stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
             canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
                 if spec.get("canary") else None
             router = await kube.get("apps/v1", "Deployment", namespace, manifests.router_name(name))
-            new = _status(_observed(sdd, spec, loop, stable, canary, list(errors), m, router, memory), sdd, loop, spec,
+            new = _status(_observed(sdd, spec, cstate, stable, canary, list(errors), window, router, memory), sdd,
                           memory)
             if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
                 _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
@@ -364,13 +353,6 @@ async def control_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonSto
             kopf.warn(body, reason="ControlLoop", message=f"control loop tick failed, will retry: {exc}")
 
 
-def _role_metrics(w: Any) -> policy.RoleMetrics | None:
-    if w is None:
-        return None
-    return policy.RoleMetrics(alpha=w.alpha, mean_accepted_length=w.tau, speedup=w.spec_speedup or w.speedup,
-                              error_rate=w.error_rate)
-
-
 async def observe(memo: Any, ns: str, name: str, spec: dict[str, Any], drift_epoch: str = "") -> tuple[Observation, bool]:
     """(what the fleet showed, whether it routes per prompt type): its windows in Redis when it
     has one (routers follow a live state there), else no windows (the alerts alone act); the
@@ -386,8 +368,14 @@ async def observe(memo: Any, ns: str, name: str, spec: dict[str, Any], drift_epo
         obs, per_type = await memo.windows.observe(url, ns, name, arms, drift_epoch), True
     inbox = memo.get("alerts")
     if inbox is not None:
-        obs = obs.with_alerts(tuple(Alert(a.alertname, a.prompt_type) for a in inbox.firing(ns, name, time.time())))
+        obs = obs.with_alerts(tuple(inbox.slo_misses(ns, name, time.time())))
     return obs, per_type
+
+
+def _readiness(deployment: dict[str, Any] | None) -> tuple[int, int]:
+    if deployment is None:
+        return 0, 0
+    return (deployment.get("status") or {}).get("readyReplicas", 0), (deployment.get("spec") or {}).get("replicas", 0)
 
 
 async def tick(body: Any, memo: Any) -> None:
@@ -399,24 +387,29 @@ async def tick(body: Any, memo: Any) -> None:
     if not prev:
         return  # not reconciled yet
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
-    before, memory = loop_state(prev), memory_of(prev)
+    before, memory = canary_state(prev), memory_of(prev)
     now = time.time()
-    obs, per_type = await observe(memo, ns, name, spec)
+    obs, per_type = await observe(memo, ns, name, spec, canaries.routing(before, spec).drift_epoch)
+    kube: Kube = memo.kube
+    ready = {"stable": _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "stable")))}
+    if spec.get("canary") or before.phase in canaries.LIVE_PHASES:
+        ready["canary"] = _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")))
+    obs = dataclasses.replace(obs, ready=ready)
     slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type)
     if not slo.decided:
-        kopf.info(body, reason="NoDecision", message=f"the fleet's windows could not be read ({obs.error}): "
-                                                       "nothing decided this tick")
-    stable_w, canary_w = (sum_windows(list(obs.windows.get(arm, {}).values())) if obs.windows.get(arm)
-                          else None for arm in ("stable", "canary"))
-    observed_metrics = policy.Metrics(stable=_role_metrics(stable_w), canary=_role_metrics(canary_w))
-    decision = policy.decide_canary(observed_metrics if obs.complete else policy.Metrics(), before,
-                                    policy.Policy.from_spec(spec), now)
+        _event(body, "NoDecision", f"the fleet's windows could not be read ({obs.error}): nothing decided this tick")
+    decision = canaries.tick(spec, body.get("metadata"), prev.get("canary"), canaries.observation(obs, None), now)
     for reason, message in slo.events + decision.events:
         _event(body, reason, message)
+        metrics.record_transition(ns, name, reason, message)
+    if decision.clear_gate:
+        await kube.patch(API_VERSION, KIND, ns, name, {"metadata": {"annotations": {canaries.GATE_ANNOTATION: None}}})
+    stable = obs.windows.get("stable")
+    window = sum_windows(list(stable.values())) if stable else None
     if fleet_state(decision.state, spec, slo.memory) != fleet_state(before, spec, memory):
-        await reconcile(body, memo, decision.state, observed_metrics, slo.memory)
+        await reconcile(body, memo, decision.state, window, slo.memory)
     else:
-        await write_status(memo, ns, name, loop=decision.state, m=observed_metrics, memory=slo.memory)
+        await write_status(memo, ns, name, cstate=decision.state, window=window, memory=slo.memory)
 
 
 @kopf.on.delete(*SDD)

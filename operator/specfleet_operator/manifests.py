@@ -19,6 +19,7 @@ import re
 from typing import Any
 
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
+from specfleet_api.durations import parse_duration
 from specfleet_api.live_state import KBounds, LiveState, Routing
 from specfleet_control import canary as canaries
 
@@ -334,6 +335,16 @@ def _redis_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return []
 
 
+def _window_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The SLO window as the length of the windows workers and routers publish (docs/control-loop.md).
+
+    >>> _window_env({"slo": {"window": "1m30s"}})
+    [{'name': 'SPECFLEET_FLEET_WINDOW_S', 'value': '90'}]
+    """
+    window = (spec.get("slo") or {}).get("window")
+    return [{"name": "SPECFLEET_FLEET_WINDOW_S", "value": f"{parse_duration(window):g}"}] if window else []
+
+
 def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str) -> list[dict[str, Any]]:
     sdd_name = sdd["metadata"]["name"]
     env: list[dict[str, Any]] = [
@@ -343,6 +354,7 @@ def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str) -> list[dict[str,
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         # the live state's key and the statistics' keys (specfleet_worker.live, .fleet)
         {"name": "SPECFLEET_DEPLOYMENT", "value": f"{sdd['metadata']['namespace']}/{sdd_name}"},
+        *_window_env(spec),
     ]
     env += _redis_env(spec)
     endpoint = spec.get("observability", {}).get("otlpEndpoint")
@@ -521,7 +533,7 @@ def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Setti
     name = sdd["metadata"]["name"]
     router = spec.get("router") or {}
     env = [{"name": "HOME", "value": "/tmp"},
-           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+           {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, *_window_env(spec)]
     if writes_live_state(spec, settings):
         env += _redis_env(spec)
     http = {"port": "http", "scheme": "HTTP"}

@@ -10,7 +10,6 @@ import copy
 import dataclasses
 import functools
 import importlib.resources
-import re
 from typing import Any
 
 import yaml
@@ -18,6 +17,7 @@ import yaml
 from specfleet_api.engine_config import (
     INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason,
 )
+from specfleet_api.durations import parse_duration
 from specfleet_api.enums import METHODS, PROMPT_TYPES
 
 from . import manifests
@@ -25,8 +25,6 @@ from . import manifests
 __all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "is_percentage", "parse_duration", "problems",
            "rejection_reason", "served_problems", "spec_schema", "with_defaults"]
 
-_DURATION = re.compile(r"(\d+)(ms|s|m|h)")
-_UNITS = {"ms": 0.001, "s": 1.0, "m": 60.0, "h": 3600.0}
 
 
 @functools.cache
@@ -67,17 +65,6 @@ def _default(value: Any, schema: dict[str, Any]) -> Any:
     elif isinstance(value, list) and "items" in schema:
         value = [_default(item, schema["items"]) for item in value]
     return value
-
-
-def parse_duration(text: str) -> float:
-    """Seconds in a Go-style duration ("1m30s", "500ms"); ValueError names what was wrong.
-    >>> parse_duration("1m30s")
-    90.0
-    """
-    parts = _DURATION.findall(text or "")
-    if not parts or "".join(n + u for n, u in parts) != text:
-        raise ValueError(f"{text!r} is not a duration like 30s, 5m or 1h30m")
-    return sum(int(n) * _UNITS[u] for n, u in parts)
 
 
 def problems(spec: dict[str, Any]) -> list[Problem]:

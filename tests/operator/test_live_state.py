@@ -86,7 +86,9 @@ async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_s
                                    routing={"byPromptType": {"chat": "none", "code": "ngram"}},
                                    canary={"weight": 0.5, "replicas": 2, "overrides": {"speculation": {"kMax": 12}}}))
         await wait_for(lambda: ready(cluster, "live"), 20, "Ready")
-        first = await wait_for(lambda: stored(client, name="live"), 20, "the live state in Redis")
+        # the canary gets its share once its workers are Ready (the analysis' Waiting phase routes nothing)
+        first = await wait_for(lambda: (d := stored(client, name="live")) and d.canary_weight == 0.5 and d, 20,
+                               "the live state in Redis with the canary's share")
         assert (first.canary_weight, first.routes, first.speculate) == (0.5, {"chat": "none", "code": "ngram"}, True)
         assert first.k == {"stable": KBounds(1, 6), "canary": KBounds(1, 12)} and first.default_method == "ngram"
         await router_takes(first)
@@ -119,13 +121,16 @@ async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_s
 
 
 async def test_no_redis_no_document_and_the_router_gets_the_state_in_flags(cluster, kube, redis_server):
-    op = OperatorThread(cluster.endpoint, "op-a").start()
+    op = OperatorThread(cluster.endpoint, "op-a", loop_interval=0.2).start()
     try:
         await kube.create(sdd_body("flags", canary={"weight": 0.25}))
         await wait_for(lambda: ready(cluster, "flags"), 20, "Ready")
-        router = cluster.live("apps/v1", "deployments", "default", "flags-router")
-        args = router["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--canary-weight") + 1] == "0.25"
+        def weight():
+            args = cluster.live("apps/v1", "deployments", "default", "flags-router")["spec"]["template"]["spec"][
+                "containers"][0]["args"]
+            return args[args.index("--canary-weight") + 1]
+        # 0 while the canary waits for its workers, its share once they are Ready
+        await wait_for(lambda: weight() == "0.25", 20, "the canary's share in the router's flags")
         assert redis_server.client().keys("*") == []
     finally:
         await op.stop_and_join()

@@ -339,12 +339,17 @@ def test_live_state_from_spec_and_loop_state():
     live = m.live_state(s, m.FleetState())
     assert live == LiveState(version=0, canary_weight=12.5, default_method="ngram",
                              routes={"chat": "none", "code": "ngram"}, fallback=(), speculate=True,
-                             k={"stable": KBounds(1, 6), "canary": KBounds(1, 10)})
+                             k={"stable": KBounds(1, 6), "canary": KBounds(1, 10)}, probe_share=5.0)
     assert live.problems() == []  # a document the router and the workers accept
     assert LiveState.from_json(live.to_json()) == live
     fb = m.live_state(s, m.FleetState(mode="fallback", canary_weight=12.5, canary_phase="Progressing"))
-    assert fb.speculate is False and fb.k == {"stable": KBounds(0, 0), "canary": KBounds(0, 0)}
-    assert fb.method_for("code") == "none" and fb.problems() == []
+    # a whole-deployment fallback is a soft off: the probes (5%) keep their K bounds
+    assert fb.speculate is False and fb.k == {"stable": KBounds(1, 6), "canary": KBounds(1, 10)}
+    assert fb.method_for("code") == "none" and fb.route("code", draw=1.0) == ("ngram", True) and fb.problems() == []
+    no_probe = dict(s, slo={"fallback": {"enabled": True, "probeShare": 0}})
+    assert m.live_state(no_probe, m.FleetState(mode="fallback")).k["stable"] == KBounds(0, 0)
+    per_type = m.live_state(s, m.FleetState(fallback=("code",), fallback_clusters=("r/1",)))
+    assert per_type.speculate and per_type.fallback == ("code",) and per_type.fallback_clusters == ("r/1",)
     promoted = m.live_state(s, m.FleetState(canary_phase="Promoted"))
     assert promoted.canary_weight == 0 and promoted.k["stable"] == KBounds(1, 10)
     assert m.live_state(spec(draft={"method": "none"}), m.FleetState()).speculate is False

@@ -1,15 +1,10 @@
-"""The scrape parser reads what the worker exports, P99 latency included, so that a canary that
-checks p99LatencySeconds is judged on a number instead of "not reported"."""
+"""What the operator exports: per-fleet gauges under labels a scrape keeps, the transitions."""
 import doctest
-import math
-import random
 
-import pytest
-from prometheus_client import generate_latest
+from prometheus_client import REGISTRY
 
-from specfleet_operator import metrics, policy
+from specfleet_operator import metrics
 from specfleet_operator import spec as specs
-from specfleet_worker.metrics import LATENCY_BUCKETS, Metrics
 
 
 def test_the_docstrings_hold():
@@ -17,46 +12,23 @@ def test_the_docstrings_hold():
         assert doctest.testmod(module).failed == 0
 
 
-def worker_text(latencies: list[float]) -> str:
-    """/metrics of a worker that finished requests with these arrival-to-last-token latencies."""
-    m = Metrics("smollm2-135m", "none")
-    for seconds in latencies:
-        m.e2e.labels("smollm2-135m").observe(seconds)
-    return generate_latest(m.registry).decode()
+def value(name, **labels):
+    return REGISTRY.get_sample_value(name, labels)
 
 
-def bucket_of(value: float) -> tuple[float, float]:
-    bounds = (0.0, *LATENCY_BUCKETS, math.inf)
-    return next((lo, hi) for lo, hi in zip(bounds, bounds[1:]) if lo < value <= hi)
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_p99_comes_from_the_workers_latency_histogram(seed):
-    rng = random.Random(seed)
-    latencies = [rng.lognormvariate(0.0, 1.0) for _ in range(500)]
-    p99 = metrics.parse_role_metrics(worker_text(latencies)).p99_latency_seconds
-    true_p99 = sorted(latencies)[math.ceil(0.99 * len(latencies)) - 1]
-    lo, hi = bucket_of(true_p99)
-    assert p99 is not None and lo <= p99 <= hi, (p99, true_p99)
-
-
-def test_p99_interpolates_inside_its_bucket_and_is_absent_without_requests():
-    # 90 requests in (0.5, 1], 10 in (1, 2.5]: the 99th lies 9/10 of the way into (1, 2.5]
-    text = worker_text([0.75] * 90 + [2.0] * 10)
-    assert metrics.parse_role_metrics(text).p99_latency_seconds == pytest.approx(1.0 + 1.5 * 0.9)
-    assert metrics.parse_role_metrics(worker_text([])).p99_latency_seconds is None
-    # beyond the last finite bucket, the histogram can only say "at least this"
-    assert metrics.parse_role_metrics(worker_text([500.0] * 3)).p99_latency_seconds == LATENCY_BUCKETS[-1]
-
-
-def test_a_canary_checking_p99_is_judged_not_aborted_for_a_missing_metric():
-    p = policy.Policy(canary_weight=1, steps=((10, 60.0),), analysis_interval_s=60,
-                      checks=(("p99LatencySeconds", None, 5.0),))
-    state = policy.decide_canary(policy.Metrics(), policy.LoopState(), p, now=0.0).state
-    fast = metrics.parse_role_metrics(worker_text([0.2] * 200))
-    moved = policy.decide_canary(policy.Metrics(canary=fast), state, p, now=60.0)
-    assert moved.state.canary_weight == 10 and moved.state.failed_checks == 0
-    slow = metrics.parse_role_metrics(worker_text([20.0] * 200))
-    failed = policy.decide_canary(policy.Metrics(canary=slow), state, p, now=60.0)
-    assert failed.state.failed_checks == 1
-    assert "p99LatencySeconds" in failed.events[0][1] and "not reported" not in failed.events[0][1]
+def test_fallback_per_prompt_type_and_clusters_and_each_transition_are_exported():
+    status = {"mode": "speculative", "canary": {"weight": 1.0},
+              "fallback": {"promptTypes": ["code"], "clusters": ["r/1", "r/2"]}}
+    metrics.export_state("ns-m", "fleet", status)
+    labels = {"sdd_namespace": "ns-m", "sdd_name": "fleet"}
+    assert value("specfleet_fallback_prompt_type_active", prompt_type="code", **labels) == 1
+    assert value("specfleet_fallback_prompt_type_active", prompt_type="chat", **labels) == 0
+    assert value("specfleet_fallback_clusters", **labels) == 2
+    assert value("specfleet_fallback_active", **labels) == 0
+    metrics.record_transition("ns-m", "fleet", "FallbackEntered", "prompt type code: speculation off: ...")
+    metrics.record_transition("ns-m", "fleet", "FallbackLeft", "prompt cluster r/1 (code): speculation back on")
+    metrics.record_transition("ns-m", "fleet", "CanaryStarted", "ignored")
+    assert value("specfleet_fallback_transitions_total", scope="prompt_type", direction="enter", **labels) == 1
+    assert value("specfleet_fallback_transitions_total", scope="cluster", direction="leave", **labels) == 1
+    metrics.forget("ns-m", "fleet")
+    assert value("specfleet_fallback_prompt_type_active", prompt_type="code", **labels) is None
