@@ -2,7 +2,9 @@
 `kubectl specfleet canary ...`: sets the manual gate, the annotation serving.specfleet.dev/canary,
 on a SpecDecodeDeployment (docs/canary.md). The operator's canary analysis acts on it at its next
 tick: pause holds the run while set, resume lifts it, promote and abort end it. Talks to the API
-server with the kubernetes client and the kubeconfig (or the pod's service account).
+server with the kubernetes client and the kubeconfig (or the pod's service account); with
+`--local`, to the fleet `specfleet up` runs on this machine (its run file names its Redis, where
+the gate is a key the local loop reads).
 """
 from __future__ import annotations
 
@@ -29,7 +31,40 @@ def _parser(prog: str) -> argparse.ArgumentParser:
     p.add_argument("-n", "--namespace", default=None, help="its namespace (default: the kubeconfig context's)")
     p.add_argument("--kubeconfig", default=None, help="kubeconfig file (default: $KUBECONFIG or ~/.kube/config)")
     p.add_argument("--context", default=None, help="kubeconfig context (default: the current one)")
+    p.add_argument("--local", action="store_true", help="the fleet `specfleet up` runs on this machine, not a cluster")
+    p.add_argument("--run-file", default=None, help="with --local: up's run file (default: as `specfleet status`)")
     return p
+
+
+def set_local_gate(run_file: str | None, name: str, gate: str) -> tuple[str | None, str]:
+    """Write the gate where the local loop reads it; (the value it had, the canary's phase)."""
+    import json
+    from pathlib import Path
+
+    import redis
+
+    from specfleet_local import runfile
+    from specfleet_local.state import gate_key, loop_key
+
+    path = Path(run_file) if run_file else runfile.default_path()
+    doc = runfile.running(path)
+    if doc is None:
+        raise GateError(f"no `specfleet up` is running (no live run file at {path})")
+    namespace, _, running = doc["deployment"].partition("/")
+    if running != name:
+        raise GateError(f"the local fleet is {doc['deployment']}, not {name}")
+    client = redis.Redis.from_url(doc["redis"]["url"], socket_timeout=2)
+    try:
+        loop = json.loads(client.get(loop_key(namespace, name)) or "{}")
+        if not loop.get("canary"):
+            raise GateError(f"{doc['deployment']} has no canary running a loop (no spec.canary, or --no-loop)")
+        before = client.get(gate_key(namespace, name))
+        client.set(gate_key(namespace, name), gate)
+    except redis.RedisError as e:
+        raise GateError(f"cannot reach the local fleet's Redis: {e}") from None
+    finally:
+        client.close()
+    return (before.decode() if before else None), loop["canary"].get("phase", "Idle")
 
 
 def _client(kubeconfig: str | None, context: str | None) -> tuple[object, str]:
@@ -80,6 +115,14 @@ def set_gate(api, namespace: str, name: str, gate: str) -> tuple[str | None, str
 
 def main(argv: list[str] | None = None, prog: str = "specfleet canary") -> int:
     args = _parser(prog).parse_args(sys.argv[1:] if argv is None else argv)
+    if args.local:
+        try:
+            before, phase = set_local_gate(args.run_file, args.name, args.gate)
+        except GateError as e:
+            print(f"{prog}: error: {e}", file=sys.stderr)
+            return 1
+        print(f"local fleet {args.name}: canary {args.gate} requested (the run is {phase})")
+        return 0
     try:
         import urllib3
 

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from specfleet_api.live_state import PREFIX, LiveState, state_key
+from specfleet_control import canary as canaries
 from specfleet_control import loop as slo_loop
 from specfleet_control import observe
 from specfleet_control.observe import Observation
@@ -35,6 +36,16 @@ def initial_state(spec: dict[str, Any]) -> LiveState:
     """The state a defaulted spec starts from (version 1, stamped now): the operator's derivation
     with the loop's memory at its start."""
     return manifests.live_state(spec, manifests.FleetState(), version=1, updated=time.time())
+
+
+def gate_key(namespace: str, name: str) -> str:
+    """The local fleet's canary gate (`specfleet canary GATE NAME --local` writes it): what the
+    annotation serving.specfleet.dev/canary is in a cluster.
+
+    >>> gate_key("default", "local")
+    'specfleet:v1:default/local:gate'
+    """
+    return f"{PREFIX}{namespace}/{name}:gate"
 
 
 def loop_key(namespace: str, name: str) -> str:
@@ -59,35 +70,52 @@ class HoldSpec:
 
 
 class ControlLoop:
-    """The operator's SLO loop, run here: the same `specfleet_control.loop.tick` on the same
-    windows, its memory in this object (the SDD status in a cluster), its events logged and kept
-    (the last 100) for `specfleet status`."""
+    """The operator's loop, run here: the same `specfleet_control` SLO loop and canary analysis on
+    the same windows, their memory in this object (the SDD status in a cluster), their events
+    logged and kept (the last 100) for `specfleet status`. `readiness` says how many workers of
+    each arm are ready (the operator reads the Deployments); `gate` is the manual canary gate (the
+    annotation in a cluster), `clear_gate` removes it once promote or abort acted."""
 
-    def __init__(self, spec: dict[str, Any], clock: Callable[[], float] = time.time):
+    def __init__(self, spec: dict[str, Any], clock: Callable[[], float] = time.time,
+                 readiness: Callable[[], dict[str, tuple[int, int]]] | None = None,
+                 gate: Callable[[], str | None] | None = None, clear_gate: Callable[[], None] | None = None):
         self.spec, self.policy = spec, SloPolicy.from_spec(spec)
         self.memory = slo_loop.Memory()
+        self.canary = canaries.CanaryState()
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
         self.decided = 0  # ticks that judged a complete observation
         self.skipped = 0  # ticks on missing data (nothing decided)
-        self.clock = clock
+        self.clock, self.readiness, self.gate, self.clear_gate = clock, readiness, gate, clear_gate
 
-    def fleet(self, state: LiveState) -> manifests.FleetState:
-        m = self.memory
-        return manifests.FleetState(mode=FALLBACK if m.whole else "speculative", canary_weight=state.canary_weight,
-                                    fallback=m.fallback_types(), fallback_clusters=m.fallback_clusters(),
-                                    mirror_share=state.mirror_share, drift_epoch=state.drift_epoch)
+    def fleet(self) -> manifests.FleetState:
+        m, routing = self.memory, canaries.routing(self.canary, self.spec)
+        return manifests.FleetState(mode=FALLBACK if m.whole else "speculative", canary_weight=routing.weight,
+                                    canary_phase=self.canary.phase, fallback=m.fallback_types(),
+                                    fallback_clusters=m.fallback_clusters(), mirror_share=routing.mirror_share,
+                                    drift_epoch=routing.drift_epoch, promoted=self.canary.promoted)
+
+    def _event(self, now: float, reason: str, message: str) -> None:
+        log.info("control loop: %s", message, extra={"reason": reason})
+        self.events.append({"time": round(now, 3), "reason": reason, "message": message})
 
     def tick(self, state: LiveState, obs: Observation, now: float) -> LiveState | None:
+        if self.readiness is not None:
+            obs = dataclasses.replace(obs, ready=self.readiness())
         t = slo_loop.tick(obs, self.memory, self.policy, now, per_type=True)
         if not t.decided:
             self.skipped += 1
-            return None
-        self.decided += 1
-        self.memory = t.memory
-        for reason, message in t.events:
-            log.info("control loop: %s", message, extra={"reason": reason})
-            self.events.append({"time": round(now, 3), "reason": reason, "message": message})
-        wanted = manifests.live_state(self.spec, self.fleet(state))
+        else:
+            self.decided += 1
+            self.memory = t.memory
+        gate = self.gate() if self.gate is not None else None
+        meta = {"annotations": {canaries.GATE_ANNOTATION: gate}} if gate else {}
+        decision = canaries.tick(self.spec, meta, self.canary.to_status(), canaries.observation(obs, None), now)
+        self.canary = decision.state
+        if decision.clear_gate and self.clear_gate is not None:
+            self.clear_gate()
+        for reason, message in t.events + decision.events:
+            self._event(now, reason, message)
+        wanted = manifests.live_state(self.spec, self.fleet())
         fields = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(LiveState)
                   if f.name not in ("version", "updated")}
         if all(getattr(state, k) == v for k, v in fields.items()):
@@ -99,6 +127,7 @@ class ControlLoop:
         return {"memory": self.memory.to_status(), "fallback": {"promptTypes": list(self.memory.fallback_types()),
                                                                  "clusters": list(self.memory.fallback_clusters()),
                                                                  "deployment": self.memory.whole},
+                "canary": self.canary.to_status() if self.spec.get("canary") else None,
                 "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
 
 

@@ -32,7 +32,7 @@ from .procs import Child
 from .redis_server import RedisServer
 from specfleet_control.slo import SloPolicy
 
-from .state import ControlLoop, HoldSpec, StateWriter, initial_state
+from .state import ControlLoop, HoldSpec, StateWriter, gate_key, initial_state
 
 HOST = "127.0.0.1"  # everything `up` starts listens on loopback only
 
@@ -200,7 +200,12 @@ class Fleet:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.redis = RedisServer(port=self.args.redis_port or None, workdir=self.workdir, detached=True).start()
         state = initial_state(self.plan.spec)
-        loop = HoldSpec() if self.args.no_loop else ControlLoop(self.plan.spec)
+        client = self.redis.client()
+        gate = gate_key(self.plan.namespace, self.plan.name)
+        loop = HoldSpec() if self.args.no_loop else ControlLoop(
+            self.plan.spec, readiness=self._readiness,
+            gate=lambda: (lambda v: v.decode() if isinstance(v, bytes) else v)(client.get(gate)),
+            clear_gate=lambda: client.delete(gate))
         self.writer = StateWriter(self.redis.client(), self.plan.namespace, self.plan.name, state, loop=loop,
                                   period_s=self.args.loop_period)
         self.writer.write()
@@ -256,6 +261,12 @@ class Fleet:
                "OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_SERVICE_NAME": f"specfleet-{p.name}-{arm}",
                "OMP_NUM_THREADS": str(threads)}
         return Child(name, cmd, self.workdir / "logs" / f"{name}.log", env, arm=arm)
+
+    def _readiness(self) -> dict[str, tuple[int, int]]:
+        """(ready, desired) workers per arm, as the operator reads them from the Deployments."""
+        workers = getattr(self, "workers", None) or []
+        return {arm.name: (sum(1 for w in workers if w.arm == arm.name and w.ready.is_set()), arm.workers)
+                for arm in self.plan.arms}
 
     @property
     def window_s(self) -> float:

@@ -224,21 +224,24 @@ def test_the_local_loop_is_the_operators_it_falls_back_per_type_and_says_so_in_r
 
     client = redis_server.client()
     p = make_plan(load_resource(EXAMPLES / "local.yaml"))
-    loop = ControlLoop(p.spec)
+    loop = ControlLoop(p.spec, readiness=lambda: {"stable": (1, 1), "canary": (1, 1)})
     writer = StateWriter(client, "default", "local", initial_state(p.spec), loop=loop)
     writer.write()
     for t in ("code", "chat"):
         publish_window(client, "default", "local", t, alpha=0.6)
     writer.tick_once()
-    assert writer.state.version == 1 and loop.memory.keys["type:code"].baseline == 0.6
+    first = writer.state.version  # the canary's run started: its share, the drift epoch
+    assert loop.memory.keys["type:code"].baseline == 0.6 and loop.canary.phase == "Progressing"
+    assert writer.state.canary_weight == 20 and writer.state.drift_epoch == loop.canary.epoch
     publish_window(client, "default", "local", "code", alpha=0.02, speedup=0.85)
     writer.tick_once()
     state = LiveState.from_json(client.get(state_key("default", "local")))
-    assert state.version == 2 and state.fallback == ("code",) and state.probe_share == 5.0
+    assert state.version == first + 1 and state.fallback == ("code",) and state.probe_share == 5.0
     doc = json.loads(client.get(loop_key("default", "local")))
-    assert doc["fallback"]["promptTypes"] == ["code"] and doc["events"][0]["reason"] == "FallbackEntered"
+    assert doc["fallback"]["promptTypes"] == ["code"] and doc["events"][-1]["reason"] == "FallbackEntered"
+    assert doc["canary"]["phase"] == "Progressing"
     writer.tick_once()
-    assert writer.state.version == 2  # nothing new: no new version
+    assert writer.state.version == first + 1  # nothing new: no new version
     from specfleet_control.observe import Observation
     assert loop.tick(writer.state, Observation(complete=False, error="ConnectionError"), time.time()) is None
     assert loop.skipped == 1 and loop.memory.fallback_types() == ("code",)

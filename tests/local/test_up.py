@@ -164,18 +164,27 @@ def test_up_serves_reports_and_stops_everything_on_ctrl_c(tmp_path):
         reply = raw.parse()
         assert reply.usage.completion_tokens >= 1 and reply.choices[0].finish_reason in ("stop", "length")
         assert raw.headers["x-specfleet-arm"] in ("stable", "canary")
-        assert raw.headers["x-specfleet-state-version"] == "1"
+        # version 1 is the spec's; the loop writes the next ones (the canary's run started, its share)
+        assert int(raw.headers["x-specfleet-state-version"]) >= 1
 
-        st = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "status", "-o", "json", "--run-file",
-                             str(run_file)], capture_output=True, text=True, timeout=60)
-        assert st.returncode == 0, st.stderr
-        status = json.loads(st.stdout)
+        def status_json() -> dict:
+            st = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "status", "-o", "json", "--run-file",
+                                 str(run_file)], capture_output=True, text=True, timeout=60)
+            assert st.returncode == 0, st.stderr
+            return json.loads(st.stdout)
+        # the canary gets its 30% once the loop has seen its worker Ready (a tick, 1 s, after it is)
+        end = time.monotonic() + 15
+        while (status := status_json())["arms"][-1]["weight"] != 30.0:
+            assert time.monotonic() < end, status["arms"]
+            time.sleep(0.5)
         assert [(a["name"], a["weight"], a["replicas"], a["ready"]) for a in status["arms"]] == [
             ("stable", 70.0, 1, 1), ("canary", 30.0, 1, 1)]
         assert status["mode"] == "speculative" and status["ready"] == "2/2"
         assert status["kBounds"] == {"stable": {"kMin": 0, "kMax": 4}, "canary": {"kMin": 1, "kMax": 6}}
         assert {t["name"]: (t["method"], t["mode"]) for t in status["promptTypes"]}["chat"] == ("ngram", "speculative")
-        assert status["redis"]["connected"] and status["redis"]["stateVersion"] == 1
+        assert status["redis"]["connected"] and status["redis"]["stateVersion"] >= 1
+        assert status["loop"]["ticks"]["decided"] >= 1 and status["fallback"]["probeShare"] == 5.0
+        assert "CanaryStarted" in [e["reason"] for e in status["loop"]["events"]]
         assert status["redis"]["routerConnected"] and status["router"]["ready"]
         wide = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "status", "--run-file", str(run_file)],
                               capture_output=True, text=True, timeout=60)
