@@ -2,6 +2,10 @@
 keys' states kept as the loop's memory, and what the fleet must do about them (which prompt types
 and clusters run plain, whether the whole deployment does).
 
+Keys are judged once per window (`slo.window`), so that two judgements never count the same
+requests twice; a window too thin to decide on is kept as evidence and the next one adds to it,
+until a verdict (healthy or missed) starts the evidence afresh. An alert is judged at once.
+
 Keys: `type:<prompt type>` where the router routes per type (the deployment has a router), a
 `cluster:<router>/<n>` per prompt cluster the routers learned inside a type, and `deployment` for
 the whole of it (the only key without a router; with one, only an alert without a prompt type
@@ -19,7 +23,7 @@ from typing import Any
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
 from .observe import Observation
-from .slo import FALLBACK, KeyState, Sample, SloPolicy, step, wilson
+from .slo import FALLBACK, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, step, wilson
 
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
@@ -42,6 +46,8 @@ class Memory:
 
     keys: Mapping[str, KeyState] = dataclasses.field(default_factory=dict)
     seen: Mapping[str, float] = dataclasses.field(default_factory=dict)  # cluster key -> last window
+    evidence: Mapping[str, Evidence] = dataclasses.field(default_factory=dict)  # key -> windows not yet decisive
+    judged_at: float | None = None  # the last judgement of the windows
 
     @property
     def whole(self) -> bool:
@@ -59,13 +65,19 @@ class Memory:
         out: dict[str, Any] = {"keys": {k: s.to_status() for k, s in sorted(self.keys.items())}}
         if self.seen:
             out["seen"] = dict(sorted(self.seen.items()))
+        if self.evidence:
+            out["evidence"] = {k: e.to_status() for k, e in sorted(self.evidence.items())}
+        if self.judged_at is not None:
+            out["judgedAt"] = self.judged_at
         return out
 
     @classmethod
     def from_status(cls, raw: dict[str, Any] | None) -> Memory:
         raw = raw or {}
         return cls({str(k): KeyState.from_status(v) for k, v in (raw.get("keys") or {}).items()},
-                   {str(k): float(v) for k, v in (raw.get("seen") or {}).items()})
+                   {str(k): float(v) for k, v in (raw.get("seen") or {}).items()},
+                   {str(k): Evidence.from_status(v) for k, v in (raw.get("evidence") or {}).items()},
+                   raw.get("judgedAt"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,59 +87,89 @@ class Tick:
     decided: bool = True  # False: the observation was incomplete and nothing was judged
 
 
-def sample_of(w: Window | None, alert: str | None = None) -> Sample | None:
+def window_evidence(w: Window | None) -> Evidence | None:
+    """A worker window's evidence: the requests that speculated (in fallback, the probes)."""
     if w is None:
-        return Sample(alert=alert) if alert else None
-    c = w.counts
-    return Sample(alpha=w.alpha, speedup=w.spec_speedup, draft_tokens=c.draft_tokens, requests=c.spec_requests,
-                  alert=alert)
-
-
-def _cluster_sample(cw: ClusterWindow, policy: SloPolicy) -> Sample | None:
-    """A cluster's window, judged by alpha's 99% interval (its requests are few)."""
-    if cw.requests < policy.cluster_min_requests or not cw.draft_tokens:
         return None
-    n = cw.draft_tokens / DRAFT_CORRELATION
-    return Sample(alpha=cw.alpha, draft_tokens=cw.draft_tokens, requests=cw.spec_requests,
-                  alpha_bounds=wilson(cw.accepted_tokens / DRAFT_CORRELATION, n))
+    c = w.counts
+    return Evidence(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, requests=c.spec_requests,
+                    plain_s=c.spec_plain_seconds, busy_s=c.spec_busy_seconds, seen=c.requests, windows=1)
+
+
+def cluster_evidence(cw: ClusterWindow) -> Evidence:
+    return Evidence(draft_tokens=cw.draft_tokens, accepted_tokens=cw.accepted_tokens, requests=cw.spec_requests,
+                    seen=cw.requests, windows=1)
+
+
+def sample_of(e: Evidence | None, alert: str | None = None) -> Sample | None:
+    if e is None or not e.windows:
+        return Sample(alert=alert) if alert else None
+    return Sample(alpha=e.alpha, speedup=e.speedup, draft_tokens=e.draft_tokens, requests=e.requests, alert=alert)
+
+
+def cluster_sample(e: Evidence | None, policy: SloPolicy, alert: str | None = None) -> Sample | None:
+    """A cluster's evidence, judged by alpha's 99% interval (its requests are few)."""
+    if e is None or e.seen < policy.cluster_min_requests or not e.draft_tokens:
+        return None
+    n = e.draft_tokens / DRAFT_CORRELATION
+    return Sample(alpha=e.alpha, draft_tokens=e.draft_tokens, requests=e.requests,
+                  alpha_bounds=wilson(e.accepted_tokens / DRAFT_CORRELATION, n))
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
-    """One window for every key; nothing changes on an incomplete observation. `per_type` False
-    (no router following a live state): the deployment is the only key; with no windows at all
+    """One tick: every key judged when a window has passed since the last judgement (a key with an
+    alert, at once); nothing changes on an incomplete observation. `per_type` False (no router
+    following a live state): the deployment is the only key; with no windows at all
     (`obs.windows` empty: no Redis), its alerts alone move it, both ways."""
     if not obs.complete:
         return Tick(memory, (), decided=False)
+    due = memory.judged_at is None or now - memory.judged_at >= policy.window_s * 0.98
     stable = obs.windows.get("stable", {})
     whole_alert = next((a.name for a in obs.alerts if a.prompt_type is None), None)
     type_alerts = {a.prompt_type: a.name for a in obs.alerts if a.prompt_type is not None}
     keys: dict[str, KeyState] = dict(memory.keys)
     seen: dict[str, float] = dict(memory.seen)
+    evidence: dict[str, Evidence] = dict(memory.evidence)
     events: list[tuple[str, str]] = []
 
-    def move(key: str, what: str, sample: Sample | None, p: SloPolicy = policy) -> None:
-        state, event = step(sample, keys.get(key, KeyState()), p, now)
+    def move(key: str, what: str, window: Evidence | None, alert: str | None = None,
+             sample=sample_of, only_alert: bool = False) -> None:
+        if not (due or alert):
+            return
+        pending = evidence.get(key, Evidence())
+        combined = pending.plus(window) if window is not None and not only_alert else pending
+        state, event = step(sample(combined, alert) if not only_alert else Sample(alert=alert),
+                            keys.get(key, KeyState()), policy, now)
         keys[key] = state
+        if state.verdict == UNKNOWN and combined.windows:
+            evidence[key] = combined
+        else:
+            evidence.pop(key, None)
         if event:
             events.append((event[0], f"{what}: {event[1]}"))
 
-    everything = sum_windows(list(stable.values())) if stable else None
+    everything = window_evidence(sum_windows(list(stable.values()))) if stable else None
     if not per_type:
         alert = whole_alert or next(iter(type_alerts.values()), None)
-        sample = sample_of(everything, alert) if obs.windows else Sample(alert=alert, alerts_only=True)
-        move(DEPLOYMENT, "the deployment", sample)
-        return Tick(Memory(keys, seen), tuple(events))
+        if obs.windows:
+            move(DEPLOYMENT, "the deployment", everything, alert)
+        elif due or alert:
+            state, event = step(Sample(alert=alert, alerts_only=True), keys.get(DEPLOYMENT, KeyState()), policy, now)
+            keys[DEPLOYMENT] = state
+            if event:
+                events.append((event[0], f"the deployment: {event[1]}"))
+        return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at), tuple(events))
 
     # with a router: the whole deployment falls back only on an alert for all of it; it recovers
-    # on the probes' window summed over the types
-    whole = keys.get(DEPLOYMENT, KeyState())
-    if whole_alert or whole.mode == FALLBACK:
-        move(DEPLOYMENT, "the deployment", sample_of(everything, whole_alert) if whole.mode == FALLBACK
-             else Sample(alert=whole_alert))
+    # on the probes' evidence summed over the types
+    if keys.get(DEPLOYMENT, KeyState()).mode == FALLBACK:
+        move(DEPLOYMENT, "the deployment", everything, whole_alert)
+    elif whole_alert:
+        move(DEPLOYMENT, "the deployment", None, whole_alert, only_alert=True)
     for prompt_type in sorted(set(stable) | set(type_alerts)
                               | {k.split(":", 1)[1] for k in keys if k.startswith("type:")}):
-        move(type_key(prompt_type), f"prompt type {prompt_type}",
-             sample_of(stable.get(prompt_type), type_alerts.get(prompt_type)))
+        move(type_key(prompt_type), f"prompt type {prompt_type}", window_evidence(stable.get(prompt_type)),
+             type_alerts.get(prompt_type))
     if policy.clusters:
         for cluster, cw in sorted(obs.clusters.items()):
             key = cluster_key(cluster)
@@ -136,7 +178,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
                 continue  # the whole type runs plain: nothing to learn about its clusters now
             if key not in keys:  # a new cluster is judged against its type's baseline
                 keys[key] = KeyState(baseline=keys.get(type_key(cw.prompt_type), KeyState()).baseline)
-            move(key, f"prompt cluster {cluster} ({cw.prompt_type})", _cluster_sample(cw, policy))
+            move(key, f"prompt cluster {cluster} ({cw.prompt_type})", cluster_evidence(cw),
+                 sample=lambda e, alert: cluster_sample(e, policy, alert))
         for key in [k for k in keys if k.startswith("cluster:")]:
             # a cluster no router reports any more (its router restarted, or its traffic stopped)
             # is forgotten after ten windows; one in fallback says so
@@ -146,10 +189,12 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
                                                    f"no router has reported it for {now - seen[key]:.0f}s"))
                 del keys[key]
                 seen.pop(key, None)
+                evidence.pop(key, None)
             else:
                 seen.setdefault(key, now)
     else:
         for key in [k for k in keys if k.startswith("cluster:")]:
             del keys[key]
             seen.pop(key, None)
-    return Tick(Memory(keys, seen), tuple(events))
+            evidence.pop(key, None)
+    return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at), tuple(events))

@@ -82,6 +82,41 @@ class Sample:
     alpha_bounds: tuple[float, float] | None = None
 
 
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What a key's windows showed, summed over the windows judged since its last verdict: a
+    window too thin to decide on is kept and the next one adds to it (a probe at 5% of a quiet
+    type needs several windows to say anything). `requests` are those that speculated; `seen` all
+    of them (a cluster's minimum)."""
+
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    requests: int = 0
+    plain_s: float = 0.0
+    busy_s: float = 0.0
+    seen: int = 0
+    windows: int = 0
+
+    def plus(self, other: Evidence) -> Evidence:
+        return Evidence(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
+
+    @property
+    def alpha(self) -> float | None:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else None
+
+    @property
+    def speedup(self) -> float | None:
+        return self.plain_s / self.busy_s if self.busy_s > 0 else None
+
+    def to_status(self) -> dict[str, Any]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in dataclasses.asdict(self).items() if v}
+
+    @classmethod
+    def from_status(cls, raw: dict[str, Any] | None) -> Evidence:
+        raw = raw or {}
+        return cls(**{f.name: type(f.default)(raw.get(f.name, f.default)) for f in dataclasses.fields(cls)})
+
+
 def wilson(successes: float, n: float, z: float = 2.58) -> tuple[float, float]:
     """The Wilson score interval of a proportion (z 2.58: 99%).
 
@@ -106,9 +141,12 @@ class KeyState:
     baseline: float | None = None  # alpha of the healthy windows, a running mean
     healthy_since: float | None = None  # in fallback: start of the probe's healthy run
     reason: str = ""  # why it is in fallback, or what the last window showed
+    verdict: str = ""  # the last judgement: healthy, missed or unknown (its evidence is kept)
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.mode}
+        if self.verdict:
+            out["verdict"] = self.verdict
         for key, value in (("since", self.since), ("baseline", self.baseline),
                            ("healthySince", self.healthy_since)):
             if value is not None:
@@ -122,7 +160,7 @@ class KeyState:
         mode = raw.get("mode", SPECULATIVE)
         return cls(mode=mode if mode in (SPECULATIVE, FALLBACK) else SPECULATIVE, since=raw.get("since"),
                    baseline=raw.get("baseline"), healthy_since=raw.get("healthySince"),
-                   reason=str(raw.get("reason", "")))
+                   reason=str(raw.get("reason", "")), verdict=str(raw.get("verdict", "")))
 
 
 def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: float = 0.0) -> tuple[str, str]:
@@ -202,6 +240,7 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
     ('speculative', 'FallbackLeft')
     """
     verdict, why = judge(sample, state, policy, margin=policy.hysteresis if state.mode == FALLBACK else 0.0)
+    state = dataclasses.replace(state, verdict=verdict)
     dwelled = state.since is None or now - state.since >= policy.min_dwell_s
     if state.mode == SPECULATIVE:
         if verdict == HEALTHY and sample is not None and sample.alpha is not None \
@@ -212,12 +251,12 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
         if verdict == MISSED and policy.enabled:
             if not dwelled:
                 return dataclasses.replace(state, reason=f"{why} (holding: min dwell)"), None
-            return (KeyState(FALLBACK, now, state.baseline, None, why),
+            return (KeyState(FALLBACK, now, state.baseline, None, why, verdict),
                     ("FallbackEntered", f"speculation off: {why}"))
         return dataclasses.replace(state, reason=why), None
     # fallback: the probe's window
     if not policy.enabled:
-        return (KeyState(SPECULATIVE, now, state.baseline, None, "fallback disabled in the spec"),
+        return (KeyState(SPECULATIVE, now, state.baseline, None, "fallback disabled in the spec", verdict),
                 ("FallbackLeft", "speculation back on: fallback was disabled in the spec"))
     if verdict == MISSED:
         return dataclasses.replace(state, healthy_since=None, reason=f"probe: {why}"), None
@@ -228,6 +267,6 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
         # the probe's alpha is the new baseline: a type whose traffic changed for good, but where
         # speculation pays, is not sent back by its old baseline
         base = sample.alpha if sample is not None and sample.alpha is not None else state.baseline
-        return (KeyState(SPECULATIVE, now, base, None, why),
+        return (KeyState(SPECULATIVE, now, base, None, why, verdict),
                 ("FallbackLeft", f"speculation back on: the probe was healthy for {now - healthy_since:.0f}s ({why})"))
     return dataclasses.replace(state, healthy_since=healthy_since, reason=f"probe healthy: {why}"), None

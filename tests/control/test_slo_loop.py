@@ -77,9 +77,24 @@ def test_missing_data_decides_nothing_and_does_not_break_a_healthy_probe_run():
     ticks = run([obs(code=good)] * 2 + [missing] * 3 + [obs(code=bad)] + [missing] * 5)
     assert modes(ticks, type_key("code"))[:5] == [SPECULATIVE] * 5
     assert all(not t.decided for t in ticks[2:5]) and ticks[-1].memory.keys[type_key("code")].mode == FALLBACK
-    # too little data is not a miss either
+    # too little data is not a miss either: it is kept, and the next window adds to it
     thin = window(0.0, speedup=0.5, drafted=10, requests=1)
-    assert modes(run([obs(code=good)] * 2 + [obs(code=thin)] * 5), type_key("code"))[-1] == SPECULATIVE
+    ticks = run([obs(code=good)] * 2 + [obs(code=thin)])
+    assert modes(ticks, type_key("code"))[-1] == SPECULATIVE and ticks[-1].memory.keys[type_key("code")].verdict == "unknown"
+    assert ticks[-1].memory.evidence[type_key("code")].requests == 1
+    ticks = run([obs(code=thin)], memory=ticks[-1].memory, start=1030.0)  # two requests: enough for a speedup
+    assert modes(ticks, type_key("code")) == [FALLBACK] and type_key("code") not in ticks[-1].memory.evidence
+
+
+def test_keys_are_judged_once_per_window_so_no_request_counts_twice():
+    bad = window(0.02, speedup=0.9)
+    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=bad)] * 4, dt=2.5)  # four ticks per 10 s window
+    code = modes(ticks, type_key("code"))
+    assert code == [SPECULATIVE] * 4 + [FALLBACK] * 2  # judged at 1000 (baseline), then at 1010: the bad window
+    assert [t.memory.judged_at for t in ticks] == [1000.0] * 4 + [1010.0] * 2
+    # an alert is judged at once, between two windows
+    alerted = run([obs(code=window(0.6)), obs(code=window(0.6)).with_alerts((Alert("A", "code"),))], dt=1.0)
+    assert modes(alerted, type_key("code")) == [SPECULATIVE, FALLBACK]
 
 
 def test_alpha_halving_against_its_own_baseline_is_a_miss_the_floor_is_not_reached():

@@ -225,7 +225,12 @@ def test_the_local_loop_is_the_operators_it_falls_back_per_type_and_says_so_in_r
     client = redis_server.client()
     p = make_plan(load_resource(EXAMPLES / "local.yaml"))
     loop = ControlLoop(p.spec, readiness=lambda: {"stable": (1, 1), "canary": (1, 1)})
-    writer = StateWriter(client, "default", "local", initial_state(p.spec), loop=loop)
+    now = [1000.0]
+
+    def clock():  # a window (20 s in local.yaml) between two ticks
+        now[0] += 30.0
+        return now[0]
+    writer = StateWriter(client, "default", "local", initial_state(p.spec), loop=loop, clock=clock)
     writer.write()
     for t in ("code", "chat"):
         publish_window(client, "default", "local", t, alpha=0.6)
