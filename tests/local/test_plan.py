@@ -248,5 +248,5 @@ def test_the_local_loop_is_the_operators_it_falls_back_per_type_and_says_so_in_r
     writer.tick_once()
     assert writer.state.version == first + 1  # nothing new: no new version
     from specfleet_control.observe import Observation
-    assert loop.tick(writer.state, Observation(complete=False, error="ConnectionError"), time.time()) is None
+    assert loop.tick(writer.state, Observation(complete=False, error="ConnectionError"), clock()) is None
     assert loop.skipped == 1 and loop.memory.fallback_types() == ("code",)
