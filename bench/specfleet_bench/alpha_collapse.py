@@ -1,8 +1,8 @@
 """An alpha-collapse episode on a real local fleet: `specfleet up` (Redis, a worker, the router,
 the control loop), the official openai client as the traffic, Redis read every second.
 
-Two prompt types speculate with n-gram drafts (translation and qa by default: Spec-Bench
-questions the router classifies as `translation` and `chat`; translation copies names and numbers
+Two prompt types speculate with n-gram drafts (translation and math by default: Spec-Bench
+questions the router classifies as `translation` and `math`; translation copies names and numbers
 from its prompt, so its drafts are accepted often). Phases:
 
     warm      both types greedy: the loop learns each type's baseline alpha
@@ -11,7 +11,7 @@ from its prompt, so its drafts are accepted often). Phases:
               with the temperature); that type must fall back alone
     recover   it is greedy again: its probes see alpha back, speculation returns
     cluster   (--cluster) it stays greedy, but a third of its requests are out-of-distribution
-              (gibberish to translate, sampled hot): that prompt cluster falls back alone
+              (Finnish to translate, sampled hot): that prompt cluster falls back alone
 
 It prints and writes (JSON, and a plot with --plot) how long each fallback took in seconds and
 windows, the transitions per key, the errors, the other type's mode, and the collapsed type's
@@ -49,13 +49,17 @@ from .questions import default_questions, load_questions
 NAME, NAMESPACE = "collapse", "default"
 
 
+FINNISH = ["Järvenpään kaupunginvaltuusto käsitteli tiistaina {n} talousarviota, ja keskustelu venyi myöhään "
+           "illalla.", "Pohjois-Karjalan metsäsuunnitelma {n} hyväksyttiin yksimielisesti, vaikka "
+           "kuulemistilaisuus kesti pitkään.", "Äänestysprosentti nousi {n} prosenttiyksikköä edellisistä "
+           "kunnallisvaaleista, kertoo oikeusministeriön tilastokatsaus.", "Rovaniemen lentoaseman matkustajamäärä "
+           "kasvoi {n} prosenttia joulukuussa, kun turistit saapuivat Lappiin."]
+
+
 def ood_prompt(rng: random.Random) -> str:
-    """Out-of-distribution text inside the translation type: gibberish words to translate (the
-    classifier reads "Translate ... to English"); sampled hot, nothing in it helps a draft."""
-    consonants, vowels = "bcdfghjklmnpqrstvwxzyy", "aeiouäöü"
-    words = ["".join(rng.choice(consonants) + rng.choice(vowels) for _ in range(rng.randint(2, 5)))
-             for _ in range(rng.randint(12, 20))]
-    return "Translate German to English: " + " ".join(words).capitalize() + "."
+    """Out-of-distribution text inside the translation type: Finnish (the type's traffic is
+    German), sampled hot: its outputs follow nothing the drafts could copy."""
+    return "Translate Finnish to English: " + rng.choice(FINNISH).format(n=rng.randrange(2, 99))
 
 
 def spec(model: str, window_s: float, dwell_s: float, recover_s: float, probe_share: float) -> dict:
@@ -94,6 +98,7 @@ class Sample:
     speedup: dict[str, float | None]
     plain_ratio: dict[str, float | None]  # type's plain-equivalent / busy seconds over its window
     cluster_alpha: dict[str, float | None] = field(default_factory=dict)
+    why: dict[str, str] = field(default_factory=dict)  # the loop's reason per key
 
 
 class Episode:
@@ -204,7 +209,8 @@ class Episode:
                     alpha={t: w.alpha for t, w in windows.items()},
                     speedup={t: w.spec_speedup for t, w in windows.items()},
                     plain_ratio={t: w.speedup for t, w in windows.items()},
-                    cluster_alpha={c: cw.alpha for c, cw in clusters.items()}))
+                    cluster_alpha={c: cw.alpha for c, cw in clusters.items()},
+                    why={k: v.get("reason", "") for k, v in ((loop.get("memory") or {}).get("keys") or {}).items()}))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the plot
                 print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
             self.stop.wait(1.0)
@@ -350,7 +356,7 @@ def build_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny-random")
     p.add_argument("--type", default="translation", help="the prompt type that collapses (default translation)")
-    p.add_argument("--other", default="chat", help="the prompt type that stays healthy (default chat)")
+    p.add_argument("--other", default="math", help="the prompt type that stays healthy (default math)")
     p.add_argument("--temperature", type=float, default=1.5, help="the collapsed traffic's temperature (default 1.5)")
     p.add_argument("--window", type=float, default=10.0, help="slo.window in seconds (default 10)")
     p.add_argument("--dwell", type=float, default=10.0, help="fallback.minDwell in seconds (default 10)")

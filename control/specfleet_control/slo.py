@@ -37,7 +37,7 @@ class SloPolicy:
     recovery_alpha: float | None = None
     probe_share: float = 5.0
     min_dwell_s: float = 120.0
-    hysteresis: float = 0.1
+    hysteresis: float = 0.05
     clusters: bool = True
     max_clusters: int = 16
     cluster_min_requests: int = 8
