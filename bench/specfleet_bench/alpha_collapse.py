@@ -10,7 +10,7 @@ from its prompt, so its drafts are accepted often). Phases:
               stop following the prompt and the n-gram drafts stop being accepted (alpha moves
               with the temperature); that type must fall back alone
     recover   it is greedy again: its probes see alpha back, speculation returns
-    cluster   (--cluster) it stays greedy, but a third of its requests are out-of-distribution
+    cluster   (--cluster) it stays greedy, but half of its requests are out-of-distribution
               (Finnish to translate, sampled hot): that prompt cluster falls back alone
 
 It prints and writes (JSON, and a plot with --plot) how long each fallback took in seconds and
@@ -163,7 +163,7 @@ class Episode:
         while not self.stop.is_set():
             phase = self.phase
             mine = prompt_type == self.args.type
-            ood = mine and phase == "cluster" and rng.random() < 1 / 3
+            ood = mine and phase == "cluster" and rng.random() < self.args.ood_share
             if ood:
                 prompt, temperature = ood_prompt(rng), self.args.temperature
             else:
@@ -222,8 +222,8 @@ class Episode:
             try:
                 self.t0 = time.monotonic()
                 threads = [threading.Thread(target=self.sampler, args=(doc["redis"]["url"],), daemon=True)]
-                for i in range(a.clients):
-                    for t in self.kinds:
+                for t, n in ((a.type, a.clients), (a.other, a.other_clients or a.clients)):
+                    for i in range(n):
                         threads.append(threading.Thread(target=self.client_loop,
                                                         args=(doc["router"]["openai"], t, 17 * i + len(t)),
                                                         daemon=True))
@@ -368,7 +368,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--recover-phase", type=float, default=70.0, help="seconds of good traffic after (default 70)")
     p.add_argument("--cluster", action="store_true", help="then a phase with an out-of-distribution code cluster")
     p.add_argument("--cluster-phase", type=float, default=60.0)
-    p.add_argument("--clients", type=int, default=2, help="concurrent clients per prompt type (default 2)")
+    p.add_argument("--clients", type=int, default=2, help="concurrent clients of the collapsing type (default 2)")
+    p.add_argument("--other-clients", type=int, default=1, help="concurrent clients of the other type (default 1)")
+    p.add_argument("--ood-share", type=float, default=0.5,
+                   help="share of the type's requests that are out-of-distribution in the cluster phase (default 0.5)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--worker-threads", type=int, default=2)

@@ -27,7 +27,8 @@ from .slo import FALLBACK, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, step,
 
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
-DRAFT_CORRELATION = 3.0
+DRAFT_CORRELATION = 2.0
+CLUSTER_Z = 1.96  # a cluster's alpha interval: 95%
 
 DEPLOYMENT = "deployment"
 
@@ -108,12 +109,12 @@ def sample_of(e: Evidence | None, alert: str | None = None) -> Sample | None:
 
 
 def cluster_sample(e: Evidence | None, policy: SloPolicy, alert: str | None = None) -> Sample | None:
-    """A cluster's evidence, judged by alpha's 99% interval (its requests are few)."""
+    """A cluster's evidence, judged by alpha's 95% interval (its requests are few)."""
     if e is None or e.seen < policy.cluster_min_requests or not e.draft_tokens:
         return None
     n = e.draft_tokens / DRAFT_CORRELATION
     return Sample(alpha=e.alpha, draft_tokens=e.draft_tokens, requests=e.requests,
-                  alpha_bounds=wilson(e.accepted_tokens / DRAFT_CORRELATION, n))
+                  alpha_bounds=wilson(e.accepted_tokens / DRAFT_CORRELATION, n, CLUSTER_Z))
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:

@@ -168,8 +168,12 @@ def test_a_cluster_is_judged_by_its_interval_a_few_rejected_drafts_decide_nothin
     good = window(0.6)
     few = ClusterWindow("code", requests=10, spec_requests=10, draft_tokens=12, accepted_tokens=0)
     many = ClusterWindow("code", requests=10, spec_requests=10, draft_tokens=300, accepted_tokens=30)
-    ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": few})] * 3)
+    ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": few})])
     assert ticks[-1].memory.fallback_clusters() == ()
     assert "not yet clear" in ticks[-1].memory.keys[cluster_key("r/0")].reason
+    # the next window adds to its evidence: two such windows say it
+    more = run([Observation(windows={"stable": {"code": good}}, clusters={"r/0": few})] * 2, memory=ticks[-1].memory,
+               start=1030.0)
+    assert [t.memory.fallback_clusters() for t in more] == [("r/0",)] * 2  # 24 drafted tokens: under 0.3 at 95%
     ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": many})])
     assert ticks[-1].memory.fallback_clusters() == ("r/0",)  # 0.1, its interval under 0.5 x 0.6
