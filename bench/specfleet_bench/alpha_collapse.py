@@ -10,8 +10,8 @@ from its prompt, so its drafts are accepted often). Phases:
               stop following the prompt and the n-gram drafts stop being accepted (alpha moves
               with the temperature); that type must fall back alone
     recover   it is greedy again: its probes see alpha back, speculation returns
-    cluster   (--cluster) it stays greedy, but half of its requests are out-of-distribution
-              (Finnish to translate, sampled hot): that prompt cluster falls back alone
+    cluster   (--cluster) it stays greedy, and one more client sends it out-of-distribution requests
+              (Finnish to translate, sampled at temperature 1): that prompt cluster falls back alone
 
 It prints and writes (JSON, and a plot with --plot) how long each fallback took in seconds and
 windows, the transitions per key, the errors, the other type's mode, and the collapsed type's
@@ -154,7 +154,7 @@ class Episode:
 
     # -- traffic ------------------------------------------------------------------------------
 
-    def client_loop(self, openai_url: str, prompt_type: str, seed: int) -> None:
+    def client_loop(self, openai_url: str, prompt_type: str, seed: int, ood_client: bool = False) -> None:
         import openai
 
         client = openai.OpenAI(base_url=openai_url, api_key="none", timeout=120, max_retries=0)
@@ -163,9 +163,12 @@ class Episode:
         while not self.stop.is_set():
             phase = self.phase
             mine = prompt_type == self.args.type
-            ood = mine and phase == "cluster" and rng.random() < self.args.ood_share
+            ood = ood_client
+            if ood and phase != "cluster":
+                self.stop.wait(0.2)
+                continue
             if ood:
-                prompt, temperature = ood_prompt(rng), self.args.temperature
+                prompt, temperature = ood_prompt(rng), self.args.ood_temperature
             else:
                 prompt = rng.choice(self.prompts[prompt_type])
                 temperature = self.args.temperature if (mine and phase == "collapse") else 0.0
@@ -226,6 +229,11 @@ class Episode:
                     for i in range(n):
                         threads.append(threading.Thread(target=self.client_loop,
                                                         args=(doc["router"]["openai"], t, 17 * i + len(t)),
+                                                        daemon=True))
+                if a.cluster:
+                    for i in range(a.ood_clients):
+                        threads.append(threading.Thread(target=self.client_loop,
+                                                        args=(doc["router"]["openai"], a.type, 1000 + i, True),
                                                         daemon=True))
                 for th in threads:
                     th.start()
@@ -370,8 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cluster-phase", type=float, default=60.0)
     p.add_argument("--clients", type=int, default=2, help="concurrent clients of the collapsing type (default 2)")
     p.add_argument("--other-clients", type=int, default=1, help="concurrent clients of the other type (default 1)")
-    p.add_argument("--ood-share", type=float, default=0.5,
-                   help="share of the type's requests that are out-of-distribution in the cluster phase (default 0.5)")
+    p.add_argument("--ood-clients", type=int, default=1,
+                   help="clients that send out-of-distribution requests of the type in the cluster phase (default 1)")
+    p.add_argument("--ood-temperature", type=float, default=1.0, help="their temperature (default 1.0)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--worker-threads", type=int, default=2)

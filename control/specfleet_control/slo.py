@@ -217,7 +217,7 @@ def _judge_bounds(sample: Sample, state: KeyState, policy: SloPolicy, margin: fl
             line, what = drop, f"{1 - policy.alpha_drop:.2g} x its baseline {state.baseline:.3f}"
     if policy.recovery_alpha is not None and margin and policy.recovery_alpha > line:
         line, what = policy.recovery_alpha, f"recoveryAlpha {policy.recovery_alpha}"
-    shown = f"alpha {sample.alpha:.3f} (99% in [{lo:.3f}, {hi:.3f}] over {sample.draft_tokens} drafted tokens)"
+    shown = f"alpha {sample.alpha:.3f} (interval [{lo:.3f}, {hi:.3f}] over {sample.draft_tokens} drafted tokens)"
     if hi < line:
         return MISSED, f"{shown} under {what}"
     if lo >= line:
