@@ -4,7 +4,10 @@ and clusters run plain, whether the whole deployment does).
 
 Keys are judged once per window (`slo.window`), so that two judgements never count the same
 requests twice; a window too thin to decide on is kept as evidence and the next one adds to it,
-until a verdict (healthy or missed) starts the evidence afresh. An alert is judged at once.
+until a verdict (healthy or missed) starts the evidence afresh. Half way between two judgements,
+a speculating key whose current window alone misses the SLO falls back then (a miss needs no
+more evidence than its own window, and the collapse is caught within two windows of its start).
+An alert is judged at once.
 
 Keys: `type:<prompt type>` where the router routes per type (the deployment has a router), a
 `cluster:<router>/<n>` per prompt cluster the routers learned inside a type, and `deployment` for
@@ -23,7 +26,7 @@ from typing import Any
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
 from .observe import Observation
-from .slo import FALLBACK, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, step, wilson
+from .slo import FALLBACK, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, judge, step, wilson
 
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
@@ -49,6 +52,7 @@ class Memory:
     seen: Mapping[str, float] = dataclasses.field(default_factory=dict)  # cluster key -> last window
     evidence: Mapping[str, Evidence] = dataclasses.field(default_factory=dict)  # key -> windows not yet decisive
     judged_at: float | None = None  # the last judgement of the windows
+    early_at: float | None = None  # the last half-way check for misses
 
     @property
     def whole(self) -> bool:
@@ -70,6 +74,8 @@ class Memory:
             out["evidence"] = {k: e.to_status() for k, e in sorted(self.evidence.items())}
         if self.judged_at is not None:
             out["judgedAt"] = self.judged_at
+        if self.early_at is not None:
+            out["earlyAt"] = self.early_at
         return out
 
     @classmethod
@@ -78,7 +84,7 @@ class Memory:
         return cls({str(k): KeyState.from_status(v) for k, v in (raw.get("keys") or {}).items()},
                    {str(k): float(v) for k, v in (raw.get("seen") or {}).items()},
                    {str(k): Evidence.from_status(v) for k, v in (raw.get("evidence") or {}).items()},
-                   raw.get("judgedAt"))
+                   raw.get("judgedAt"), raw.get("earlyAt"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -125,6 +131,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
     if not obs.complete:
         return Tick(memory, (), decided=False)
     due = memory.judged_at is None or now - memory.judged_at >= policy.window_s * 0.98
+    early = not due and now - memory.judged_at >= policy.window_s * 0.49 and (
+        memory.early_at is None or memory.early_at < memory.judged_at)
     stable = obs.windows.get("stable", {})
     whole_alert = next((a.name for a in obs.alerts if a.prompt_type is None), None)
     type_alerts = {a.prompt_type: a.name for a in obs.alerts if a.prompt_type is not None}
@@ -135,6 +143,15 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
 
     def move(key: str, what: str, window: Evidence | None, alert: str | None = None,
              sample=sample_of, only_alert: bool = False) -> None:
+        if early and not alert and window is not None and keys.get(key, KeyState()).mode == SPECULATIVE:
+            current = sample(window, None)  # the current window alone, not added to the evidence
+            if judge(current, keys.get(key, KeyState()), policy)[0] == MISSED:
+                state, event = step(current, keys.get(key, KeyState()), policy, now)
+                keys[key] = state
+                evidence.pop(key, None)
+                if event:
+                    events.append((event[0], f"{what}: {event[1]}"))
+            return
         if not (due or alert):
             return
         pending = evidence.get(key, Evidence())
@@ -159,7 +176,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             keys[DEPLOYMENT] = state
             if event:
                 events.append((event[0], f"the deployment: {event[1]}"))
-        return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at), tuple(events))
+        return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at,
+                           now if early else memory.early_at), tuple(events))
 
     # with a router: the whole deployment falls back only on an alert for all of it; it recovers
     # on the probes' evidence summed over the types
@@ -198,4 +216,5 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             del keys[key]
             seen.pop(key, None)
             evidence.pop(key, None)
-    return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at), tuple(events))
+    return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at, now if early else memory.early_at),
+                tuple(events))

@@ -8,7 +8,7 @@ import pytest
 from specfleet_api.windows import ClusterWindow, TypeCounts, Window
 from specfleet_control.loop import DEPLOYMENT, Memory, cluster_key, tick, type_key
 from specfleet_control.observe import Alert, Observation
-from specfleet_control.slo import FALLBACK, SPECULATIVE, KeyState, Sample, SloPolicy, judge, step
+from specfleet_control.slo import FALLBACK, SPECULATIVE, Evidence, KeyState, Sample, SloPolicy, judge, step
 
 P = SloPolicy(window_s=10, alpha_floor=0.05, alpha_drop=0.5, speedup_floor=1.0, min_draft_tokens=100,
               min_requests=2, recover_after_s=30, min_dwell_s=20, hysteresis=0.1, probe_share=5)
@@ -87,11 +87,12 @@ def test_missing_data_decides_nothing_and_does_not_break_a_healthy_probe_run():
 
 
 def test_keys_are_judged_once_per_window_so_no_request_counts_twice():
-    bad = window(0.02, speedup=0.9)
-    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=bad)] * 4, dt=2.5)  # four ticks per 10 s window
-    code = modes(ticks, type_key("code"))
-    assert code == [SPECULATIVE] * 4 + [FALLBACK] * 2  # judged at 1000 (baseline), then at 1010: the bad window
-    assert [t.memory.judged_at for t in ticks] == [1000.0] * 4 + [1010.0] * 2
+    thin = window(0.6, drafted=40, requests=1)  # too little alone: each judgement adds one window
+    ticks = run([obs(code=window(0.6))] + [obs(code=thin)] * 8, dt=2.5)  # four ticks per 10 s window
+    assert [t.memory.judged_at for t in ticks] == [1000.0] * 4 + [1010.0] * 4 + [1020.0]
+    # kept for four ticks (one judgement), decided with the next window's: two requests, healthy
+    assert [t.memory.evidence.get(type_key("code"), Evidence()).windows for t in ticks] == [0] * 4 + [1] * 4 + [0]
+    assert ticks[-1].memory.keys[type_key("code")].verdict == "healthy"
     # an alert is judged at once, between two windows
     alerted = run([obs(code=window(0.6)), obs(code=window(0.6)).with_alerts((Alert("A", "code"),))], dt=1.0)
     assert modes(alerted, type_key("code")) == [SPECULATIVE, FALLBACK]
@@ -177,3 +178,13 @@ def test_a_cluster_is_judged_by_its_interval_a_few_rejected_drafts_decide_nothin
     assert [t.memory.fallback_clusters() for t in more] == [("r/0",)] * 2  # 24 drafted tokens: under 0.3 at 95%
     ticks = run([obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": many})])
     assert ticks[-1].memory.fallback_clusters() == ("r/0",)  # 0.1, its interval under 0.5 x 0.6
+
+
+def test_half_way_between_judgements_a_window_that_misses_on_its_own_falls_back():
+    """Judged every 10 s; the collapse (at 1011) is in the window checked half way (1015): it
+    falls back then, not at the next judgement (1020). A healthy window half way changes nothing."""
+    good, bad = window(0.6), window(0.02, speedup=0.9)
+    ticks = run([obs(code=good)] * 3 + [obs(code=bad)] * 3, dt=5.0)  # 1000 .. 1025
+    assert modes(ticks, type_key("code")) == [SPECULATIVE] * 3 + [FALLBACK] * 3
+    assert ticks[3].memory.judged_at == 1010.0 and ticks[3].memory.early_at == 1015.0
+    assert ticks[2].memory.keys[type_key("code")].baseline == ticks[1].memory.keys[type_key("code")].baseline
