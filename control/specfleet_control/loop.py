@@ -31,7 +31,7 @@ from .slo import FALLBACK, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sam
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
 DRAFT_CORRELATION = 2.0
-CLUSTER_Z = 1.96  # a cluster's alpha interval: 95%
+CLUSTER_Z = 1.96  # alpha's interval (a type's, a cluster's): 95%
 
 DEPLOYMENT = "deployment"
 
@@ -108,19 +108,27 @@ def cluster_evidence(cw: ClusterWindow) -> Evidence:
                     seen=cw.requests, windows=1)
 
 
+def alpha_bounds(e: Evidence) -> tuple[float, float] | None:
+    """Alpha's 95% interval over the evidence (drafted tokens counted as half as many trials)."""
+    if not e.draft_tokens:
+        return None
+    return wilson(e.accepted_tokens / DRAFT_CORRELATION, e.draft_tokens / DRAFT_CORRELATION, CLUSTER_Z)
+
+
 def sample_of(e: Evidence | None, alert: str | None = None) -> Sample | None:
+    """A prompt type's (or the deployment's) evidence: alpha judged by its interval, the speedup of
+    the requests that speculated."""
     if e is None or not e.windows:
         return Sample(alert=alert) if alert else None
-    return Sample(alpha=e.alpha, speedup=e.speedup, draft_tokens=e.draft_tokens, requests=e.requests, alert=alert)
+    return Sample(alpha=e.alpha, speedup=e.speedup, draft_tokens=e.draft_tokens, requests=e.requests, alert=alert,
+                  alpha_bounds=alpha_bounds(e))
 
 
 def cluster_sample(e: Evidence | None, policy: SloPolicy, alert: str | None = None) -> Sample | None:
     """A cluster's evidence, judged by alpha's 95% interval (its requests are few)."""
     if e is None or e.seen < policy.cluster_min_requests or not e.draft_tokens:
         return None
-    n = e.draft_tokens / DRAFT_CORRELATION
-    return Sample(alpha=e.alpha, draft_tokens=e.draft_tokens, requests=e.requests,
-                  alpha_bounds=wilson(e.accepted_tokens / DRAFT_CORRELATION, n, CLUSTER_Z))
+    return Sample(alpha=e.alpha, draft_tokens=e.draft_tokens, requests=e.requests, alpha_bounds=alpha_bounds(e))
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:

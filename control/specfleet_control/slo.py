@@ -181,27 +181,37 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
         return MISSED, f"alert {sample.alert} firing"
     if sample.alerts_only:
         return HEALTHY, "no alert firing (no fleet windows to read)"
-    up = 1.0 + margin
-    enough_alpha = sample.alpha is not None and sample.draft_tokens >= policy.min_draft_tokens
+    # the speedup's line sits below the floor to enter fallback, above it to leave: a gauge within
+    # a few percent of the truth cannot make a type that gains about nothing flap
+    speed_line = policy.speedup_floor * ((1 + margin) if margin else (1 - policy.hysteresis))
     enough_speedup = sample.speedup is not None and sample.requests >= policy.min_requests
-    if enough_speedup and sample.speedup < policy.speedup_floor * up:
-        return MISSED, f"speedup {sample.speedup:.2f} under {policy.speedup_floor * up:.2f}"
+    if enough_speedup and sample.speedup < speed_line:
+        return MISSED, f"speedup {sample.speedup:.2f} under {speed_line:.2f}"
     if sample.alpha_bounds is not None and sample.alpha is not None and sample.draft_tokens:
-        return _judge_bounds(sample, state, policy, margin)
-    if enough_alpha:
-        if sample.alpha < policy.alpha_floor * up:
-            return MISSED, f"alpha {sample.alpha:.3f} under the floor {policy.alpha_floor * up:.3g}"
-        if margin == 0.0 and state.baseline is not None and sample.alpha < (1 - policy.alpha_drop) * state.baseline:
-            return MISSED, (f"alpha {sample.alpha:.3f} under {1 - policy.alpha_drop:.2g} x its baseline "
-                            f"{state.baseline:.3f}")
-        if margin and policy.recovery_alpha is not None and sample.alpha < policy.recovery_alpha:
-            return MISSED, f"alpha {sample.alpha:.3f} under recoveryAlpha {policy.recovery_alpha}"
-    if not (enough_alpha or enough_speedup):
-        return UNKNOWN, (f"too little data: {sample.draft_tokens} drafted tokens (need {policy.min_draft_tokens}), "
-                         f"{sample.requests} requests (need {policy.min_requests})")
-    alpha = f"alpha {sample.alpha:.3f}" if sample.alpha is not None else "alpha -"
-    speedup = f"speedup {sample.speedup:.2f}" if sample.speedup is not None else "speedup -"
-    return HEALTHY, f"{alpha}, {speedup}"
+        verdict, why = _judge_bounds(sample, state, policy, margin)
+    elif sample.alpha is not None and sample.draft_tokens >= policy.min_draft_tokens:
+        verdict, why = _judge_alpha(sample, state, policy, margin)
+    else:
+        verdict, why = UNKNOWN, f"{sample.draft_tokens} drafted tokens (need {policy.min_draft_tokens})"
+    if verdict == MISSED:
+        return MISSED, why
+    if verdict == HEALTHY or enough_speedup:
+        alpha = f"alpha {sample.alpha:.3f}" if sample.alpha is not None else "alpha -"
+        speedup = f"speedup {sample.speedup:.2f}" if sample.speedup is not None else "speedup -"
+        return HEALTHY, f"{alpha}, {speedup}"
+    return UNKNOWN, f"too little data: {why}; {sample.requests} requests (need {policy.min_requests})"
+
+
+def _judge_alpha(sample: Sample, state: KeyState, policy: SloPolicy, margin: float) -> tuple[str, str]:
+    """Alpha against its lines, by value (a window with at least minDraftTokens drafted tokens)."""
+    up = 1.0 + margin
+    if sample.alpha < policy.alpha_floor * up:
+        return MISSED, f"alpha {sample.alpha:.3f} under the floor {policy.alpha_floor * up:.3g}"
+    if margin == 0.0 and state.baseline is not None and sample.alpha < (1 - policy.alpha_drop) * state.baseline:
+        return MISSED, f"alpha {sample.alpha:.3f} under {1 - policy.alpha_drop:.2g} x its baseline {state.baseline:.3f}"
+    if margin and policy.recovery_alpha is not None and sample.alpha < policy.recovery_alpha:
+        return MISSED, f"alpha {sample.alpha:.3f} under recoveryAlpha {policy.recovery_alpha}"
+    return HEALTHY, f"alpha {sample.alpha:.3f}"
 
 
 def _judge_bounds(sample: Sample, state: KeyState, policy: SloPolicy, margin: float) -> tuple[str, str]:

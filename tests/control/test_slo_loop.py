@@ -87,7 +87,7 @@ def test_missing_data_decides_nothing_and_does_not_break_a_healthy_probe_run():
 
 
 def test_keys_are_judged_once_per_window_so_no_request_counts_twice():
-    thin = window(0.6, drafted=40, requests=1)  # too little alone: each judgement adds one window
+    thin = window(0.35, drafted=40, requests=1)  # too little alone (alpha near its line): each judgement adds one
     ticks = run([obs(code=window(0.6))] + [obs(code=thin)] * 8, dt=2.5)  # four ticks per 10 s window
     assert [t.memory.judged_at for t in ticks] == [1000.0] * 4 + [1010.0] * 4 + [1020.0]
     # kept for four ticks (one judgement), decided with the next window's: two requests, healthy
@@ -150,7 +150,8 @@ def test_memory_round_trips_through_the_status():
 
 
 @pytest.mark.parametrize("sample, verdict", [
-    (Sample(alpha=0.5, speedup=0.95, draft_tokens=500, requests=5), "missed"),
+    (Sample(alpha=0.5, speedup=0.85, draft_tokens=500, requests=5), "missed"),
+    (Sample(alpha=0.5, speedup=0.95, draft_tokens=500, requests=5), "healthy"),  # within the entry margin (0.9)
     (Sample(alpha=0.5, speedup=1.3, draft_tokens=500, requests=5), "healthy"),
     (Sample(alpha=0.5, speedup=0.5, draft_tokens=500, requests=1), "healthy"),  # speedup of 1 request: not judged
     (Sample(alert="X"), "missed"),

@@ -82,3 +82,49 @@ def test_the_loop_takes_no_decision_while_redis_is_away_and_resumes_after(fault,
         finally:
             writer.stop()
             publisher.stop()
+
+
+def test_a_worker_sigkilled_mid_load_with_the_loop_running(h, tmp_path, redis_server):
+    """Two `specfleet serve` workers publishing their windows, the loop judging them, one SIGKILLed
+    under 200 requests: no request that had not streamed is lost, the dead pod's window expires
+    (nothing is decided on it: the loop's memory holds no key of it), and the loop keeps deciding
+    on the survivor's windows."""
+    from specfleet_worker.testing import WorkerProcess
+    from concurrent.futures import ThreadPoolExecutor
+
+    client = redis_server.client()
+    loop = ControlLoop(SPEC)
+    writer = StateWriter(client, NS, NAME, initial_state(SPEC), loop=loop, period_s=0.1)
+    writer.write()
+    config = h.worker_config(tmp_path / "stable.json")
+    env = {"SPECFLEET_REDIS_URL": redis_server.url, "SPECFLEET_DEPLOYMENT": f"{NS}/{NAME}",
+           "SPECFLEET_FLEET_WINDOW_S": "1"}
+    workers = [WorkerProcess(config, "--threads", "1", env={**env, "POD_NAME": f"stable-{i}"}) for i in range(2)]
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda w: w.start(60), workers))
+    writer.start()
+    try:
+        with h.router_over([f"127.0.0.1:{w.grpc_port}" for w in workers], eject_s=30, redis_url=redis_server.url,
+                           namespace=NS, name=NAME, redis_poll_s=0.1) as r:
+            warm = run_load(r.base_url, model=NAME, requests=40, clients=8, max_tokens=16)
+            assert not warm.failed(), warm.summary()
+            wait(lambda: loop.memory.keys, 10, "the loop to judge the first windows")
+            report = run_load(r.base_url, model=NAME, requests=200, clients=16, max_tokens=16,
+                              fault=workers[0].kill, timeout_s=15)
+            print(report.summary())
+            assert len(report.in_flight_at_fault()) > 0, report.summary()
+            assert not report.lost(), [(o.index, o.error, o.message) for o in report.lost()]
+            assert not report.hung(), report.summary()
+            pods = lambda: {k.decode().rsplit(":", 1)[-1] for k in client.scan_iter(match=f"*{NS}/{NAME}:window:*")}
+            wait(lambda: pods() == {"stable-1"}, 10, "the dead worker's window to expire")
+            decided = loop.decided
+            after = run_load(r.base_url, model=NAME, requests=40, clients=8, max_tokens=16)
+            assert not after.failed(), after.summary()
+            wait(lambda: loop.decided > decided + 2, 10, "the loop to decide on the survivor's windows")
+            assert set(loop.memory.keys) <= {"deployment"} | {f"type:{t}" for t in ("chat", "other", "code", "math",
+                                                                                       "translation", "summarization",
+                                                                                       "extraction", "rag")}
+    finally:
+        writer.stop()
+        for w in workers:
+            w.kill()
