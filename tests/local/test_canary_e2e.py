@@ -1,9 +1,10 @@
-"""Canary analysis on real processes: `specfleet up` on the tiny random model (stable and canary
-workers, the router mirroring greedy requests to both arms, Redis, the loop), the official openai
-client as the traffic. A healthy canary (same model, other K bounds) is promoted through its
-steps; a canary on other weights (int8 against fp32 stable, under the exact drift threshold the
-same-model default would be) is aborted by the drift check, which names the first differing
-request, with its weight at 0."""
+"""Canary analysis on real processes: `specfleet up` (stable and canary workers, the router
+mirroring greedy requests to both arms, Redis, the loop), the official openai client as the
+traffic. A healthy canary (same model, other K bounds; the tiny random model) is promoted through
+its steps; a canary on other weights (SmolLM2 int8 against fp32 stable, under the exact drift
+threshold a lossless canary is held to) is aborted by the drift check, which names the first
+differing request, with its weight at 0. (On the tiny random model int8 and fp32 agree on every
+greedy token: 619 of 619 mirrored pairs did.)"""
 from __future__ import annotations
 
 import json
@@ -30,13 +31,17 @@ ANALYSIS = {"interval": "2s", "failureLimit": 2, "minRequests": 3,
                         "tpotP99": 20, "errorRate": 0.5}}
 
 
-def spec(name: str, overrides: dict, drift_threshold: float | None = None) -> dict:
+SMOLLM2 = {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}
+TINY = {"name": "tiny-random", "uri": "tiny-random"}
+
+
+def spec(name: str, overrides: dict, drift_threshold: float | None = None, model: dict = TINY) -> dict:
     analysis = json.loads(json.dumps(ANALYSIS))
     if drift_threshold is not None:
         analysis["drift"]["threshold"] = drift_threshold
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": name, "namespace": "default"},
-            "spec": {"model": {"name": "tiny-random", "uri": "tiny-random"}, "draft": {"method": "ngram"},
+            "spec": {"model": model, "draft": {"method": "ngram"},
                      "speculation": {"kMin": 0, "kMax": 4, "kInitial": 2}, "replicas": 1,
                      "slo": {"window": "2s", "fallback": {"enabled": False}},
                      "canary": {"weight": 30, "pause": "4s", "steps": [{"weight": 60, "pause": "4s"}],
@@ -44,18 +49,20 @@ def spec(name: str, overrides: dict, drift_threshold: float | None = None) -> di
 
 
 class Fleet:
-    def __init__(self, tmp_path, doc: dict):
+    def __init__(self, tmp_path, doc: dict, max_tokens: int = 12):
         f = tmp_path / "fleet.yaml"
         f.write_text(yaml.safe_dump(doc))
         self.name = doc["metadata"]["name"]
         self.run_file, out = tmp_path / "run" / "up.json", tmp_path / "up.out"
         env = {k: v for k, v in os.environ.items() if k not in ("SPECFLEET_REDIS_URL", runfile.ENV)}
+        tiny = ["--model", "tiny-random"] if doc["spec"]["model"] == TINY else []
+        self.max_tokens = max_tokens
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specfleet_cli.main", "up", "-f", str(f), "--model", "tiny-random",
+            [sys.executable, "-m", "specfleet_cli.main", "up", "-f", str(f), *tiny,
              "--http-port", "0", "--grpc-port", "0", "--worker-threads", "1", "--run-file", str(self.run_file),
              "--drain-seconds", "5"], stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
         self.out = out
-        end = time.monotonic() + 120
+        end = time.monotonic() + 240
         while (doc := runfile.read(self.run_file)) is None or doc.get("phase") != "serving":
             assert self.proc.poll() is None, out.read_text()
             assert time.monotonic() < end, out.read_text()
@@ -69,12 +76,12 @@ class Fleet:
             t.start()
 
     def _traffic(self, seed: int) -> None:
-        client = openai.OpenAI(base_url=self.doc["router"]["openai"], api_key="unused", max_retries=0, timeout=30)
+        client = openai.OpenAI(base_url=self.doc["router"]["openai"], api_key="unused", max_retries=0, timeout=60)
         n = 0
         while not self.stop.is_set():
             n += 1
             try:
-                client.chat.completions.create(model=self.name, max_tokens=12, temperature=0, messages=[
+                client.chat.completions.create(model=self.name, max_tokens=self.max_tokens, temperature=0, messages=[
                     {"role": "user", "content": f"Tell me about item {seed}-{n} and why it matters."}])
             except Exception as e:  # noqa: BLE001 - counted, none may happen
                 self.errors.append(f"{type(e).__name__}: {e}")
@@ -117,7 +124,8 @@ def test_a_healthy_canary_is_promoted_through_its_steps(tmp_path):
 def test_a_canary_on_other_weights_is_aborted_by_the_drift_check_naming_the_first_differing_request(tmp_path):
     # int8 against fp32 is not the same precision, so the default threshold would not be exact:
     # the test asks for exact agreement, as for a canary that should have been lossless
-    fleet = Fleet(tmp_path, spec("drift", {"quantization": "int8"}, drift_threshold=1.0))
+    fleet = Fleet(tmp_path, spec("drift", {"quantization": "int8"}, drift_threshold=1.0, model=SMOLLM2),
+                  max_tokens=32)
     try:
         canary = fleet.wait_phase({"Promoted", "Aborted"}, 150)
         events = fleet.loop()["events"]
