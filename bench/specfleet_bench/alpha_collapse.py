@@ -11,7 +11,7 @@ from its prompt, so its drafts are accepted often). Phases:
               with the temperature); that type must fall back alone
     recover   it is greedy again: its probes see alpha back, speculation returns
     cluster   (--cluster) it stays greedy, and one more client sends it out-of-distribution requests
-              (Finnish to translate, sampled at temperature 1): that prompt cluster falls back alone
+              (Finnish to translate, sampled at temperature 1.5): that prompt cluster falls back alone
 
 It prints and writes (JSON, and a plot with --plot) how long each fallback took in seconds and
 windows, the transitions per key, the errors, the other type's mode, and the collapsed type's
@@ -380,7 +380,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--other-clients", type=int, default=1, help="concurrent clients of the other type (default 1)")
     p.add_argument("--ood-clients", type=int, default=1,
                    help="clients that send out-of-distribution requests of the type in the cluster phase (default 1)")
-    p.add_argument("--ood-temperature", type=float, default=1.0, help="their temperature (default 1.0)")
+    p.add_argument("--ood-temperature", type=float, default=1.5, help="their temperature (default 1.5)")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--worker-threads", type=int, default=2)
