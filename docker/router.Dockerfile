@@ -17,6 +17,7 @@ COPY pyproject.toml README.md ./
 COPY api/ api/
 COPY bench/ bench/
 COPY cli/ cli/
+COPY control/ control/
 COPY local/ local/
 COPY operator/ operator/
 COPY proto/ proto/

@@ -206,6 +206,19 @@ async def wait_for(predicate: Callable[[], Any], timeout: float = 20.0, what: st
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+def write_kubeconfig(path, endpoint: str, namespace: str = "default"):
+    """A kubeconfig for the emulator at `endpoint` (kubectl, the kubernetes client, a subprocess
+    operator or router), its context's namespace `namespace`; returns `path`."""
+    import yaml
+
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
+        "clusters": [{"name": "emu", "cluster": {"server": endpoint}}],
+        "users": [{"name": "u", "user": {"token": "t"}}],
+        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": namespace}}]}))
+    return path
+
+
 def sdd_body(name: str, namespace: str = "default", **spec: Any) -> dict[str, Any]:
     base = {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}, "replicas": 1}
     base.update(spec)

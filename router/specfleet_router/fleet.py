@@ -18,6 +18,7 @@ from specfleet_api.windows import cluster_key, drift_key
 from .clusters import ClusterWindows
 from .drift import Drift
 from .metrics import RouterMetrics
+from .state import RedisTask
 
 log = logging.getLogger("specfleet.router.fleet")
 
@@ -25,7 +26,9 @@ PERIOD_S = 5.0
 TIMEOUT_S = 1.0
 
 
-class FleetPublisher:
+class FleetPublisher(RedisTask):
+    task_name = "fleet-publisher"
+
     def __init__(self, url: str, namespace: str, name: str, router: str, metrics: RouterMetrics, *,
                  windows: ClusterWindows | None = None, drift: Drift | None = None, period_s: float = PERIOD_S):
         import redis.asyncio as aioredis
@@ -38,7 +41,6 @@ class FleetPublisher:
         self.client = aioredis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.connected = True  # until a write fails: the first failure is an outage to report
-        self._task: asyncio.Task | None = None
 
     def _hashes(self) -> list[tuple[str, dict[str, str]]]:
         out = []
@@ -76,17 +78,6 @@ class FleetPublisher:
             await asyncio.sleep(self.period_s)
             await self.publish_once()
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="fleet-publisher")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        await self.client.aclose()
 
 
 def router_name(flag: str | None, env: dict, hostname: Callable[[], str]) -> str:

@@ -57,9 +57,35 @@ def newer(candidate: LiveState, current: LiveState) -> bool:
     return candidate.version < current.version and candidate.updated > current.updated
 
 
-class RedisState:
+class RedisTask:
+    """A coroutine `run()` that talks to Redis through `self.client` on a task of its own: `start`
+    it, `close` cancels it and closes the client (the state follower and the fleet publisher)."""
+
+    task_name = "redis"
+    client = None
+    _task: asyncio.Task | None = None
+
+    async def run(self) -> None:
+        raise NotImplementedError
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.run(), name=self.task_name)
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        await self.client.aclose()
+
+
+class RedisState(RedisTask):
     """Follows `specfleet:v1:<namespace>/<name>:state` in Redis, starting from `initial` (the
     flags' state) until the first good read."""
+
+    task_name = "redis-state"
 
     def __init__(self, url: str, namespace: str, name: str, initial: LiveState, metrics: RouterMetrics,
                  *, poll_s: float = POLL_S, read_timeout_s: float = READ_TIMEOUT_S,
@@ -76,7 +102,6 @@ class RedisState:
                                         retry=Retry(NoBackoff(), 0), health_check_interval=0)
         self.connected = False
         self.started = self.last_read = clock()  # stale since start until the first read
-        self._task: asyncio.Task | None = None
         metrics.state_version.set(initial.version)
         metrics.canary_weight.set(initial.canary_weight)
         metrics.redis_connected.set(0)
@@ -124,14 +149,3 @@ class RedisState:
             await self.poll_once()
             await asyncio.sleep(self.poll_s)
 
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self.run(), name="redis-state")
-
-    async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        await self.client.aclose()

@@ -3,9 +3,8 @@ from __future__ import annotations
 
 import kmock
 import pytest
-import yaml
 
-from specfleet_operator.testing import Cluster, declare_resources
+from specfleet_operator.testing import Cluster, declare_resources, write_kubeconfig
 
 
 @pytest.fixture()
@@ -19,9 +18,5 @@ async def cluster():
 def kubeconfig(cluster, tmp_path):
     """A kubeconfig for the emulator, its context's namespace `default`."""
     path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": cluster.endpoint}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": "default"}}]}))
+    write_kubeconfig(path, cluster.endpoint)
     return path

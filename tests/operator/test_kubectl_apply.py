@@ -8,7 +8,7 @@ import sys
 import yaml
 
 from specfleet_operator import API_VERSION
-from specfleet_operator.testing import EXAMPLE_VERDICTS, OperatorThread, ready, wait_for
+from specfleet_operator.testing import EXAMPLE_VERDICTS, OperatorThread, ready, wait_for, write_kubeconfig
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -22,11 +22,7 @@ def kubectl_path():
 
 async def test_kubectl_apply_examples(cluster, tmp_path):
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": cluster.endpoint}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": "default"}}]}))
+    write_kubeconfig(kubeconfig, cluster.endpoint)
     proc = await asyncio.create_subprocess_exec(
         kubectl_path(), f"--kubeconfig={kubeconfig}", "apply", "--validate=false", "-f", str(ROOT / "deploy" / "examples"),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -57,11 +53,7 @@ async def test_kubectl_apply_examples(cluster, tmp_path):
 
 def _kubeconfig(cluster, tmp_path):
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": cluster.endpoint}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": "default"}}]}))
+    write_kubeconfig(kubeconfig, cluster.endpoint)
     return kubeconfig
 
 

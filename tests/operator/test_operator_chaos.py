@@ -14,7 +14,6 @@ import time
 import kmock
 import kopf
 import pytest
-import yaml
 from specfleet_operator import API_VERSION, GROUP, KIND, converge
 from specfleet_operator import manifests as m
 from specfleet_operator.kube import PLURALS, apply_patch
@@ -27,6 +26,7 @@ from specfleet_operator.testing import (
     sdd_body,
     stored_live_state,
     wait_for,
+    write_kubeconfig,
 )
 
 SEEDS = range(10)
@@ -139,11 +139,7 @@ def converged(cluster, name):
 async def test_operator_killed_mid_reconcile_converges_after_restart(seed, cluster, kube, redis_server, tmp_path):
     rng = random.Random(f"chaos-{seed}")
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": cluster.endpoint}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": "default"}}]}))
+    write_kubeconfig(kubeconfig, cluster.endpoint)
     slo = {"window": "1s", "minDraftTokens": 100}
     created = await kube.create(sdd_body("chaos", replicas=2, canary={"weight": 10}, slo=slo,
                                          redis={"url": redis_server.url}))

@@ -139,14 +139,10 @@ async def test_specfleet_router_discovers_its_workers_from_the_cluster(cluster, 
     import urllib.error
     import urllib.request
 
-    import yaml
+    from specfleet_operator.testing import write_kubeconfig
 
     kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "emu",
-        "clusters": [{"name": "emu", "cluster": {"server": cluster.endpoint}}],
-        "users": [{"name": "u", "user": {"token": "t"}}],
-        "contexts": [{"name": "emu", "context": {"cluster": "emu", "user": "u", "namespace": "default"}}]}))
+    write_kubeconfig(kubeconfig, cluster.endpoint)
     await kube.create(endpoint_slice("chat-stable-abc", "chat-stable", [("127.0.0.1", True), ("127.0.0.3", True)],
                                      port=1))
     env = {k: v for k, v in os.environ.items() if k != "SPECFLEET_REDIS_URL"}
