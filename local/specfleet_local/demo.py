@@ -147,7 +147,8 @@ def run_demo(fleet, stop: threading.Event) -> int:
             break
     console.print(summary(results, windows, wall, args.demo_clients))
     console.print("tok/s: completion tokens / request time as the client saw it (prefill and queueing included). "
-                  f"alpha, tau, speedup: the workers' windows for that arm and prompt type (the last 60 s; they "
+                  f"alpha, tau, speedup: the workers' windows for that arm and prompt type (the last "
+                  f"{fleet.window_s:g} s, spec.slo.window; they "
                   f"hold {seen} of the {answered} requests). Routes: the router's x-specfleet-* headers.")
     for r in results:
         if r.error:
