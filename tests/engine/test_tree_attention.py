@@ -1,0 +1,167 @@
+"""Tree attention for verification (kernels/tree_attention.py): the torch reference against a naive
+token-by-token computation, and the Triton kernel (TRITON_INTERPRET=1 on the CPU, in a subprocess so
+the setting does not leak into this process) against the reference."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from specfleet_engine.kernels import tree_attention as ta
+
+BLOCK = 16
+TREE = [-1, 0, 0, 1, 1, 2, -1, 6, 3]  # 9 nodes, two roots, branching at 0, 1 and 6
+CHAIN5 = [-1, 0, 1, 2, 3]
+# (name, head_dim, [(prefix_len, parents), ...]): ragged batches mixing a tree, a chain and plain rows
+CASES = [
+    ("mixed", 64, [(37, TREE), (5, CHAIN5), (0, [-1]), (16, [-1, 0, 0])]),
+    ("empty-prefix-tree", 64, [(0, TREE), (33, [-1])]),
+    ("dim80", 80, [(21, [-1, 0, 0, 2]), (48, CHAIN5[:3]), (7, [-1])]),
+]
+
+
+def make_case(head_dim, seqs, n_heads=4, n_kv=2, seed=0):
+    """Inputs with shuffled, non-contiguous physical blocks and spare blocks full of noise."""
+    g = torch.Generator().manual_seed(seed)
+    need = [-(-p // BLOCK) for p, _ in seqs]
+    num_blocks = sum(need) + 3
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(seqs), max(max(need), 1), dtype=torch.int32)
+    used = 0
+    for b, n in enumerate(need):
+        tables[b, :n] = torch.tensor(perm[used:used + n], dtype=torch.int32)
+        used += n
+    parents = [p for _, ps in seqs for p in ps]
+    total = len(parents)
+    r = lambda *s: torch.randn(*s, generator=g)
+    return {"q": r(total, n_heads, head_dim), "k_cache": r(num_blocks, BLOCK, n_kv, head_dim),
+            "v_cache": r(num_blocks, BLOCK, n_kv, head_dim), "block_tables": tables,
+            "prefix_lens": torch.tensor([p for p, _ in seqs], dtype=torch.int32),
+            "k_tree": r(total, n_kv, head_dim), "v_tree": r(total, n_kv, head_dim),
+            "tree_parents": torch.tensor(parents, dtype=torch.int32),
+            "cu_nodes": torch.tensor([0] + [sum(len(ps) for _, ps in seqs[:i + 1]) for i in range(len(seqs))],
+                                     dtype=torch.int32),
+            "scale": 1 / math.sqrt(head_dim)}
+
+
+def naive(q, k_cache, v_cache, block_tables, prefix_lens, k_tree, v_tree, tree_parents, cu_nodes, scale):
+    """One (node, head) at a time: prefix token by token through the table, ancestors by walking up."""
+    out = torch.zeros_like(q)
+    n_heads, n_kv = q.shape[1], k_cache.shape[2]
+    for b in range(len(prefix_lens)):
+        s, e = int(cu_nodes[b]), int(cu_nodes[b + 1])
+        for i in range(s, e):
+            seen, j = [], i - s
+            while j >= 0:
+                seen.append(s + j)
+                j = int(tree_parents[s + j])
+            for h in range(n_heads):
+                kvh = h // (n_heads // n_kv)
+                keys, vals = [], []
+                for pos in range(int(prefix_lens[b])):
+                    blk = int(block_tables[b, pos // BLOCK])
+                    keys.append(k_cache[blk, pos % BLOCK, kvh])
+                    vals.append(v_cache[blk, pos % BLOCK, kvh])
+                keys += [k_tree[n, kvh] for n in seen]
+                vals += [v_tree[n, kvh] for n in seen]
+                w = torch.softmax(torch.stack(keys).double() @ q[i, h].double() * scale, 0)
+                out[i, h] = (w[:, None] * torch.stack(vals).double()).sum(0).float()
+    return out
+
+
+def test_tree_mask_chain_is_causal_and_tree_follows_ancestry():
+    assert torch.equal(ta.tree_mask([-1, 0, 1, 2]), torch.ones(4, 4, dtype=torch.bool).tril())
+    assert torch.equal(ta.tree_mask([-1]), torch.ones(1, 1, dtype=torch.bool))
+    m = ta.tree_mask(TREE)
+    want = {0: {0}, 1: {0, 1}, 2: {0, 2}, 3: {0, 1, 3}, 4: {0, 1, 4}, 5: {0, 2, 5}, 6: {6}, 7: {6, 7},
+            8: {0, 1, 3, 8}}
+    assert {i: set(m[i].nonzero().flatten().tolist()) for i in range(len(TREE))} == want
+
+
+@pytest.mark.parametrize("parents", [[0], [-1, 1], [-1, -2], [-1, 0, 3, 1]])
+def test_tree_mask_rejects_non_topological_parents(parents):
+    with pytest.raises(ValueError, match="topological"):
+        ta.tree_mask(parents)
+
+
+@pytest.mark.parametrize("name,head_dim,seqs", CASES, ids=[c[0] for c in CASES])
+def test_reference_matches_naive(name, head_dim, seqs):
+    case = make_case(head_dim, seqs)
+    got = ta.tree_attention_ref(**case)
+    torch.testing.assert_close(got, naive(**case), atol=1e-5, rtol=1e-5)
+
+
+def test_reference_single_node_is_plain_decoding():
+    """One node with no tree: ordinary attention over the prefix plus the new token."""
+    case = make_case(64, [(37, [-1])])
+    k = torch.cat([case["k_cache"][case["block_tables"][0, :3].long()].reshape(-1, 2, 64)[:37], case["k_tree"]])
+    v = torch.cat([case["v_cache"][case["block_tables"][0, :3].long()].reshape(-1, 2, 64)[:37], case["v_tree"]])
+    want = torch.nn.functional.scaled_dot_product_attention(
+        case["q"].transpose(0, 1), k.repeat_interleave(2, 1).transpose(0, 1),
+        v.repeat_interleave(2, 1).transpose(0, 1)).transpose(0, 1)
+    torch.testing.assert_close(ta.tree_attention_ref(**case), want, atol=1e-5, rtol=1e-5)
+
+
+def test_bad_input_is_named():
+    case = make_case(64, [(5, CHAIN5)])
+    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
+        ta.tree_attention_ref(**{**case, "q": case["q"][:, :3]})
+    with pytest.raises(ValueError, match="cu_nodes"):
+        ta.tree_attention_ref(**{**case, "cu_nodes": torch.tensor([0, 4], dtype=torch.int32)})
+    with pytest.raises(ValueError, match="block_tables holds"):
+        ta.tree_attention_ref(**{**case, "prefix_lens": torch.tensor([17], dtype=torch.int32)})
+
+
+def test_dispatcher_uses_the_reference_off_cuda_and_when_forced(monkeypatch):
+    assert not ta.use_triton(torch.device("cpu"))
+    monkeypatch.setenv(ta.KERNELS_ENV, "torch")
+    assert not ta.use_triton(torch.device("cuda"))
+    case = make_case(64, [(5, CHAIN5)])
+    assert torch.equal(ta.tree_attention(**case), ta.tree_attention_ref(**case))
+
+
+_SUBPROCESS = """
+import json, sys, torch
+sys.path.insert(0, {testdir!r})
+from test_tree_attention import CASES, make_case
+from specfleet_engine.kernels import tree_attention as ta
+errs = {{}}
+for name, head_dim, seqs in CASES:
+    case = make_case(head_dim, seqs, seed=1)
+    errs[name] = (ta.tree_attention_triton(**case) - ta.tree_attention_ref(**case)).abs().max().item()
+print(json.dumps(errs))
+"""
+
+
+@pytest.fixture(scope="module")
+def triton_errors():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop(ta.KERNELS_ENV, None)
+    code = _SUBPROCESS.format(testdir=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          check=False)
+    assert proc.returncode == 0, f"interpreted Triton run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", [c[0] for c in CASES])
+def test_triton_interpreted_matches_reference(triton_errors, name):
+    assert triton_errors[name] < 1e-4, triton_errors
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name,head_dim,seqs", CASES + [("dim128", 128, [(300, TREE), (1000, [-1])])],
+                         ids=[c[0] for c in CASES] + ["dim128"])
+def test_triton_cuda_matches_reference(name, head_dim, seqs, dtype):
+    case = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_case(head_dim, seqs).items()}
+    for k in ("q", "k_cache", "v_cache", "k_tree", "v_tree"):
+        case[k] = case[k].to(dtype)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(ta.tree_attention_triton(**case).float(), ta.tree_attention_ref(**case).float(),
+                               atol=tol, rtol=tol)
