@@ -15,11 +15,13 @@ from specfleet_engine.kernels import tree_attention as ta
 BLOCK = 16
 TREE = [-1, 0, 0, 1, 1, 2, -1, 6, 3]  # 9 nodes, two roots, branching at 0, 1 and 6
 CHAIN5 = [-1, 0, 1, 2, 3]
+WIDE64 = [-1] + [int(torch.randint(i, (1,), generator=torch.Generator().manual_seed(i))) for i in range(1, 64)]
 # (name, head_dim, [(prefix_len, parents), ...]): ragged batches mixing a tree, a chain and plain rows
 CASES = [
     ("mixed", 64, [(37, TREE), (5, CHAIN5), (0, [-1]), (16, [-1, 0, 0])]),
     ("empty-prefix-tree", 64, [(0, TREE), (33, [-1])]),
     ("dim80", 80, [(21, [-1, 0, 0, 2]), (48, CHAIN5[:3]), (7, [-1])]),
+    ("tree64", 64, [(19, WIDE64), (3, [-1, 0])]),
 ]
 
 
