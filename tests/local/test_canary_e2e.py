@@ -132,7 +132,7 @@ def test_a_canary_on_other_weights_is_aborted_by_the_drift_check_naming_the_firs
         assert canary["phase"] == "Aborted", (canary, events)
         aborted = next(e["message"] for e in events if e["reason"] == "CanaryAborted")
         assert "drift" in aborted and "request" in aborted, aborted
-        state = json.loads(fleet.redis.get(f"specfleet:v1:default/drift:state"))
+        state = json.loads(fleet.redis.get("specfleet:v1:default/drift:state"))
         assert state["canary_weight"] == 0
         assert not fleet.errors, fleet.errors[:3]
     finally:

@@ -17,7 +17,6 @@ import time
 
 import openai
 import psutil
-import pytest
 import yaml
 
 from specfleet_local import runfile
