@@ -37,6 +37,8 @@ class StepStats:
     num_accepted: int
     bonus: bool
     num_emitted: int  # tokens appended to the output (after EOS / stop / max_tokens cuts)
+    draft_depth: int = 0  # the deepest draft node verified (a chain: num_draft_tokens); branching
+    # actually verified = num_draft_tokens / draft_depth (1.0 for a chain)
 
 
 @dataclass
@@ -143,6 +145,8 @@ class Engine:
         block_size: int = 16,
         eos_token_ids: list[int] | None = None,
         k_policy: str | KPolicy = "adaptive",
+        tree_branching: int = 1,
+        tree_depth: int = 0,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -158,6 +162,8 @@ class Engine:
         self.costs = StepCostModel()
         self.k_policy: KPolicy = make_policy(k_policy, self.costs) if isinstance(k_policy, str) else k_policy
         self.last_timing = StepTiming()
+        # caps on the adaptive draft tree: children per node (1: chains) and depth (0: K's bound)
+        self.tree_branching, self.tree_depth = tree_branching, tree_depth
 
     def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5) -> dict[int, float]:
         """Measures the target forward's cost by number of new-token rows and sets the cost curve.

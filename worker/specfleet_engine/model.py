@@ -274,6 +274,9 @@ class AttentionMetadata:
                   (True = may attend), used by tree verification
     context_starts: per sequence, the first slot when its context is one run of consecutive
                   slots (read as a view, not gathered), else None
+    tree_parents: per sequence, None when its new tokens are a causal run, else the parent of each
+                  new token local to them (-1: attached to the cached prefix); `masks` holds the
+                  same tree as a dense mask, which the CPU path reads
     """
 
     positions: Tensor
@@ -282,6 +285,7 @@ class AttentionMetadata:
     context_slots: list[Tensor]
     masks: list[Tensor | None]
     context_starts: list[int | None] | None = None
+    tree_parents: list[list[int] | None] | None = None
 
     @property
     def num_seqs(self) -> int:
