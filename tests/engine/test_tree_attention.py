@@ -16,17 +16,27 @@ BLOCK = 16
 TREE = [-1, 0, 0, 1, 1, 2, -1, 6, 3]  # 9 nodes, two roots, branching at 0, 1 and 6
 CHAIN5 = [-1, 0, 1, 2, 3]
 WIDE64 = [-1] + [int(torch.randint(i, (1,), generator=torch.Generator().manual_seed(i))) for i in range(1, 64)]
+WIDE100 = [-1] + [int(torch.randint(-1, i, (1,), generator=torch.Generator().manual_seed(i))) for i in range(1, 100)]
 # (name, head_dim, [(prefix_len, parents), ...]): ragged batches mixing a tree, a chain and plain rows
 CASES = [
     ("mixed", 64, [(37, TREE), (5, CHAIN5), (0, [-1]), (16, [-1, 0, 0])]),
     ("empty-prefix-tree", 64, [(0, TREE), (33, [-1])]),
     ("dim80", 80, [(21, [-1, 0, 0, 2]), (48, CHAIN5[:3]), (7, [-1])]),
     ("tree64", 64, [(19, WIDE64), (3, [-1, 0])]),
+    ("tree100-roots", 32, [(0, WIDE100), (2, [-1])]),  # the tree spans two tiles of nodes, late roots
+]
+# the kernel alone: prefixes long enough to be split across programs (the merge of partial
+# softmaxes, a split past a short sequence's prefix), and the cache in the engine's layout
+KERNEL_CASES = CASES + [
+    ("split", 64, [(700, TREE), (300, [-1])]),
+    ("engine-layout", 64, [(37, TREE), (5, CHAIN5), (0, [-1])]),
+    ("engine-layout-split", 16, [(1500, CHAIN5)]),
 ]
 
 
-def make_case(head_dim, seqs, n_heads=4, n_kv=2, seed=0):
-    """Inputs with shuffled, non-contiguous physical blocks and spare blocks full of noise."""
+def make_case(head_dim, seqs, n_heads=4, n_kv=2, seed=0, engine_layout=False):
+    """Inputs with shuffled, non-contiguous physical blocks and spare blocks full of noise.
+    engine_layout: the caches as views of the model's [n_kv, slots, head_dim] tensors (strided)."""
     g = torch.Generator().manual_seed(seed)
     need = [-(-p // BLOCK) for p, _ in seqs]
     num_blocks = sum(need) + 3
@@ -39,8 +49,13 @@ def make_case(head_dim, seqs, n_heads=4, n_kv=2, seed=0):
     parents = [p for _, ps in seqs for p in ps]
     total = len(parents)
     r = lambda *s: torch.randn(*s, generator=g)
-    return {"q": r(total, n_heads, head_dim), "k_cache": r(num_blocks, BLOCK, n_kv, head_dim),
-            "v_cache": r(num_blocks, BLOCK, n_kv, head_dim), "block_tables": tables,
+    if engine_layout:
+        kc, vc = (r(n_kv, num_blocks * BLOCK, head_dim).view(n_kv, num_blocks, BLOCK, head_dim).permute(1, 2, 0, 3)
+                  for _ in "kv")
+        assert not kc.is_contiguous()
+    else:
+        kc, vc = r(num_blocks, BLOCK, n_kv, head_dim), r(num_blocks, BLOCK, n_kv, head_dim)
+    return {"q": r(total, n_heads, head_dim), "k_cache": kc, "v_cache": vc, "block_tables": tables,
             "prefix_lens": torch.tensor([p for p, _ in seqs], dtype=torch.int32),
             "k_tree": r(total, n_kv, head_dim), "v_tree": r(total, n_kv, head_dim),
             "tree_parents": torch.tensor(parents, dtype=torch.int32),
@@ -128,11 +143,11 @@ def test_dispatcher_uses_the_reference_off_cuda_and_when_forced(monkeypatch):
 _SUBPROCESS = """
 import json, sys, torch
 sys.path.insert(0, {testdir!r})
-from test_tree_attention import CASES, make_case
+from test_tree_attention import KERNEL_CASES, make_case
 from specfleet_engine.kernels import tree_attention as ta
 errs = {{}}
-for name, head_dim, seqs in CASES:
-    case = make_case(head_dim, seqs, seed=1)
+for name, head_dim, seqs in KERNEL_CASES:
+    case = make_case(head_dim, seqs, seed=1, engine_layout=name.startswith("engine-layout"))
     errs[name] = (ta.tree_attention_triton(**case) - ta.tree_attention_ref(**case)).abs().max().item()
 print(json.dumps(errs))
 """
@@ -150,7 +165,7 @@ def triton_errors():
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.parametrize("name", [c[0] for c in CASES])
+@pytest.mark.parametrize("name", [c[0] for c in KERNEL_CASES])
 def test_triton_interpreted_matches_reference(triton_errors, name):
     assert triton_errors[name] < 1e-4, triton_errors
 
@@ -158,10 +173,11 @@ def test_triton_interpreted_matches_reference(triton_errors, name):
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("name,head_dim,seqs", CASES + [("dim128", 128, [(300, TREE), (1000, [-1])])],
-                         ids=[c[0] for c in CASES] + ["dim128"])
+@pytest.mark.parametrize("name,head_dim,seqs", KERNEL_CASES + [("dim128", 128, [(300, TREE), (1000, [-1])])],
+                         ids=[c[0] for c in KERNEL_CASES] + ["dim128"])
 def test_triton_cuda_matches_reference(name, head_dim, seqs, dtype):
-    case = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in make_case(head_dim, seqs).items()}
+    case = make_case(head_dim, seqs, engine_layout=name.startswith("engine-layout"))
+    case = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in case.items()}
     for k in ("q", "k_cache", "v_cache", "k_tree", "v_tree"):
         case[k] = case[k].to(dtype)
     tol = 1e-4 if dtype == torch.float32 else 2e-2

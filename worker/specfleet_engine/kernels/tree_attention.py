@@ -6,10 +6,16 @@ last prefix token). A chain is parents [-1, 0, 1, ...]; plain decoding is one no
 attention: n_heads is a multiple of n_kv_heads. Softmax in fp32.
 
 `tree_attention_ref` (torch) is the CPU path and the reference; `tree_attention_triton` has the same
-signature (one program per (node, head), online softmax over prefix blocks, then the sequence's tree
-nodes under a host-built ancestry mask; runs under TRITON_INTERPRET=1 too, which Triton reads when
-the kernel is built, i.e. at its first launch here). `tree_attention` dispatches: Triton on CUDA,
-else the reference; SPECFLEET_KERNELS=torch forces the reference.
+signature. The Triton kernel runs one program per (sequence, KV head, tile of query rows, prefix
+split): the rows are the (node, query head) pairs of a sequence that share the KV head, so each
+prefix block is read once for the whole tree and every query head of the group, and both products
+are `tl.dot`s (fp32 inputs in IEEE precision, not TF32). A long prefix with few programs is split
+across programs and the partial softmaxes merged (flash-decoding). The cache may be any strided
+view whose last dim is contiguous: the model passes its [Hkv, slots, hd] tensors as
+[num_blocks, block_size, Hkv, hd] views, no copy. Runs under TRITON_INTERPRET=1 too, which Triton
+reads when the kernel is built, i.e. at its first launch here. `tree_attention` dispatches: Triton
+on CUDA (or anywhere with SPECFLEET_KERNELS=triton), else the reference; SPECFLEET_KERNELS=torch
+forces the reference.
 """
 
 from __future__ import annotations
@@ -17,12 +23,13 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-KERNELS_ENV = "SPECFLEET_KERNELS"  # "torch": use the references, never Triton
-MAX_TREE_NODES = 1024  # per sequence; the Triton kernel holds one sequence's tree in one block
+KERNELS_ENV = "SPECFLEET_KERNELS"  # "torch": the references only; "triton": Triton even off CUDA
+MAX_TREE_NODES = 1024  # per sequence: the ancestry mask is [total_nodes, max_nodes] int8
 
 
 def tree_mask(parents: Tensor | list[int]) -> Tensor:
@@ -93,6 +100,108 @@ def tree_attention_ref(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables
     return out
 
 
+@dataclass(frozen=True)
+class TreeBatch:
+    """The host-side description of a batch for the kernel, built once (one copy to the device) and
+    reused by every layer of a forward.
+
+    block_tables: int32 [B, max_blocks]; prefix_lens: int32 [B]; cu_nodes: int32 [B + 1];
+    ancestry: int8 [total_nodes, max_nodes], row i: which of its sequence's nodes node i sees."""
+
+    block_tables: Tensor
+    prefix_lens: Tensor
+    cu_nodes: Tensor
+    ancestry: Tensor
+    max_nodes: int
+    max_prefix: int
+
+    @property
+    def batch(self) -> int:
+        return self.prefix_lens.shape[0]
+
+
+def tree_batch(block_tables: Tensor, prefix_lens: list[int], parents: list[list[int]],
+               device: torch.device) -> TreeBatch:
+    """block_tables: [B, max_blocks] (host); prefix_lens: B ints; parents: B lists (each sequence's
+    tree parents, local to it)."""
+    sizes = [len(p) for p in parents]
+    max_nodes = max(sizes, default=0)
+    if max_nodes > MAX_TREE_NODES:
+        raise ValueError(f"a tree of {max_nodes} nodes exceeds the kernel's {MAX_TREE_NODES} per sequence")
+    ancestry = torch.zeros(sum(sizes), max(max_nodes, 1), dtype=torch.int8)
+    cu = [0, *itertools.accumulate(sizes)]
+    for a, n, p in zip(cu, sizes, parents):
+        if n:
+            ancestry[a:a + n, :n] = tree_mask(p)
+    as_i32 = lambda t: torch.as_tensor(t, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+    return TreeBatch(as_i32(block_tables), as_i32(prefix_lens), as_i32(cu), ancestry.to(device, non_blocking=True),
+                     max_nodes, max(prefix_lens, default=0))
+
+
+def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, prefix_lens: Tensor,
+                          k_tree: Tensor, v_tree: Tensor, tree_parents: Tensor, cu_nodes: Tensor,
+                          scale: float) -> Tensor:
+    """Same as tree_attention_ref, by the Triton kernel."""
+    _check(q, k_cache, v_cache, block_tables, prefix_lens, k_tree, v_tree, tree_parents, cu_nodes)
+    cu, parents = cu_nodes.tolist(), tree_parents.tolist()
+    batch = tree_batch(block_tables.cpu(), prefix_lens.tolist(), [parents[a:b] for a, b in itertools.pairwise(cu)],
+                       q.device)
+    return tree_attention_launch(q, k_cache, v_cache, batch, k_tree, v_tree, scale)
+
+
+BLOCK_N = 64  # prefix tokens (and tree nodes) per step of a program
+TARGET_PROGRAMS = 512  # split long prefixes until a launch has about this many programs (H200: 132 SMs)
+MIN_SPLIT = 256  # prefix tokens a split covers at least
+
+
+def tree_attention_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: TreeBatch, k_tree: Tensor,
+                          v_tree: Tensor, scale: float) -> Tensor:
+    """The kernel on a prepared batch, no host sync: q [total, H, hd]; k_cache, v_cache
+    [num_blocks, block_size, Hkv, hd] (any strides, last dim contiguous); k_tree, v_tree
+    [total, Hkv, hd] (likewise). Returns [total, H, hd] in q's dtype."""
+    import triton
+
+    total, n_heads, head_dim = q.shape
+    n_kv, bs = k_cache.shape[2], k_cache.shape[1]
+    out = torch.empty(total, n_heads, head_dim, dtype=q.dtype, device=q.device)
+    if total == 0:
+        return out
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache), ("k_tree", k_tree), ("v_tree", v_tree)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have a contiguous last dim (stride 1), got strides {t.stride()}")
+    if not q.dtype == k_cache.dtype == v_cache.dtype == k_tree.dtype == v_tree.dtype:
+        raise ValueError(f"q, the caches and the tree K/V must share a dtype, got {q.dtype}, {k_cache.dtype}, "
+                         f"{v_cache.dtype}, {k_tree.dtype}, {v_tree.dtype}")
+    group = n_heads // n_kv
+    rows = batch.max_nodes * group
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    tiles = triton.cdiv(rows, block_m)
+    programs = batch.batch * n_kv * tiles
+    splits = max(1, min(triton.cdiv(batch.max_prefix, MIN_SPLIT), TARGET_PROGRAMS // programs))
+    chunk = triton.cdiv(triton.cdiv(max(batch.max_prefix, 1), splits), BLOCK_N) * BLOCK_N
+    splits = max(1, triton.cdiv(batch.max_prefix, chunk))
+    if splits > 1:  # partial (unnormalised) outputs, their running maxima and sums
+        part = torch.empty(splits, total, n_heads, head_dim, dtype=torch.float32, device=q.device)
+        ml = torch.empty(2, splits, total, n_heads, dtype=torch.float32, device=q.device)
+    else:
+        part, ml = out, out  # unused
+    bt = batch.block_tables
+    _kernel()[(batch.batch, n_kv * tiles, splits)](
+        q, k_cache, v_cache, bt, batch.prefix_lens, k_tree, v_tree, batch.ancestry, batch.cu_nodes, out, part, ml,
+        float(scale), tiles, chunk, total,
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
+        k_tree.stride(0), k_tree.stride(1), v_tree.stride(0), v_tree.stride(1), batch.ancestry.stride(0),
+        GROUP=group, N_HEADS=n_heads, BLOCK_SIZE=bs, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, num_warps=4)
+    if splits > 1:  # merge the splits' softmaxes; a split past a sequence's prefix has m = -inf, l = 0
+        m, l = ml[0], ml[1]
+        top = m.amax(0)
+        w = torch.exp(m - top)  # [splits, total, H]
+        out.copy_((w[..., None] * part).sum(0) / (w * l).sum(0)[..., None])
+    return out
+
+
 @functools.cache
 def _kernel():
     """Built on first use, so TRITON_INTERPRET set before the first launch takes effect."""
@@ -100,97 +209,90 @@ def _kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(Q, KC, VC, BT, PL, KT, VT, MASK, CU, SEQ, OUT, scale,
-               s_qn, s_qh, s_cb, s_cs, s_ch, s_bt, s_tn, s_th, s_on, s_oh, s_m,
-               GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_T: tl.constexpr):
-        node = tl.program_id(0)
-        head = tl.program_id(1)
-        kvh = head // GROUP
-        seq = tl.load(SEQ + node)
+    def kernel(Q, KC, VC, BT, PL, KT, VT, ANC, CU, OUT, PART, ML, scale, tiles, chunk, total,
+               s_qn, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt, s_ktn, s_kth, s_vtn, s_vth, s_a,
+               GROUP: tl.constexpr, N_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+        seq = tl.program_id(0)
+        kvh = tl.program_id(1) // tiles
+        tile = tl.program_id(1) % tiles
+        split = tl.program_id(2)
         start = tl.load(CU + seq)
         n_nodes = tl.load(CU + seq + 1) - start
         plen = tl.load(PL + seq)
+        r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's rows: (node, query head of the group)
+        node = r // GROUP
+        head = kvh * GROUP + r % GROUP
+        rv = node < n_nodes
         d = tl.arange(0, BLOCK_D)
         dm = d < HEAD_DIM
-        q = tl.load(Q + node * s_qn + head * s_qh + d, mask=dm, other=0.0).to(tl.float32) * scale
-        m_i = tl.full((1,), float("-inf"), tl.float32)
-        l_i = tl.zeros((1,), tl.float32)
-        acc = tl.zeros((BLOCK_D,), tl.float32)
-        offs = tl.arange(0, BLOCK_SIZE)
-        for b in range(tl.cdiv(plen, BLOCK_SIZE)):  # the prefix, block by block through the table
-            blk = tl.load(BT + seq * s_bt + b).to(tl.int64)
-            valid = b * BLOCK_SIZE + offs < plen
-            ptr = blk * s_cb + offs[:, None] * s_cs + kvh * s_ch + d[None, :]
-            lm = valid[:, None] & dm[None, :]
-            k = tl.load(KC + ptr, mask=lm, other=0.0).to(tl.float32)
-            v = tl.load(VC + ptr, mask=lm, other=0.0).to(tl.float32)
-            s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=0))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new)
-            l_i = l_i * alpha + tl.sum(p, axis=0)
-            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        q = tl.load(Q + (start + node)[:, None] * s_qn + head[:, None] * s_qh + d[None, :],
+                    mask=rv[:, None] & dm[None, :], other=0.0)
+        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+        l_i = tl.zeros((BLOCK_M,), tl.float32)
+        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
+        lo = 0
+        hi = plen
+        if SPLIT:
+            lo = split * chunk
+            hi = tl.minimum(plen, lo + chunk)
+        n = tl.arange(0, BLOCK_N)
+        for n0 in range(lo, hi, BLOCK_N):  # the prefix, through the block table
+            pos = n0 + n
+            pv = pos < hi
+            blk = tl.load(BT + seq * s_bt + pos // BLOCK_SIZE, mask=pv, other=0).to(tl.int64)
+            within = (pos % BLOCK_SIZE).to(tl.int64)
+            lm = pv[:, None] & dm[None, :]
+            k = tl.load(KC + (blk * s_kb + within * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=lm, other=0.0)
+            v = tl.load(VC + (blk * s_vb + within * s_vs + kvh * s_vh)[:, None] + d[None, :], mask=lm, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.where(pv[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # online softmax; a row that has seen nothing keeps -inf
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
             m_i = m_new
-        t = tl.arange(0, BLOCK_T)  # the sequence's tree nodes, under the ancestry mask (self always in)
-        tv = (t < n_nodes) & (tl.load(MASK + node * s_m + t, mask=t < n_nodes, other=0) != 0)
-        ptr = (start + t)[:, None] * s_tn + kvh * s_th + d[None, :]
-        lm = tv[:, None] & dm[None, :]
-        k = tl.load(KT + ptr, mask=lm, other=0.0).to(tl.float32)
-        v = tl.load(VT + ptr, mask=lm, other=0.0).to(tl.float32)
-        s = tl.where(tv, tl.sum(k * q[None, :], axis=1), float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new)
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
-        tl.store(OUT + node * s_on + head * s_oh + d, (acc / l_i).to(OUT.dtype.element_ty), mask=dm)
+        t_end = n_nodes
+        if SPLIT:
+            t_end = tl.where(split == 0, n_nodes, 0)  # the tree once, in split 0
+        for t0 in range(0, t_end, BLOCK_N):  # the sequence's tree nodes, under the ancestry mask
+            col = t0 + n
+            cv = col < n_nodes
+            seen = tl.load(ANC + (start + node)[:, None] * s_a + col[None, :], mask=rv[:, None] & cv[None, :],
+                           other=0) != 0
+            lm = cv[:, None] & dm[None, :]
+            k = tl.load(KT + ((start + col) * s_ktn + kvh * s_kth)[:, None] + d[None, :], mask=lm, other=0.0)
+            v = tl.load(VT + ((start + col) * s_vtn + kvh * s_vth)[:, None] + d[None, :], mask=lm, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.where(seen, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            m_i = m_new
+        sm = rv[:, None] & dm[None, :]
+        row = (start + node).to(tl.int64) * N_HEADS + head  # OUT, PART and ML are contiguous, rows (node, head)
+        if SPLIT:
+            row += split.to(tl.int64) * total * N_HEADS
+            tl.store(PART + row[:, None] * HEAD_DIM + d[None, :], acc, mask=sm)
+            tl.store(ML + row, m_i, mask=rv)
+            tl.store(ML + tl.num_programs(2).to(tl.int64) * total * N_HEADS + row, l_i, mask=rv)
+        else:
+            tl.store(OUT + row[:, None] * HEAD_DIM + d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
+                     mask=sm)
 
     return kernel
 
 
-def tree_attention_triton(q: Tensor, k_cache: Tensor, v_cache: Tensor, block_tables: Tensor, prefix_lens: Tensor,
-                          k_tree: Tensor, v_tree: Tensor, tree_parents: Tensor, cu_nodes: Tensor,
-                          scale: float) -> Tensor:
-    """Same as tree_attention_ref, by the Triton kernel."""
-    import triton
-
-    _check(q, k_cache, v_cache, block_tables, prefix_lens, k_tree, v_tree, tree_parents, cu_nodes)
-    total, n_heads, head_dim = q.shape
-    out = torch.empty_like(q)
-    if total == 0:
-        return out
-    cu = cu_nodes.tolist()
-    sizes = [b - a for a, b in itertools.pairwise(cu)]
-    max_nodes = max(sizes)
-    if k_cache.shape[1] & (k_cache.shape[1] - 1):
-        raise ValueError(f"the Triton kernel needs a power-of-two block size, got {k_cache.shape[1]}")
-    if max_nodes > MAX_TREE_NODES:
-        raise ValueError(f"a tree of {max_nodes} nodes exceeds the kernel's {MAX_TREE_NODES} per sequence")
-    mask = torch.zeros(total, max_nodes, dtype=torch.int8)  # row: which of its sequence's nodes a node sees
-    for a, n in zip(cu, sizes):
-        if n:
-            mask[a:a + n, :n] = tree_mask(tree_parents[a:a + n])
-    dev = q.device
-    seq = torch.repeat_interleave(torch.arange(len(sizes), dtype=torch.int32), torch.tensor(sizes)).to(dev)
-    q, k_tree, v_tree = q.contiguous(), k_tree.contiguous(), v_tree.contiguous()
-    k_cache, v_cache = k_cache.contiguous(), v_cache.contiguous()
-    bt = block_tables.to(device=dev, dtype=torch.int32).contiguous()
-    pl = prefix_lens.to(device=dev, dtype=torch.int32).contiguous()
-    cun = cu_nodes.to(device=dev, dtype=torch.int32).contiguous()
-    mask = mask.to(dev)
-    _kernel()[(total, n_heads)](
-        q, k_cache, v_cache, bt, pl, k_tree, v_tree, mask, cun, seq, out, float(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), bt.stride(0),
-        k_tree.stride(0), k_tree.stride(1), out.stride(0), out.stride(1), mask.stride(0),
-        GROUP=n_heads // k_cache.shape[2], BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim,
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_T=max(16, triton.next_power_of_2(max_nodes)))
-    return out
-
-
 def use_triton(device: torch.device) -> bool:
-    """Triton on CUDA unless SPECFLEET_KERNELS=torch (or Triton is missing)."""
-    if os.environ.get(KERNELS_ENV, "").lower() == "torch" or device.type != "cuda":
+    """Triton on CUDA unless SPECFLEET_KERNELS=torch (or Triton is missing); SPECFLEET_KERNELS=triton
+    forces it on any device (with TRITON_INTERPRET=1, on the CPU: for tests)."""
+    choice = os.environ.get(KERNELS_ENV, "").lower()
+    if choice == "torch" or (device.type != "cuda" and choice != "triton"):
         return False
     try:
         import triton  # noqa: F401
