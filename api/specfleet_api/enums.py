@@ -1,5 +1,5 @@
 """What a SpecDecodeDeployment may ask for, named once: draft methods, K policies, precisions,
-dtypes and model URI schemes, each split into what the worker serves today and what the API
+dtypes, devices and model URI schemes, each split into what the worker serves today and what the API
 reserves for later. The CRD's enums, the operator's checks, the worker's config, the CLI and
 the engine's proposer registry all read these tuples; tests hold the CRD to them.
 
@@ -45,10 +45,21 @@ class Quantization(str, Enum):
 
 
 class Dtype(str, Enum):
-    AUTO = "auto"  # float32 on the CPU
+    AUTO = "auto"  # float32 on the CPU, bfloat16 on CUDA
     FLOAT32 = "float32"
     BFLOAT16 = "bfloat16"
     FLOAT16 = "float16"  # not served yet
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Device(str, Enum):
+    """Where the worker computes."""
+
+    AUTO = "auto"  # cuda when torch sees a GPU, else cpu
+    CPU = "cpu"
+    CUDA = "cuda"
 
     def __str__(self) -> str:
         return self.value
@@ -79,6 +90,9 @@ SERVED_QUANTIZATIONS: tuple[str, ...] = ("none", "int8")
 DTYPES: tuple[str, ...] = tuple(d.value for d in Dtype)
 SERVED_DTYPES: tuple[str, ...] = ("auto", "float32", "bfloat16")
 
+DEVICES: tuple[str, ...] = tuple(d.value for d in Device)
+SERVED_DEVICES: tuple[str, ...] = DEVICES
+
 URI_SCHEMES: tuple[str, ...] = tuple(s.value for s in UriScheme)
 SERVED_URI_SCHEMES: tuple[str, ...] = ("file", "gguf")
 
@@ -87,8 +101,11 @@ DTYPE_ALIASES: dict[str, str] = {"fp32": "float32", "bf16": "bfloat16", "fp16": 
 #: What a command line may pass for a dtype: the served names and their short names.
 DTYPE_CHOICES: tuple[str, ...] = SERVED_DTYPES + tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES)
 
-#: Branching factors of a draft tree: 1 is a chain, the only shape served so far.
-SERVED_TREE_BRANCHING: tuple[int, ...] = (1,)
+#: speculation.tree: caps on the draft tree the engine builds each step, for every method that
+#: drafts. branching: children per node (1: chains only); depth: levels (0: K's bounds alone).
+TREE_BRANCHING_MAX, TREE_DEPTH_MAX = 8, 16
+#: The branching cap when the spec sets none (the CRD's default, checked by a test).
+DEFAULT_TREE_BRANCHING = 1
 
 
 def not_served(kind: str, value: object, served: tuple[object, ...]) -> str:
@@ -96,18 +113,36 @@ def not_served(kind: str, value: object, served: tuple[object, ...]) -> str:
 
     >>> not_served("draft.method", "eagle", SERVED_METHODS)
     "draft.method 'eagle' is not supported yet; supported: ngram, draft-model, none"
-    >>> not_served("speculation.tree.branching", 3, SERVED_TREE_BRANCHING)
-    'speculation.tree.branching 3 is not supported yet; supported: 1'
+    >>> not_served("dtype", "float16", SERVED_DTYPES)
+    "dtype 'float16' is not supported yet; supported: auto, float32, bfloat16"
     """
     return f"{kind} {value!r} is not supported yet; supported: {', '.join(map(str, served))}"
 
 
-def resolve_dtype(value: str) -> str:
-    """The served dtype a worker computes in for an API name or a short name; `auto` is float32,
-    the CPU's. ValueError says what was wrong.
+def resolve_device(value: str, cuda_available: bool) -> str:
+    """The device a worker computes on: `auto` is cuda when there is one (the caller asks torch).
+    ValueError names a device the API does not know.
 
-    >>> resolve_dtype("bf16"), resolve_dtype("auto")
-    ('bfloat16', 'float32')
+    >>> resolve_device("auto", True), resolve_device("auto", False), resolve_device("cpu", True)
+    ('cuda', 'cpu', 'cpu')
+    >>> resolve_device("tpu", False)
+    Traceback (most recent call last):
+    ...
+    ValueError: device must be one of auto, cpu, cuda, got 'tpu'
+    """
+    if value not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}, got {value!r}")
+    if value == Device.AUTO:
+        return Device.CUDA.value if cuda_available else Device.CPU.value
+    return value
+
+
+def resolve_dtype(value: str, device: str = Device.CPU.value) -> str:
+    """The served dtype a worker computes in for an API name or a short name; `auto` is float32
+    on the CPU and bfloat16 on CUDA (a resolved device). ValueError says what was wrong.
+
+    >>> resolve_dtype("bf16"), resolve_dtype("auto"), resolve_dtype("auto", "cuda"), resolve_dtype("fp32", "cuda")
+    ('bfloat16', 'float32', 'bfloat16', 'float32')
     >>> resolve_dtype("fp16")
     Traceback (most recent call last):
     ...
@@ -118,7 +153,9 @@ def resolve_dtype(value: str) -> str:
         raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {value!r}")
     if name not in SERVED_DTYPES:
         raise ValueError(not_served("dtype", value, SERVED_DTYPES))
-    return Dtype.FLOAT32.value if name == Dtype.AUTO else name
+    if name != Dtype.AUTO:
+        return name
+    return Dtype.BFLOAT16.value if device == Device.CUDA else Dtype.FLOAT32.value
 
 
 class PromptType(str, Enum):

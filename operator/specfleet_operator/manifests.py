@@ -20,6 +20,7 @@ from typing import Any
 
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
 from specfleet_api.durations import parse_duration
+from specfleet_api.enums import Device
 from specfleet_api.live_state import KBounds, LiveState, Routing
 from specfleet_control import canary as canaries
 
@@ -42,6 +43,7 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"
 # A worker without spec.template.resources: sized for the small models the image bundles, served on
 # the CPU; no CPU limit, so decoding is not throttled. spec.template.resources replaces it whole.
 WORKER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
 #: What the router's ServiceAccount may do: read the EndpointSlices of its namespace (the operator
 #: holds the same verbs, which Kubernetes requires of whoever grants them).
 ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
@@ -220,6 +222,7 @@ def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetStat
                     "byPromptType": dict(routing.get("byPromptType", {}))},
         "quantization": spec["quantization"],
         "dtype": spec["dtype"],
+        "device": spec["device"],
         "role": role,
     }
 
@@ -388,7 +391,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     image = template.get("image") or settings.worker_image
     env = _env(eff, sdd, role)
     engine = engine_config(spec, role, state)
-    resources = template.get("resources") or WORKER_RESOURCES
+    resources = worker_resources(template.get("resources"), eff["device"])
     pod_hash = config_hash({"engine": engine, "env": env, "image": image, "resources": resources,
                             "settings": settings.worker_fields()})
     stable_n, canary_n = replica_counts(spec, state)
@@ -405,7 +408,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "ports": [{"name": "grpc", "containerPort": settings.grpc_port, "protocol": "TCP"},
                   {"name": "http", "containerPort": settings.http_port, "protocol": "TCP"}],
         "env": env,
-        "resources": copy.deepcopy(resources),
+        "resources": resources,
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
             {"name": "model-cache", "mountPath": MODEL_CACHE},
@@ -459,6 +462,21 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     if replicas is not None:
         body["spec"]["replicas"] = replicas
     return body
+
+
+def worker_resources(resources: dict[str, Any] | None, device: str) -> dict[str, Any]:
+    """The worker container's resources: the spec's (or the default), and on cuda one GPU when
+    they name none (an extended resource is asked for by its limit; the request follows it).
+
+    >>> worker_resources({"limits": {"memory": "24Gi"}}, "cuda")
+    {'limits': {'memory': '24Gi', 'nvidia.com/gpu': 1}}
+    >>> worker_resources({"limits": {"nvidia.com/gpu": 2}}, "cuda"), worker_resources(None, "auto") == WORKER_RESOURCES
+    ({'limits': {'nvidia.com/gpu': 2}}, True)
+    """
+    out = copy.deepcopy(resources or WORKER_RESOURCES)
+    if device == Device.CUDA and not any(GPU_RESOURCE in out.get(key, {}) for key in ("limits", "requests")):
+        out.setdefault("limits", {})[GPU_RESOURCE] = 1
+    return out
 
 
 def engine_configmap(sdd: dict[str, Any], spec: dict[str, Any], state: FleetState = FleetState()) -> dict[str, Any]:

@@ -214,8 +214,6 @@ UNSUPPORTED = {
               enums.not_served("draft.method", "eagle", enums.SERVED_METHODS)),
     "medusa": ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "spec.draft.method",
                enums.not_served("draft.method", "medusa", enums.SERVED_METHODS)),
-    "tree": ({"speculation": {"tree": {"branching": 3, "depth": 4}}}, "spec.speculation.tree.branching",
-             enums.not_served("speculation.tree.branching", 3, enums.SERVED_TREE_BRANCHING)),
     "fp8": ({"quantization": "fp8"}, "spec.quantization",
             enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS)),
     "fp4": ({"quantization": "fp4"}, "spec.quantization",
@@ -230,9 +228,6 @@ UNSUPPORTED = {
                    enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS)),
     "canary float16": ({"canary": {"overrides": {"dtype": "float16"}}}, "spec.canary.overrides.dtype",
                        enums.not_served("dtype", "float16", enums.SERVED_DTYPES)),
-    "canary tree": ({"canary": {"overrides": {"speculation": {"tree": {"branching": 2}}}}},
-                    "spec.canary.overrides.speculation.tree.branching",
-                    enums.not_served("speculation.tree.branching", 2, enums.SERVED_TREE_BRANCHING)),
 }
 
 
@@ -295,6 +290,7 @@ API_ENUMS = {
     "spec.dtype": (enums.DTYPES, enums.SERVED_DTYPES, "dtype"),
     "spec.canary.overrides.quantization": (enums.QUANTIZATIONS, enums.SERVED_QUANTIZATIONS, "quantization"),
     "spec.canary.overrides.dtype": (enums.DTYPES, enums.SERVED_DTYPES, "dtype"),
+    "spec.device": (enums.DEVICES, enums.SERVED_DEVICES, "device"),
 }
 #: Enums that are Kubernetes' own or the operator's (not a worker's): nothing in specfleet_api.
 OTHER_ENUMS = {"spec.template.imagePullPolicy", "spec.template.tolerations[].operator",
@@ -313,16 +309,47 @@ def test_the_crd_enums_are_specfleet_apis():
         assert ("Reserved" in node.get("description", "")) == (served != known), f"{path}: say which are reserved"
 
 
-@pytest.mark.parametrize("path", ["spec.speculation.tree.branching",
-                                  "spec.canary.overrides.speculation.tree.branching"])
-def test_tree_branching_is_served_as_a_chain_only(path):
+def _node(path):
     node = specs.spec_schema()
     for key in path.split(".")[1:]:
         node = node["properties"][key]
-    for b in range(node["minimum"], node["maximum"] + 1):
-        expected = [] if b in enums.SERVED_TREE_BRANCHING else [
-            enums.not_served("speculation.tree.branching", b, enums.SERVED_TREE_BRANCHING)]
-        assert cel_failures(b, node, path) == expected
+    return node
+
+
+@pytest.mark.parametrize("where", ["spec.speculation.tree", "spec.canary.overrides.speculation.tree"])
+def test_tree_caps_are_specfleet_apis_bounds_and_default(where):
+    branching, depth = _node(f"{where}.branching"), _node(f"{where}.depth")
+    assert (branching["minimum"], branching["maximum"]) == (1, enums.TREE_BRANCHING_MAX)
+    assert (depth["minimum"], depth["maximum"]) == (0, enums.TREE_DEPTH_MAX)
+    assert "x-kubernetes-validations" not in branching and "x-kubernetes-validations" not in depth
+    if where == "spec.speculation.tree":  # overrides have no defaults: unset means stable's
+        assert (branching["default"], depth["default"]) == (enums.DEFAULT_TREE_BRANCHING, 0)
+        assert defaulted(GOOD)["spec"]["speculation"]["tree"] == {"branching": enums.DEFAULT_TREE_BRANCHING,
+                                                                   "depth": 0}
+
+
+@pytest.mark.parametrize("method", enums.SERVED_METHODS)
+@pytest.mark.parametrize("branching", range(1, enums.TREE_BRANCHING_MAX + 1))
+def test_trees_are_served_for_every_method_up_to_the_caps(method, branching):
+    """Every branching cap within the bounds passes CEL and the operator, in the spec and in the
+    canary's overrides, whatever the method; the schema alone refuses one past the bounds."""
+    draft = {"method": method, **({"uri": "gguf://d.gguf"} if method in specs.WEIGHTED_METHODS else {})}
+    tree = {"branching": branching, "depth": enums.TREE_DEPTH_MAX}
+    doc = _with({"draft": draft, "speculation": {"tree": tree},
+                 "canary": {"overrides": {"speculation": {"tree": {"branching": branching, "depth": 3}}}}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    for over in ({"branching": enums.TREE_BRANCHING_MAX + 1}, {"branching": 0}, {"depth": enums.TREE_DEPTH_MAX + 1}):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_openapi(_with({"draft": draft, "speculation": {"tree": {**tree, **over}}}))
+
+
+def test_device_defaults_to_auto_and_every_device_is_served():
+    assert defaulted(GOOD)["spec"]["device"] == enums.Device.AUTO
+    doc = _with({"device": "cuda"})
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(_with({"device": "tpu"}))
 
 
 @pytest.mark.parametrize("over", [
@@ -349,6 +376,7 @@ weights = st.integers(10, 100_000).map(lambda n: n / 1000)
 spec_strategy = st.fixed_dictionaries({
     "method": st.sampled_from(enums.METHODS), "uri": st.booleans(),
     "quantization": st.sampled_from(enums.QUANTIZATIONS), "dtype": st.sampled_from(enums.DTYPES),
+    "device": st.sampled_from(enums.DEVICES),
     "k": st.tuples(st.integers(0, 32), st.integers(0, 32), st.integers(0, 32)),
     "branching": st.integers(1, 8), "replicas": st.booleans(), "scaling": st.booleans(),
     "scale": st.tuples(st.integers(1, 10), st.integers(1, 10)),
@@ -362,7 +390,7 @@ spec_strategy = st.fixed_dictionaries({
 def test_operator_checks_agree_with_cel(drawn):
     s = {"model": {"name": "m", "uri": "u"}, "draft": {"method": drawn["method"]},
          "speculation": dict(zip(("kMin", "kInitial", "kMax"), drawn["k"]), tree={"branching": drawn["branching"]}),
-         "quantization": drawn["quantization"], "dtype": drawn["dtype"]}
+         "quantization": drawn["quantization"], "dtype": drawn["dtype"], "device": drawn["device"]}
     if drawn["uri"]:
         s["draft"]["uri"] = "gguf://d.gguf"  # a served scheme: only the operator judges URIs
     if drawn["replicas"]:

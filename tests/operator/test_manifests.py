@@ -1,4 +1,5 @@
 """Pure builders: no cluster."""
+import doctest
 import json
 import re
 
@@ -20,6 +21,10 @@ def spec(**over):
 
 def by_kind(objs):
     return {(o["kind"], o["metadata"]["name"]): o for o in objs}
+
+
+def test_the_docstrings_hold():
+    assert doctest.testmod(m).failed == 0
 
 
 def test_children_have_deterministic_names_and_labels():
@@ -47,7 +52,7 @@ def test_engine_json_follows_the_worker_contract():
         "speculation": {"kMin": 0, "kMax": 8, "kInitial": 4, "kPolicy": "adaptive",
                         "tree": {"branching": 1, "depth": 0}},
         "routing": {"default": "ngram", "byPromptType": {"code": "ngram"}},
-        "quantization": "none", "dtype": "auto", "role": "stable",
+        "quantization": "none", "dtype": "auto", "device": "auto", "role": "stable",
     }
     cm = m.engine_configmap(SDD, spec())
     assert json.loads(cm["data"]["engine.json"]) == m.engine_config(spec(), "stable")
@@ -237,6 +242,24 @@ def test_workers_have_default_resources_that_the_spec_replaces():
     assert custom["spec"]["template"]["spec"]["containers"][0]["resources"] == gpu
     canary = m.deployment(SDD, spec(canary={"weight": 1}), "canary", m.Settings())
     assert canary["spec"]["template"]["spec"]["containers"][0]["resources"] == m.WORKER_RESOURCES
+
+
+@pytest.mark.parametrize("role", m.ROLES)
+def test_cuda_workers_ask_for_one_gpu_unless_the_spec_names_it(role):
+    def resources(**over):
+        d = m.deployment(SDD, spec(canary={"weight": 1}, **over), role, m.Settings())
+        return d["spec"]["template"]["spec"]["containers"][0]["resources"], d
+
+    cuda, d = resources(device="cuda")
+    assert cuda == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}
+    kubernetes_validate.validate(d, "1.30", strict=True)
+    assert m.WORKER_RESOURCES == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}  # untouched
+    assert resources(device="auto")[0] == resources(device="cpu")[0] == m.WORKER_RESOURCES
+    two = {"limits": {"nvidia.com/gpu": 2, "memory": "24Gi"}}
+    assert resources(device="cuda", template={"resources": two})[0] == two
+    mine = {"limits": {"memory": "24Gi"}}
+    assert resources(device="cuda", template={"resources": mine})[0] == {"limits": {"memory": "24Gi", "nvidia.com/gpu": 1}}
+    assert json.loads(m.engine_configmap(SDD, spec(device="cuda"))["data"]["engine.json"])["device"] == "cuda"
 
 
 def test_the_router_is_restricted_probed_and_bounded():
