@@ -38,13 +38,14 @@ def test_the_operators_engine_json_parses():
 
     spec = {"model": {"name": "m", "uri": "gguf://m.gguf"}, "draft": {"method": "ngram"},
             "speculation": {"kMin": 1, "kMax": 6, "kInitial": 3, "kPolicy": "fixed", "tree": {"branching": 1, "depth": 3}},
-            "quantization": "int8", "dtype": "bfloat16"}
+            "quantization": "int8", "dtype": "bfloat16", "device": "cuda"}
     try:
         raw = engine_config(spec, "canary")
     except (KeyError, TypeError) as e:  # the operator defaults specs first; say so rather than guess
         pytest.fail(f"engine_config needs a defaulted spec: {e}")
     cfg = EngineConfig.from_dict(raw)
     assert (cfg.k_min, cfg.k_max, cfg.k_policy, cfg.tree_depth, cfg.role) == (1, 6, "fixed", 3, "canary")
+    assert cfg.device == "cuda"
 
 
 def test_unknown_keys_are_ignored_with_a_warning(caplog):
@@ -60,10 +61,24 @@ def test_unknown_keys_are_ignored_with_a_warning(caplog):
     ({"quantization": "int3"}, "quantization"),
     ({"speculation": {"kMin": 5, "kMax": 2}}, "kMin"),
     ({"speculation": {"kPolicy": "random"}}, "kPolicy"),
+    ({"speculation": {"tree": {"branching": 9}}}, "speculation.tree.branching must be between 1 and 8, got 9"),
+    ({"speculation": {"tree": {"branching": 0}}}, "speculation.tree.branching must be between 1 and 8, got 0"),
+    ({"speculation": {"tree": {"depth": 17}}}, "speculation.tree.depth must be between 0 and 16, got 17"),
+    ({"device": "bogus"}, "device must be one of auto, cpu, cuda, got 'bogus'"),
 ])
 def test_bad_values_are_refused_naming_the_key(patch, word):
-    with pytest.raises(ValueError, match=word):
+    with pytest.raises(ValueError, match=re.escape(word)):
         EngineConfig.from_dict(contract_example() | patch)
+
+
+@pytest.mark.parametrize("method", enums.SPECULATIVE_METHODS)
+def test_tree_caps_are_served_for_every_method_that_drafts(method):
+    raw = contract_example() | {"draft": {"method": method, "uri": "gguf://d.gguf"},
+                                "speculation": {"tree": {"branching": 3, "depth": 4}}, "device": "cpu"}
+    cfg = EngineConfig.from_dict(raw)
+    assert (cfg.tree_branching, cfg.tree_depth, cfg.device) == (3, 4, "cpu") and cfg.problems() == []
+    defaults = EngineConfig.from_dict(contract_example() | {"speculation": {}})
+    assert (defaults.tree_branching, defaults.tree_depth, defaults.device) == (enums.DEFAULT_TREE_BRANCHING, 0, "auto")
 
 
 @pytest.mark.parametrize("patch, field, value, served", [
@@ -74,8 +89,6 @@ def test_bad_values_are_refused_naming_the_key(patch, word):
     ({"quantization": "fp8"}, "quantization", "fp8", enums.SERVED_QUANTIZATIONS),
     ({"quantization": "fp4"}, "quantization", "fp4", enums.SERVED_QUANTIZATIONS),
     ({"dtype": "float16"}, "dtype", "float16", enums.SERVED_DTYPES),
-    ({"speculation": {"tree": {"branching": 2, "depth": 3}}}, "speculation.tree.branching", 2,
-     enums.SERVED_TREE_BRANCHING),
     ({"model": {"name": "m", "uri": "hf://org/m"}}, "model.uri scheme", "hf", enums.SERVED_URI_SCHEMES),
     ({"model": {"name": "m", "uri": "s3://bucket/m"}}, "model.uri scheme", "s3", enums.SERVED_URI_SCHEMES),
 ])
@@ -146,7 +159,7 @@ def test_the_model_is_found_as_is_or_in_the_model_cache_else_by_name(tmp_path, m
 def test_the_engine_computes_in_every_served_dtype_and_nothing_else():
     from specfleet_engine.factory import TORCH_DTYPES
 
-    assert set(TORCH_DTYPES) == {enums.resolve_dtype(d) for d in enums.DTYPE_CHOICES}
+    assert set(TORCH_DTYPES) == {enums.resolve_dtype(d, device) for d in enums.DTYPE_CHOICES for device in enums.DEVICES}
     with pytest.raises(ValueError, match="not supported yet"):
         enums.resolve_dtype("float16")
 
@@ -258,8 +271,10 @@ def test_the_calibration_sizes_docstring_holds():
 def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_drafts():
     from specfleet_worker.main import build_engine
 
-    engine = build_engine(EngineConfig(model_name="tiny-random"), max_kv_tokens=2048, max_batch_size=2)
+    engine = build_engine(EngineConfig(model_name="tiny-random", tree_branching=3, tree_depth=5), max_kv_tokens=2048,
+                          max_batch_size=2)
     assert engine.k_policy.name == "adaptive"
+    assert (engine.tree_branching, engine.tree_depth) == (3, 5)  # the caps reach the engine
     assert max(engine.costs.seconds) == 2 * (8 + 1)  # max batch x (K_max + 1) rows
     values = [engine.costs.seconds[r] for r in sorted(engine.costs.seconds)]
     assert values == sorted(values)

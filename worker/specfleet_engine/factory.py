@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from specfleet_api.enums import SERVED_QUANTIZATIONS, Dtype, Method, Quantization, not_served, resolve_dtype
+from specfleet_api.enums import (
+    SERVED_QUANTIZATIONS, Device, Dtype, Method, Quantization, not_served, resolve_device, resolve_dtype,
+)
 
 from .loader import load_model, load_tokenizer
 from .model import interleave_rope, transpose_linears
@@ -15,13 +17,22 @@ from .quant import pack_linears, quantize_int8
 TORCH_DTYPES = {Dtype.FLOAT32.value: torch.float32, Dtype.BFLOAT16.value: torch.bfloat16}
 
 
-def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp32_kernel: bool = True):
-    """The model `name` in `dtype` (a specfleet_api dtype or its short name: fp32, bf16) with
-    `quantization` applied; ValueError names a dtype or quantization this engine does not serve."""
-    dtype = resolve_dtype(dtype)
+def device_of(device: str = Device.AUTO.value) -> str:
+    """The device engine.json's `device` names here: `auto` is cuda when torch sees a GPU."""
+    return resolve_device(device, torch.cuda.is_available())
+
+
+def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp32_kernel: bool = True,
+                  device: str = Device.CPU.value):
+    """The model `name` in `dtype` (a specfleet_api dtype or its short name: fp32, bf16; auto is
+    the device's) with `quantization` applied, on `device` (resolved: cpu or cuda); ValueError
+    names a dtype or quantization this engine does not serve."""
+    dtype = resolve_dtype(dtype, device)
     if quantization not in SERVED_QUANTIZATIONS:
         raise ValueError(not_served("quantization", quantization, SERVED_QUANTIZATIONS))
     model = load_model(name, TORCH_DTYPES[dtype])
+    if device != Device.CPU:
+        return model.to(device)  # the layouts below are for the CPU's GEMMs
     fp32 = dtype == Dtype.FLOAT32
     if fp32:
         interleave_rope(model)  # RoPE as one complex multiply
@@ -33,15 +44,17 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
 
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
-                       draft_model: str | None = None, threads: int | None = None):
-    """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`."""
+                       draft_model: str | None = None, threads: int | None = None, device: str = Device.CPU.value):
+    """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`; `device`
+    as engine.json's (auto: cuda when torch sees a GPU)."""
     if threads:
         torch.set_num_threads(threads)
-    model = prepare_model(model_name, dtype, quantization)
+    device = device_of(device)
+    model = prepare_model(model_name, dtype, quantization, device=device)
     tokenizer = load_tokenizer(model_name)
     proposers = default_proposers()
     if draft_model:
         draft_class = proposer_class(Method.DRAFT_MODEL)
         draft_class.check_tokenizers(tokenizer, load_tokenizer(draft_model))
-        proposers[Method.DRAFT_MODEL.value] = draft_class(prepare_model(draft_model, dtype, quantization))
+        proposers[Method.DRAFT_MODEL.value] = draft_class(prepare_model(draft_model, dtype, quantization, device=device))
     return model, tokenizer, proposers

@@ -150,8 +150,10 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
         from specfleet_engine.factory import build_engine_parts
 
         draft = cfg.draft_uri if cfg.draft_method == Method.DRAFT_MODEL else None
-        model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads)
-    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy)
+        model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
+                                                         device=cfg.device)
+    engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
+                    tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth)
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})

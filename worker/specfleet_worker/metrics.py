@@ -42,7 +42,8 @@ class Metrics:
         self.draft_k = Histogram("spec_decode_draft_k_distribution", "K chosen per request per decoding step",
                                  m, buckets=K_BUCKETS, registry=r)
         self.tree_branch_factor = Gauge("spec_decode_tree_branch_factor",
-                                        "Draft tree branching (1: a chain)", m, registry=r)
+                                        "Draft tree branching verified over the recent window: draft tokens per "
+                                        "draft level (1: chains)", m, registry=r)
         self.speedup = Gauge("spec_decode_total_speedup_ratio",
                              "Estimated speed-up over plain decoding over recent steps, priced by the engine's "
                              "calibrated step costs", ["model", "quantization"], registry=r)
@@ -88,17 +89,21 @@ class Metrics:
 
         self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_errors": 0}
         self.window = new_window()
+        # (draft tokens, draft levels) of recent verify steps with a draft, forgotten as the window is
+        self._tree = (0.0, 0.0)
         self.window_by_type: dict[str, Acceptance] = {}
         self._by_type: dict[str, TypeCounts] = {}  # written by the scheduler thread, read by the publisher's
         self._by_type_lock = threading.Lock()
         self.speedup.labels(model, quantization).set(1.0)
         self.avg_accepted_tokens.labels(model).set(0.0)
+        self.tree_branch_factor.labels(model).set(1.0)  # nothing verified yet reads as chains
         for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.draft_failures, self.failed,
                   self.prompt_tokens, self.generation_tokens, self.busy_seconds, self.plain_equivalent_seconds):
             c.labels(model)  # exported at 0 from the start, so rate() works from the first scrape
 
-    def step(self, prompt_type: str, k: int, drafted: int, accepted: int, emitted: int) -> None:
-        """One decoding step of one request."""
+    def step(self, prompt_type: str, k: int, drafted: int, accepted: int, emitted: int, depth: int = 0) -> None:
+        """One decoding step of one request; `depth`: the levels of the draft tree it verified
+        (StepStats.draft_depth; 0 reads as a chain of `drafted`)."""
         m = self.model
         self.draft_k.labels(m).observe(k)
         self.generation_tokens.labels(m).inc(emitted)
@@ -124,6 +129,10 @@ class Metrics:
                 w = self.window_by_type[prompt_type] = new_window()
             w.observe(drafted, accepted)
             self.acceptance_rate.labels(m, prompt_type).set(w.rate)
+            nodes, levels = self._tree
+            d = self.window.decay
+            self._tree = (d * nodes + drafted, d * levels + (depth or drafted))
+            self.tree_branch_factor.labels(m).set(self._tree[0] / self._tree[1])
         self.avg_accepted_tokens.labels(m).set(self.window.tau)
 
     def busy(self, plain_s: float, actual_s: float) -> None:

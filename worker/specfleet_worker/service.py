@@ -16,7 +16,7 @@ import grpc
 from opentelemetry import trace
 
 from specfleet_engine.sampling import SamplingParams
-from specfleet_api.enums import PROMPT_TYPES, Method
+from specfleet_api.enums import DEFAULT_TREE_BRANCHING, PROMPT_TYPES, Method
 
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
@@ -62,20 +62,19 @@ class Worker:
     """What the servicers share: the engine's scheduler, its limits, the live config, the tracer."""
 
     def __init__(self, scheduler: Scheduler, live: LiveConfig, *, model_name: str, quantization: str = "none",
-                 role: str = "stable", tree_branching: int = 1, max_tokens_limit: int = 2048,
+                 role: str = "stable", tree_branching: int = DEFAULT_TREE_BRANCHING, max_tokens_limit: int = 2048,
                  max_request_bytes: int = 1 << 20, tracer: trace.Tracer | None = None):
         self.scheduler, self.live = scheduler, live
         self.engine = scheduler.engine
         self.tokenizer = self.engine.tokenizer
         self.model_name, self.quantization, self.role = model_name, quantization, role
-        self.tree_branching = tree_branching
+        self.tree_branching = tree_branching  # the cap (GetConfig); the gauge reports what was verified
         self.max_tokens_limit, self.max_request_bytes = max_tokens_limit, max_request_bytes
         self.tracer = tracer or trace.NoOpTracer()
         self.vocab_size = self.engine.model.args.vocab_size
         # only the router's prompt types and those the operator routes become metric labels (and
         # fleet windows); the rest are "other", so a client cannot mint labels
         self.known_prompt_types = set(PROMPT_TYPES) | set(live.settings.by_prompt_type) | {"default"}
-        scheduler.metrics.tree_branch_factor.labels(model_name).set(tree_branching)
 
     # -- validation ---------------------------------------------------------------------------
 

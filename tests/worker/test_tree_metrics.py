@@ -1,0 +1,59 @@
+"""spec_decode_tree_branch_factor is the branching the steps verified (draft tokens per draft level
+over the recent window), not the configured cap. The engine's steps are reshaped into trees here:
+what is tested is the worker's reading of StepStats, not the engine's tree path."""
+from __future__ import annotations
+
+import dataclasses
+import urllib.request
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from specfleet_worker.testing import TINY, pb, running_worker, tiny_engine, wait_idle
+
+PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: n-gram drafts from the first steps
+
+
+def branch_factor(r) -> float:
+    text = urllib.request.urlopen(r.http + "/metrics", timeout=10).read().decode()
+    (value,) = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "spec_decode_tree_branch_factor"]
+    return value
+
+
+def reshaping(engine, shape: dict):
+    """engine.step, each verified draft reported as a tree of shape["nodes"] draft tokens over
+    shape["depth"] levels while `shape` is set (the accepted path no longer than the depth)."""
+    step = engine.step
+
+    def tree_step():
+        outs = step()
+        if not shape:
+            return outs
+        return [dataclasses.replace(o, stats=dataclasses.replace(
+                    o.stats, num_draft_tokens=shape["nodes"], draft_depth=shape["depth"],
+                    num_accepted=min(o.stats.num_accepted, shape["depth"])))
+                if o.stats is not None and o.stats.num_draft_tokens else o for o in outs]
+    return tree_step
+
+
+def test_the_gauge_reads_the_branching_verified_not_the_cap():
+    engine, shape = tiny_engine(), {}
+    engine.step = reshaping(engine, shape)
+    with running_worker(engine, dataclasses.replace(TINY, tree_branching=4)) as r:
+        assert branch_factor(r) == 1.0  # nothing verified yet: read as chains, not as the cap
+        assert r.admin.GetConfig(pb.GetConfigRequest()).tree_branching == 4
+
+        def serve() -> None:
+            r.gen.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=48, ignore_eos=True),
+                           timeout=60)
+            wait_idle(r)
+
+        shape.update(nodes=6, depth=3)
+        serve()
+        assert r.stats().num_drafts > 0  # the steps did verify drafts
+        assert branch_factor(r) == 2.0  # 6 nodes over 3 levels, in every step
+        shape.clear()  # the real engine's chains: the window moves toward 1 and remembers the trees
+        drafts = r.stats().num_drafts
+        serve()
+        assert r.stats().num_drafts > drafts
+        assert 1.0 < branch_factor(r) < 2.0
