@@ -11,6 +11,7 @@ import pytest
 
 from specfleet_engine import k_policies
 from specfleet_engine.costs import StepCostModel
+from specfleet_engine.proposers import Proposal
 from specfleet_engine.k_policies import AdaptivePolicy, FixedPolicy, best_k, choose_ks, expected_tokens, make_policy
 from specfleet_engine.k_policies import adaptive, base
 
@@ -111,7 +112,7 @@ def test_bounds_bind_at_once_and_a_fixed_policy_stays_put():
     fixed.start(s)
     for _ in range(50):
         assert fixed.draft_lengths([s], [8], lambda r: float(r), False, 64) == [4]
-        assert fixed.verify_lengths([s], [4], [0], lambda r: float(r), True) == [4]
+        assert fixed.select_nodes([s], [Proposal([1, 2, 3, 4], None)], lambda r: float(r), True) == [[0, 1, 2, 3]]
         fixed.observe(s, 0, 4, 0)
     assert fixed.draft_lengths([s], [2], lambda r: 1.0, True, 1) == [2]  # never past the room left
 
@@ -145,11 +146,55 @@ def test_a_cheap_draft_is_trimmed_by_the_acceptance_of_its_own_kind():
         p.observe(s, 4, 8, 8)  # key 4: every token accepted
         p.observe(s, 1, 8, 0)  # key 1: none
     cost = linear_costs(1.0, 0.1)
-    assert p.verify_lengths([s], [8], [4], cost, True) == [8]
-    assert p.verify_lengths([s], [8], [1], cost, True) == [0]
-    assert p.verify_lengths([s], [8], [1], cost, False) == [8]  # a costly draft was sized before
+
+    def verified(key, cheap=True):
+        return len(p.select_nodes([s], [Proposal(list(range(8)), None, key)], cost, cheap)[0])
+
+    assert verified(4) == 8
+    assert verified(1) == 0
+    assert verified(1, cheap=False) == 8  # a costly draft was sized before
     s.k_min = 2
-    assert p.verify_lengths([s], [8], [1], cost, True) == [2]  # never under K_min
+    assert verified(1) == 2  # never under K_min
+
+
+def tree_proposal(key=4):
+    """Two branches at the root: rank 0 (a chain of 3), rank 1 (a chain of 2)."""
+    return Proposal([10, 11, 12, 20, 21], None, key, parents=[-1, 0, 1, -1, 3])
+
+
+def test_the_tree_budget_keeps_the_branches_worth_their_rows_and_shrinks_with_the_batch():
+    p = AdaptivePolicy(linear_costs(1.0, 0.05))
+    s = seq(8)
+    p.start(s)
+    for _ in range(30):
+        p.observe(s, 4, 3, 1)  # the main chain: about half of its tokens accepted
+    for _ in range(200):  # where it was tried, the second branch won half the time
+        p.observe_branches([-1, -1], [1])
+        p.observe_branches([-1, -1], [])
+    cheap_rows = p.select_nodes([s], [tree_proposal()], linear_costs(1.0, 0.05), True)[0]
+    assert cheap_rows == [0, 1, 2, 3, 4] or cheap_rows[:4] == [0, 1, 2, 3]  # the branch is in
+    dear = p.select_nodes([s], [tree_proposal()], linear_costs(1.0, 0.6), True)[0]
+    assert 3 not in dear and len(dear) < len(cheap_rows)  # rows cost more: toward a chain
+    none = p.select_nodes([s], [tree_proposal()], lambda rows: float(rows), True)[0]
+    assert none == []  # a row costs a whole step: plain decoding
+    batch = [seq(8) for _ in range(16)]
+    for b in batch:
+        p.start(b)
+        for _ in range(30):
+            p.observe(b, 4, 3, 1)
+    chosen = p.select_nodes(batch, [tree_proposal() for _ in batch], linear_costs(1.0, 0.05), True)
+    assert sum(map(len, chosen)) < 16 * len(cheap_rows)  # a bigger batch affords fewer nodes each
+
+
+def test_branch_ranks_learn_which_sibling_wins():
+    p = AdaptivePolicy(linear_costs(1.0, 0.05))
+    for _ in range(300):
+        p.observe_branches([-1, -1, -1], [2])  # the third child always wins: ranks 1 lose, 2 wins
+    assert p.branch(1).alpha < 0.05 and p.branch(2).alpha > 0.95
+    s = seq(8)
+    p.start(s)
+    kept = p.select_nodes([s], [Proposal([1, 2, 3], None, 0, [-1, -1, -1])], linear_costs(1.0, 0.01), True)[0]
+    assert kept == [0, 2]  # the third child is worth its row, the second (which never wins) is not
 
 
 def test_k_min_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():

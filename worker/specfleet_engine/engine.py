@@ -19,11 +19,11 @@ from torch import Tensor
 
 from .costs import StepCostModel
 from .k_policies import KPolicy, make_policy
-from .kv_cache import BlockTable, PagedKVCache, batch_metadata
+from .kernels.rejection import TreeVerifyBatch, rejection_sample
+from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
 from .model import Transformer
 from .proposers import Proposal, Proposer, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
-from .verify import verify_greedy, verify_sampling
 
 NO_SPECULATION = Method.NONE.value
 
@@ -132,6 +132,17 @@ class StepOutput:
     seq: Sequence
     new_tokens: list[int]
     stats: StepStats | None  # None for the prefill's first token
+
+
+def _main_chain(prop: Proposal) -> list[int]:
+    """The nodes of a draft's rank-0 path from the root (a chain: all of them)."""
+    parents = prop.parent_list()
+    chain, at = [], -1
+    for i, p in enumerate(parents):
+        if p == at:
+            chain.append(i)
+            at = i
+    return chain
 
 
 class Engine:
@@ -261,7 +272,7 @@ class Engine:
         return outs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
-        """Each sequence's draft, as long as its K policy has it verify (possibly none)."""
+        """Each sequence's draft chain or tree, as much as its K policy has it verify (possibly none)."""
         proposals: dict[int, Proposal] = {}
         by_method: dict[str, list[Sequence]] = {}
         for seq in seqs:
@@ -281,17 +292,21 @@ class Engine:
             # never draft past the context or past max_tokens
             room = [max(0, min(self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
                     for s in group]
+            if self.tree_depth:
+                room = [min(r, self.tree_depth) for r in room]
             ks = self.k_policy.draft_lengths(group, room, cost, cheap, len(seqs))
             results = [Proposal([], None) for _ in group]
             if any(ks):
                 try:
-                    results = proposer.propose(group, ks)
+                    if self.tree_branching > 1 and getattr(proposer, "trees", False):
+                        results = proposer.propose(group, ks, [self.tree_branching] * len(group))
+                    else:
+                        results = proposer.propose(group, ks)
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
-                drafted = [len(p.draft_tokens) for p in results]
-                keep = self.k_policy.verify_lengths(group, drafted, [p.key for p in results], cost, cheap)
-                results = [p if n == len(p.draft_tokens) else p.trimmed(n) for p, n in zip(results, keep)]
+                keep = self.k_policy.select_nodes(group, results, cost, cheap)
+                results = [p if len(k) == len(p.draft_tokens) else p.subset(k) for p, k in zip(results, keep)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p
                 s.last_key = p.key
@@ -302,34 +317,65 @@ class Engine:
         proposals = self._propose(seqs)
         timing.propose = time.perf_counter() - t
         inputs = [[s.tokens[-1]] + p.draft_tokens for s, p in zip(seqs, proposals)]
+        # rows of a sequence: its last token (the root), then its draft nodes; trees get a mask
+        trees = [[-1] + [q + 1 for q in p.parent_list()] if p.is_tree else None for p in proposals]
         rows_total = sum(map(len, inputs))
         t = time.perf_counter()
-        logits = self._forward(seqs, inputs, "all")  # [sum(1 + k_i), V]
+        tokens, meta, _ = batch_metadata([s.block_table for s in seqs], inputs,
+                                         trees if any(x is not None for x in trees) else None)
+        with torch.inference_mode():
+            logits = self.model(tokens, meta, self.cache.layers)  # [sum(1 + n_i), V]
         timing.forward = time.perf_counter() - t
         timing.decode_rows, timing.decode_seqs = rows_total, len(seqs)
         self.costs.observe(rows_total, timing.forward)
-        outs, offset = [], 0
-        for seq, prop in zip(seqs, proposals):
-            k = len(prop.draft_tokens)
-            rows = logits[offset:offset + k + 1]
-            offset += k + 1
-            context = len(seq.tokens)  # the cache now holds context + k positions
-            draft = torch.tensor(prop.draft_tokens, dtype=torch.long)
-            if seq.params.greedy:
-                result = verify_greedy(rows, draft)
-            else:
-                result = verify_sampling(logits_to_probs(rows, seq.params), draft, prop.draft_probs, seq.generator)
-            seq.block_table.truncate(context + result.num_accepted)
-            emitted = self._emit(seq, result.tokens, rows)
+        result = self._verify(seqs, proposals, logits, meta.cu_seqlens)
+        outs = []
+        for b, (seq, prop) in enumerate(zip(seqs, proposals)):
+            n = len(prop.draft_tokens)
+            lo = meta.cu_seqlens[b]
+            accepted = int(result.num_accepted[b])
+            path = result.path[b, :accepted].tolist()  # rows local to the sequence (root: 0)
+            context = len(seq.tokens)  # the cache held context - 1 positions; the root is the next
+            if path != list(range(1, accepted + 1)):  # a tree's branch: compact its K/V into place
+                slots = seq.block_table.slots(context - 1, context + n)
+                move_slots(self.cache, slots[path], slots[1:accepted + 1])
+            seq.block_table.truncate(context + accepted)
+            emitted = self._emit(seq, [prop.draft_tokens[r - 1] for r in path] + [int(result.next_token[b])],
+                                 logits[[lo + r for r in [0, *path]]])
             timing.emitted += len(emitted)
-            stats = StepStats(seq.method if k else NO_SPECULATION, k, result.num_accepted, result.bonus, len(emitted))
+            depth = max(prop.depths(), default=0)
+            stats = StepStats(seq.method if n else NO_SPECULATION, n, accepted, bool(result.bonus[b]), len(emitted),
+                              depth)
             seq.stats.add(stats)
             if seq.method != NO_SPECULATION:
-                self.k_policy.observe(seq, seq.last_key, k, result.num_accepted)
+                nodes = [r - 1 for r in path]
+                chain = _main_chain(prop)  # rank-0 children from the root: what K and alpha describe
+                on_chain = next((i for i, (c, a) in enumerate(zip(chain, nodes)) if c != a), min(len(chain), len(nodes)))
+                self.k_policy.observe(seq, seq.last_key, len(chain), on_chain)
+                if prop.is_tree:
+                    self.k_policy.observe_branches(prop.parent_list(), nodes)
             if not seq.finished and seq.method in self.proposers:
                 self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
             outs.append(StepOutput(seq, emitted, stats))
         return outs
+
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: Tensor, cu: list[int]):
+        """Greedy or multi-draft rejection sampling over the whole batch (kernels/rejection.py)."""
+        target, draft, tokens, parents, has_q = [], [], [], [], []
+        any_q = any(p.draft_probs is not None for p in proposals)
+        for b, (seq, prop) in enumerate(zip(seqs, proposals)):
+            rows = logits[cu[b]:cu[b + 1]]
+            target.append(rows if seq.params.greedy else logits_to_probs(rows, seq.params))
+            tokens += [-1, *prop.draft_tokens]
+            parents += [-1] + [q + 1 for q in prop.parent_list()]
+            has_q += [False] + [prop.draft_probs is not None] * len(prop.draft_tokens)
+            if any_q:
+                q = prop.draft_probs if prop.draft_probs is not None else torch.zeros(len(prop.draft_tokens), rows.shape[1])
+                draft += [torch.zeros(1, rows.shape[1]), q.to(rows.dtype)]
+        batch = TreeVerifyBatch(torch.tensor(cu), torch.tensor(tokens), torch.tensor(parents),
+                                torch.tensor([s.params.greedy for s in seqs]), torch.tensor(has_q))
+        return rejection_sample(torch.cat(target), torch.cat(draft) if any_q else None, batch,
+                                [s.generator for s in seqs])
 
     def _emit(self, seq: Sequence, tokens: list[int], rows: Tensor) -> list[int]:
         """Appends verified tokens one by one, stopping at EOS, a stop string or max_tokens."""

@@ -12,6 +12,7 @@ import heapq
 import torch
 from torch import Tensor
 
+from .kernels.tree_attention import tree_mask
 from .model import AttentionMetadata
 
 
@@ -143,18 +144,38 @@ class BlockTable:
         self.truncate(0)
 
 
-def batch_metadata(tables: list[BlockTable], inputs: list[list[int]]) -> tuple[Tensor, AttentionMetadata, Tensor]:
+def batch_metadata(tables: list[BlockTable], inputs: list[list[int]],
+                   parents: list[list[int] | None] | None = None) -> tuple[Tensor, AttentionMetadata, Tensor]:
     """Reserves cache slots for each sequence's new tokens and describes the batch for a forward.
 
+    parents: per sequence, None for a causal run of new tokens, or a tree over them: each new
+    token's parent among them (-1: the cached prefix), in topological order. A tree node sits at
+    position prefix + its depth - 1 and attends to the prefix, its ancestors and itself; its K/V
+    go to the next slots in row order (verification compacts the accepted path afterwards).
     Returns the flat tokens [T], the metadata, and the row of each sequence's last token [B]."""
-    tokens, positions, slots, cu, ctx, starts = [], [], [], [0], [], []
-    for bt, new in zip(tables, inputs):
+    tokens, positions, slots, cu, ctx, starts, masks = [], [], [], [0], [], [], []
+    trees = parents if parents is not None else [None] * len(tables)
+    for bt, new, tree in zip(tables, inputs, trees):
         start = bt.num_tokens
         slots.append(bt.append_slots(len(new)))
-        positions.append(torch.arange(start, start + len(new)))
+        if tree is None:
+            positions.append(torch.arange(start, start + len(new)))
+            masks.append(None)
+        else:
+            mask = tree_mask(tree)
+            positions.append(start - 1 + mask.sum(dim=1))  # depth = ancestors + itself
+            masks.append(torch.cat([torch.ones(len(new), start, dtype=torch.bool), mask], dim=1))
         tokens += new
         cu.append(cu[-1] + len(new))
         ctx.append(bt.slots())
         starts.append(bt.contiguous_start())
-    meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), cu, ctx, [None] * len(tables), starts)
+    meta = AttentionMetadata(torch.cat(positions), torch.cat(slots), cu, ctx, masks, starts,
+                             list(trees) if parents is not None else None)
     return torch.tensor(tokens), meta, torch.tensor(cu[1:]) - 1
+
+
+def move_slots(cache: PagedKVCache, src: Tensor, dst: Tensor) -> None:
+    """Copies the K/V at slots src to slots dst in every layer (src read before dst is written)."""
+    for k, v in cache.layers:
+        k.index_copy_(1, dst, k.index_select(1, src))
+        v.index_copy_(1, dst, v.index_select(1, src))

@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..acceptance import Acceptance
-from .base import Cost, best_k, choose_ks
+from .base import Cost, best_k, choose_ks, choose_nodes, path_scores, sibling_ranks
 
 
 @dataclass
@@ -42,9 +42,11 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, costs: Cost, *, window: int = 16, hold: int = 4, margin: float = 0.03,
-                 probe_every: int = 32, prior: float = 0.5):
+                 probe_every: int = 32, prior: float = 0.5, branch_prior: float = 0.15):
         self.costs = costs  # the engine's StepCostModel: seconds by rows
         self.window, self.hold, self.margin, self.probe_every, self.prior = window, hold, margin, probe_every, prior
+        self.branch_prior = branch_prior
+        self.branches: dict[int, Acceptance] = {}  # sibling rank >= 1 -> chance it wins where tried
 
     def _window(self, prior: float) -> Acceptance:
         return Acceptance(prior=prior, weight=1.0, decay=1.0 - 1.0 / self.window, recover=0.0)
@@ -87,12 +89,39 @@ class AdaptivePolicy:
         chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
         return [max(c, min(s.k_min, k)) for s, c, k in zip(seqs, chosen, caps)]
 
-    def verify_lengths(self, seqs: list, drafted: list[int], keys: list[int], cost: Cost, cheap: bool) -> list[int]:
-        if not cheap or not any(drafted):
-            return list(drafted)
-        alphas = [s.kstate.acceptance(key).alpha for s, key in zip(seqs, keys)]
-        chosen = choose_ks(alphas, drafted, cost)
-        return [max(c, min(s.k_min, n)) for s, c, n in zip(seqs, chosen, drafted)]
+    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool) -> list[list[int]]:
+        """The tree budget: a node's score is the chance its path is accepted, rank-0 edges at
+        the sequence's acceptance for that kind of draft, a rank-r sibling at the fleet-wide
+        chance that rank r wins where it was tried; nodes go best first while tokens per second
+        of the forward rise. A costly draft was sized before: its chain is kept whole; its tree
+        is pruned the same way."""
+        if not cheap and not any(p.is_tree for p in proposals):
+            return [list(range(len(p.draft_tokens))) for p in proposals]
+        parents = [p.parent_list() for p in proposals]
+        scores = []
+        for s, p, par in zip(seqs, proposals, parents):
+            a = s.kstate.acceptance(p.key).alpha
+            scores.append(path_scores(par, lambda rank, depth, a=a: a if rank == 0 else self.branch(rank).alpha))
+        floors = [min(s.k_min, len(p.draft_tokens)) for s, p in zip(seqs, proposals)]
+        return choose_nodes(scores, parents, floors, cost)
+
+    def branch(self, rank: int) -> Acceptance:
+        est = self.branches.get(rank)
+        if est is None:
+            est = self.branches[rank] = Acceptance(prior=self.branch_prior, weight=4.0, decay=1.0 - 1.0 / 256,
+                                                   recover=0.0)
+        return est
+
+    def observe_branches(self, parents: list[int], path: list[int]) -> None:
+        """At the root and at each accepted node: which of its children won (one trial each rank
+        tried: ranks below the winner's lost, the winner's won; greedy and sampled alike)."""
+        ranks = sibling_ranks(parents)
+        for at, nxt in zip([-1, *path], [*path, None]):
+            kids = [c for c, p in enumerate(parents) if p == at]
+            won = ranks[nxt] if nxt is not None else len(kids)
+            for c in kids:
+                if 0 < ranks[c] <= won:
+                    self.branch(ranks[c]).observe(1, int(ranks[c] == won))
 
     def observe(self, seq, key: int, drafted: int, accepted: int) -> None:
         st: AdaptiveState = seq.kstate

@@ -1,9 +1,10 @@
 """What every K policy shares: the protocol the engine calls, and the expected-tokens arithmetic.
 
 A step decides K at two points, and the engine asks the sequence's policy at both:
-`draft_lengths` before proposing (how many tokens each sequence may draft) and `verify_lengths`
-after (how many of each draft the target verifies; a cheap proposer drafts first and is trimmed
-here). `observe` hears each verify step's outcome. Bounds come from the sequence (`k_min`,
+`draft_lengths` before proposing (how deep each sequence may draft) and `select_nodes` after
+(which nodes of each draft chain or tree the target verifies: the tree budget; a cheap proposer
+drafts first and is pruned here). `observe` hears each verify step's outcome along the main
+chain (rank-0 children), `observe_branches` which sibling rank was accepted where. Bounds come from the sequence (`k_min`,
 `k_max`, set by the caller from the live config); costs come from the one `StepCostModel`.
 """
 
@@ -26,11 +27,81 @@ class KPolicy(Protocol):
         """Tokens each sequence may draft this step, each <= room[i] (what the context and
         max_tokens leave). batch: sequences decoding in this step."""
 
-    def verify_lengths(self, seqs: list, drafted: list[int], keys: list[int], cost: Cost, cheap: bool) -> list[int]:
-        """Of each draft (drafted[i] tokens, of kind keys[i]), how many tokens to verify."""
+    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool) -> list[list[int]]:
+        """Of each proposal (a chain or a tree), the nodes to verify: ascending indices, each
+        node's parent included."""
 
     def observe(self, seq, key: int, drafted: int, accepted: int) -> None:
-        """The verify step's outcome for one sequence (drafted 0: a plain decoding step)."""
+        """The verify step's outcome for one sequence along its main chain (drafted 0: a plain
+        decoding step)."""
+
+    def observe_branches(self, parents: list[int], path: list[int]) -> None:
+        """A verified tree (parents) and the nodes accepted (path): which sibling ranks won."""
+
+
+def sibling_ranks(parents: list[int]) -> list[int]:
+    """Each node's rank among its siblings (0: tried first).
+
+    >>> sibling_ranks([-1, 0, 0, -1, 3])
+    [0, 0, 1, 1, 0]
+    """
+    seen: dict[int, int] = {}
+    out = []
+    for p in parents:
+        out.append(seen.get(p, 0))
+        seen[p] = out[-1] + 1
+    return out
+
+
+def path_scores(parents: list[int], win: Callable[[int, int], float]) -> list[float]:
+    """The chance each node is accepted, given win(rank, depth): the chance a child of that
+    sibling rank and depth is accepted when tried (its parent accepted, its earlier siblings
+    rejected). A node's score is its parent's times the chance its earlier siblings all lose
+    times its own win.
+
+    >>> path_scores([-1, 0, -1], lambda rank, depth: 0.5 if rank == 0 else 0.2)   # 0.5 * 0.2
+    [0.5, 0.25, 0.1]
+    """
+    scores: list[float] = []
+    depths: list[int] = []
+    untried: dict[int, tuple[int, float]] = {}  # parent -> (next rank, chance every earlier sibling lost)
+    for p in parents:
+        depth = 1 if p < 0 else depths[p] + 1
+        depths.append(depth)
+        rank, lost = untried.get(p, (0, 1.0))
+        w = win(rank, depth)
+        scores.append((1.0 if p < 0 else scores[p]) * lost * w)
+        untried[p] = (rank + 1, lost * (1.0 - w))
+    return scores
+
+
+def choose_nodes(scores: list[list[float]], parents: list[list[int]], floors: list[int], cost: Cost) -> list[list[int]]:
+    """The nodes each sequence verifies, maximising the batch's expected tokens / cost(rows).
+
+    scores[i][j]: the chance node j of sequence i is accepted (a child never above its parent);
+    every accepted node is one more token, every node one more row. Nodes are added best first,
+    across the batch, while the ratio improves; the first floors[i] nodes are always kept (k_min).
+    A chain is the tree whose node j has score a^(j+1): then this is `choose_ks`.
+
+    >>> linear = lambda T: 1.0 + 0.25 * (T - 1)
+    >>> choose_nodes([[0.9, 0.81, 0.3], [0.1]], [[-1, 0, -1], [-1]], [0, 0], linear)
+    [[0, 1], []]
+    """
+    keep = [set(range(min(f, len(s)))) for f, s in zip(floors, scores)]
+    rows = len(scores) + sum(map(len, keep))
+    tokens = float(len(scores)) + sum(scores[i][j] for i, k in enumerate(keep) for j in k)
+    order = sorted(((-sc, i, j) for i, s in enumerate(scores) for j, sc in enumerate(s) if j not in keep[i]))
+    for neg, i, j in order:
+        gain = -neg
+        p = parents[i][j]
+        if gain <= 0 or (p >= 0 and p not in keep[i]):
+            continue
+        if (tokens + gain) / cost(rows + 1) <= tokens / cost(rows):
+            break
+        keep[i].add(j)
+        tokens += gain
+        rows += 1
+    return [sorted(k) for k in keep]
 
 
 def expected_tokens(a: float, k: int) -> float:

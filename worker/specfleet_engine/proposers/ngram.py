@@ -49,6 +49,63 @@ def _vote(tokens: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(draft, dtype=np.int64)
 
 
+def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int, branching: int,
+               max_nodes: int = 64, max_matches: int = 32) -> tuple[list[int], list[int], int]:
+    """A draft tree from the distinct continuations of every earlier match of the context's tail.
+
+    Matches of the longest n come first, then those of shorter n (each n's latest `max_matches`);
+    their continuations (up to k tokens, cut at the context's end) are merged into a trie. Each
+    node's children are ranked by the longest match through them, then by how many continuations
+    share them, then by recency, and the best `branching` are kept; nodes are laid out depth first,
+    rank 0 first, so the tree's first nodes are the chain `ngram_match` drafts. At most max_nodes.
+    Returns (tokens, parents, n of the longest match; 0: nothing matched).
+
+    >>> ngram_tree(np.array([1, 2, 8, 3, 1, 2, 9, 4, 1, 2]), 1, 2, k=2, branching=2)
+    ([9, 4, 8, 3], [-1, 0, -1, 2], 2)
+    """
+    L = tokens.shape[0]
+    starts: list[tuple[int, int]] = []  # (start of a continuation, n of its match)
+    best_n = 0
+    for n in range(min(max_n, L - 1), min_n - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
+        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))[-max_matches:]
+        if hits.size:
+            best_n = best_n or n
+            starts += [(int(h) + n, n) for h in hits]
+    if not starts or k <= 0:
+        return [], [], 0
+    # trie: node -> {token: child}; per node (longest n, count, latest start)
+    children: list[dict[int, int]] = [{}]
+    score: list[list[int]] = [[0, 0, 0]]
+    node_token: list[int] = [-1]
+    for start, n in starts:
+        node = 0
+        for tok in tokens[start:start + k].tolist():
+            nxt = children[node].get(tok)
+            if nxt is None:
+                nxt = children[node][tok] = len(children)
+                children.append({})
+                score.append([n, 0, start])
+                node_token.append(tok)
+            s = score[nxt]
+            s[0], s[1], s[2] = max(s[0], n), s[1] + 1, max(s[2], start)
+            node = nxt
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+
+    def visit(node: int, parent: int) -> None:
+        ranked = sorted(children[node].values(), key=lambda c: score[c], reverse=True)[:branching]
+        for child in ranked:
+            if len(out_tokens) >= max_nodes:
+                return
+            out_tokens.append(node_token[child])
+            out_parents.append(parent)
+            visit(child, len(out_tokens) - 1)
+
+    visit(0, -1)
+    return out_tokens, out_parents, best_n
+
+
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
     """Draft up to k tokens by matching the last n tokens (n from max_n down to min_n).
 
@@ -68,15 +125,23 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 class NgramProposer:
     name = Method.NGRAM.value
     cheap = True
+    trees = True  # propose() takes branching: distinct continuations become a tree
 
     def __init__(self, min_n: int = 1, max_n: int = 4):
         self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
         out = []
-        for seq, k in zip(seqs, ks):
-            draft, n = ngram_match(seq.token_array(), self.min_n, self.max_n, k) if k > 0 else (np.empty(0, np.int64), 0)
-            out.append(Proposal(draft.tolist(), None, key=n))  # longer matches draft better
+        for i, (seq, k) in enumerate(zip(seqs, ks)):
+            width = branching[i] if branching is not None else 1
+            if k <= 0:
+                out.append(Proposal([], None))
+            elif width > 1:
+                tokens, parents, n = ngram_tree(seq.token_array(), self.min_n, self.max_n, k, width)
+                out.append(Proposal(tokens, None, key=n, parents=parents))
+            else:
+                draft, n = ngram_match(seq.token_array(), self.min_n, self.max_n, k)
+                out.append(Proposal(draft.tolist(), None, key=n))  # longer matches draft better
         return out
 
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
