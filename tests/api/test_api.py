@@ -1,5 +1,5 @@
 """specfleet_api is the one home of what a deployment may ask for: its docstrings hold, and no
-other Python file spells out its own list of methods, precisions or K policies."""
+other Python file spells out its own list of methods, precisions, devices or K policies."""
 import ast
 import doctest
 import pathlib
@@ -10,7 +10,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ["api", "cli", "operator", "proto", "worker", "bench"]
 GENERIC = {"none", "auto"}  # words that are not a list of ours on their own
 NAMES = (set(enums.METHODS) | set(enums.QUANTIZATIONS) | set(enums.DTYPES) | set(enums.K_POLICIES)
-         | set(enums.DTYPE_ALIASES)) - GENERIC
+         | set(enums.DTYPE_ALIASES) | set(enums.DEVICES)) - GENERIC
 #: Files that still hold such a list, each with its owner's reason; shrink it, never grow it.
 KNOWN: set[str] = set()
 
@@ -46,5 +46,6 @@ def test_one_list_of_methods_and_precisions_in_the_python_code():
 
 def test_the_check_finds_a_list_where_there_is_one(tmp_path):
     bad = tmp_path / "bad.py"
-    bad.write_text('METHODS = ("ngram", "draft-model", "none")\nDT = ["fp32", "bf16"]\nOK = ("a", "none")\n')
-    assert [line for line, _ in literal_lists(bad)] == [1, 2]
+    bad.write_text('METHODS = ("ngram", "draft-model", "none")\nDT = ["fp32", "bf16"]\nOK = ("a", "none")\n'
+                   'DEV = {"cpu", "cuda"}\n')
+    assert [line for line, _ in literal_lists(bad)] == [1, 2, 4]
