@@ -1,0 +1,304 @@
+"""Fused verification of draft trees (chains included) for a ragged batch: greedy or rejection sampling.
+
+Same vocabulary as verify.py. Each sequence is a root row (its last token) and its draft nodes in
+topological order, siblings in the order they are tried. From the root: greedy accepts the child whose
+token is the target's argmax; sampling tries the children in turn, accepts child c (token x, draft q_c)
+when u * q_c(x) < p(x), else replaces p by norm(max(0, p - q_c)) and tries the next child (multi-draft
+recursive rejection sampling: SpecInfer, Miao et al. 2024; EAGLE-2, Li et al. 2024). On acceptance it
+descends with p = the target row of c. Where it stops, the bonus token (the node has no children) or
+the recovered token (every child rejected) is drawn from the current p, so the emitted tokens follow
+the target's distribution exactly. A chain is parents [-1, 0, 1, ...]; plain decoding is a root alone.
+
+`rejection_sample_ref` (torch) is the CPU path and the reference; `rejection_sample_triton` has the same
+signature (one program per sequence, one pass over its rows: a tree's nodes in topological order meet
+the current node's children in try order, and an accepted child's children after it; the residual in
+an fp32 scratch row; uniforms from tl.rand under a seed drawn from each sequence's generator).
+`rejection_sample` dispatches like tree_attention: Triton on CUDA unless SPECFLEET_KERNELS=torch.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ..sampling import sample_from
+from .tree_attention import MAX_TREE_NODES, use_triton
+
+BLOCK_V = 1024  # the kernel's vocabulary chunk (capped at the vocabulary's next power of two)
+
+
+@dataclass
+class TreeVerifyBatch:
+    """Ragged: B sequences, each a root row followed by its n_b draft nodes."""
+
+    cu_rows: Tensor  # int [B + 1]: sequence b owns rows cu_rows[b]:cu_rows[b + 1]; its first row is the root
+    tokens: Tensor  # int64 [R]: each row's draft token (root rows: ignored)
+    parents: Tensor  # int64 [R]: parent row local to the sequence (root: -1; node i's parent p -> row p + 1)
+    greedy: Tensor  # bool [B]
+    has_q: Tensor  # bool [R]: the row's token was drawn from draft_probs[row] (False: q one-hot on the token)
+
+
+@dataclass
+class TreeVerifyResult:
+    num_accepted: Tensor  # int64 [B]: accepted draft nodes
+    path: Tensor  # int64 [B, max_depth]: local rows of the accepted nodes in order, -1 padded
+    next_token: Tensor  # int64 [B]: the bonus or the recovered token
+    bonus: Tensor  # bool [B]: the path ends at a node with no children (nothing was rejected there)
+
+
+def _check(target_probs: Tensor, draft_probs: Tensor | None, batch: TreeVerifyBatch,
+           generators: list) -> tuple[list[int], list[int], int]:
+    """Validates the shapes and the trees; returns (cu_rows, parents) as lists and max_depth."""
+    if target_probs.dim() != 2:
+        raise ValueError(f"target_probs must be [rows, vocab], got shape {tuple(target_probs.shape)}")
+    rows, vocab = target_probs.shape
+    b = batch.greedy.shape[0]
+    if batch.greedy.shape != (b,) or batch.cu_rows.shape != (b + 1,):
+        raise ValueError(f"cu_rows must be [batch + 1] and greedy [batch], got {tuple(batch.cu_rows.shape)} "
+                         f"and {tuple(batch.greedy.shape)}")
+    if len(generators) != b:
+        raise ValueError(f"generators must hold one entry per sequence ({b}), got {len(generators)}")
+    cu = batch.cu_rows.tolist()
+    if cu[0] != 0 or any(e <= s for s, e in itertools.pairwise(cu)):
+        raise ValueError(f"cu_rows must rise strictly from 0 (every sequence has a root row), got {cu}")
+    if cu[-1] != rows:
+        raise ValueError(f"target_probs has {rows} rows but cu_rows ends at {cu[-1]}")
+    for name in ("tokens", "parents", "has_q"):
+        if getattr(batch, name).shape != (rows,):
+            raise ValueError(f"{name} must be [{rows}] (one per row), got {tuple(getattr(batch, name).shape)}")
+    if draft_probs is not None and draft_probs.shape != (rows, vocab):
+        raise ValueError(f"draft_probs must be [{rows}, {vocab}] like target_probs, got {tuple(draft_probs.shape)}")
+    if draft_probs is None and bool(batch.has_q.any()):
+        raise ValueError("has_q marks rows drawn from draft_probs, but draft_probs is None")
+    parents = batch.parents.tolist()
+    tokens = batch.tokens.tolist()
+    max_depth = 1
+    for s, e in itertools.pairwise(cu):
+        depth = [0]
+        if parents[s] != -1:
+            raise ValueError(f"the root row {s} must have parent -1, got {parents[s]}")
+        for i in range(1, e - s):
+            p = parents[s + i]
+            if not 0 <= p < i:
+                raise ValueError(f"parents must be topological (0 <= parent < local row) for the draft rows: "
+                                 f"row {s + i} (local {i}) has parent {p}")
+            if not 0 <= tokens[s + i] < vocab:
+                raise ValueError(f"row {s + i}'s draft token {tokens[s + i]} is outside the vocabulary [0, {vocab})")
+            depth.append(depth[p] + 1)
+        max_depth = max(max_depth, max(depth))
+    return cu, parents, max_depth
+
+
+def rejection_sample_ref(target_probs: Tensor, draft_probs: Tensor | None, batch: TreeVerifyBatch,
+                         generators: list[torch.Generator | None]) -> TreeVerifyResult:
+    """target_probs: [R, V] (greedy sequences: logits do as well); draft_probs: [R, V] or None (all one-hot).
+
+    Randomness, per sampled sequence from its generator (None: torch's default): one uniform per child
+    tried, in the order tried, then one exponential race over V (sample_from) for the next token.
+    Greedy sequences draw nothing.
+
+    >>> t = torch.eye(4)[[1, 2, 3]]                  # target argmax after root: 1, after row 1: 2, after row 2: 3
+    >>> batch = TreeVerifyBatch(torch.tensor([0, 3]), torch.tensor([-1, 1, 0]), torch.tensor([-1, 0, 0]),
+    ...                         torch.tensor([True]), torch.tensor([False] * 3))
+    >>> r = rejection_sample_ref(t, None, batch, [None])    # root's children: tokens 1 and 0
+    >>> r.num_accepted.tolist(), r.path.tolist(), r.next_token.tolist(), r.bonus.tolist()
+    ([1], [[1]], [2], [True])
+    """
+    cu, parents, max_depth = _check(target_probs, draft_probs, batch, generators)
+    n_seqs = len(cu) - 1
+    tokens, has_q, greedy = batch.tokens.tolist(), batch.has_q.tolist(), batch.greedy.tolist()
+    num_accepted, next_token, bonus = [0] * n_seqs, [0] * n_seqs, [True] * n_seqs
+    path = [[-1] * max_depth for _ in range(n_seqs)]
+    for b, (s, e) in enumerate(itertools.pairwise(cu)):
+        children: list[list[int]] = [[] for _ in range(e - s)]
+        for i in range(1, e - s):
+            children[parents[s + i]].append(i)
+        g = generators[b]
+        gdev = g.device if g is not None else torch.device("cpu")
+        cur, depth = 0, 0
+        if greedy[b]:
+            t = int(target_probs[s].argmax())
+            while (nxt := next((c for c in children[cur] if tokens[s + c] == t), None)) is not None:
+                path[b][depth], depth, cur = nxt, depth + 1, nxt
+                t = int(target_probs[s + cur].argmax())
+            num_accepted[b], next_token[b], bonus[b] = depth, t, not children[cur]
+            continue
+        p = target_probs[s].float()  # [V]: the current node's target row, then its residual
+        descended = True
+        while descended:
+            descended = False
+            for c in children[cur]:
+                x = tokens[s + c]
+                q = float(draft_probs[s + c, x]) if has_q[s + c] else 1.0
+                u = float(torch.rand((), generator=g, device=gdev))
+                if u * q < float(p[x]):  # u < p/q without dividing by a zero q
+                    path[b][depth], depth, cur, descended = c, depth + 1, c, True
+                    p = target_probs[s + c].float()
+                    break
+                if has_q[s + c]:
+                    residual = (p - draft_probs[s + c].float()).clamp_min(0.0)
+                else:
+                    residual = p.clone()
+                    residual[x] = 0.0
+                total = residual.sum()
+                # A rejection implies p(x) < q(x), hence mass elsewhere; guard against round-off only.
+                p = residual / total if total > 0 else target_probs[s + cur].float()
+        num_accepted[b], bonus[b] = depth, not children[cur]
+        next_token[b] = int(sample_from(p[None].to(gdev), g))
+    dev = target_probs.device
+    return TreeVerifyResult(torch.tensor(num_accepted, device=dev), torch.tensor(path, device=dev).view(-1, max_depth),
+                            torch.tensor(next_token, device=dev), torch.tensor(bonus, device=dev))
+
+
+def rejection_sample_triton(target_probs: Tensor, draft_probs: Tensor | None, batch: TreeVerifyBatch,
+                            generators: list[torch.Generator | None]) -> TreeVerifyResult:
+    """Same as rejection_sample_ref, by the Triton kernel. Each sampled sequence draws one int64 seed from
+    its generator (greedy ones draw nothing); the kernel's uniforms are tl.rand(seed, row) for the child
+    at that (global) row and tl.rand(seed, cu_rows[b + 1] + v) for the race over token v. The same seeds
+    give the same result, though not the reference's: the two agree in distribution (greedy: exactly)."""
+    import triton
+
+    cu, _, max_depth = _check(target_probs, draft_probs, batch, generators)
+    vocab = target_probs.shape[1]
+    n_seqs = len(cu) - 1
+    max_rows = max((e - s for s, e in itertools.pairwise(cu)), default=1)
+    if max_rows > MAX_TREE_NODES + 1:
+        raise ValueError(f"a tree of {max_rows - 1} nodes exceeds the kernel's {MAX_TREE_NODES} per sequence")
+    dev = target_probs.device
+    greedy = batch.greedy.tolist()
+    seeds = torch.zeros(n_seqs, dtype=torch.int64)
+    for b, g in enumerate(generators):
+        if not greedy[b]:
+            seeds[b] = torch.randint(1 << 62, (), generator=g, device=g.device if g is not None else "cpu")
+    tp = target_probs.contiguous()
+    dp = draft_probs.contiguous() if draft_probs is not None else tp  # never read when has_q is all False
+    num_accepted = torch.zeros(n_seqs, dtype=torch.int64, device=dev)
+    path = torch.full((n_seqs, max_depth), -1, dtype=torch.int64, device=dev)
+    next_token = torch.zeros(n_seqs, dtype=torch.int64, device=dev)
+    bonus = torch.zeros(n_seqs, dtype=torch.int8, device=dev)
+    scratch = torch.empty(n_seqs, vocab, dtype=torch.float32, device=dev)  # each sequence's residual
+    if n_seqs == 0:
+        return TreeVerifyResult(num_accepted, path, next_token, bonus.bool())
+    _kernel()[(n_seqs,)](
+        tp, dp, batch.tokens.to(dev, torch.int64).contiguous(), batch.parents.to(dev, torch.int32).contiguous(),
+        batch.has_q.to(dev, torch.int8).contiguous(), batch.cu_rows.to(dev, torch.int64).contiguous(),
+        batch.greedy.to(dev, torch.int8).contiguous(), seeds.to(dev), scratch,
+        num_accepted, path, next_token, bonus, vocab, tp.stride(0), dp.stride(0), max_depth,
+        BLOCK_V=min(BLOCK_V, triton.next_power_of_2(vocab)), BLOCK_R=triton.next_power_of_2(max_rows))
+    return TreeVerifyResult(num_accepted, path, next_token, bonus.bool())
+
+
+def rejection_sample(target_probs: Tensor, draft_probs: Tensor | None, batch: TreeVerifyBatch,
+                     generators: list[torch.Generator | None]) -> TreeVerifyResult:
+    """rejection_sample_triton on CUDA, else rejection_sample_ref (same signature)."""
+    fn = rejection_sample_triton if use_triton(target_probs.device) else rejection_sample_ref
+    return fn(target_probs, draft_probs, batch, generators)
+
+
+@functools.cache
+def _kernel():
+    """Built on first use, so TRITON_INTERPRET set before the first launch takes effect."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def kernel(TP, DP, TOK, PAR, HASQ, CU, GREEDY, SEED, RES, NACC, PATH, NEXT, BONUS,
+               V, s_tp, s_dp, max_depth, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr):
+        b = tl.program_id(0)
+        start = tl.load(CU + b)
+        n = (tl.load(CU + b + 1) - start).to(tl.int32)
+        greedy = tl.load(GREEDY + b) != 0
+        seed = tl.load(SEED + b)
+        res = RES + b.to(tl.int64) * V
+        offs = tl.arange(0, BLOCK_V)  # masks built with tl.where: the interpreter rejects `vector & scalar`
+        local = tl.arange(0, BLOCK_R)
+        us = tl.rand(seed, start + local)  # each row's uniform, at once (one Philox call, not one per child)
+        # State: cur (local row of the current node), its target argmax t (greedy), its p: the target row
+        # while fresh, else the scratch row divided by tot; tried: a child of cur was rejected.
+        cur = tl.full((), -1, tl.int32)  # the root is "accepted" as row 0's parent -1: one place for acceptance
+        n_acc = tl.full((), -1, tl.int32)
+        t = tl.full((), 0, tl.int32)
+        fresh = tl.full((), 1, tl.int32)
+        tot = tl.full((), 1.0, tl.float32)
+        tried = tl.full((), 0, tl.int32)
+        for c in range(n):
+            if tl.load(PAR + start + c) == cur:
+                x = tl.load(TOK + start + c)
+                row = start + cur
+                if c == 0:
+                    accept = c == 0
+                elif greedy:
+                    accept = x == t
+                else:
+                    hq = tl.load(HASQ + start + c) != 0
+                    qx = tl.where(hq, tl.load(DP + (start + c) * s_dp + x).to(tl.float32), 1.0)
+                    pt = tl.load(TP + row * s_tp + x).to(tl.float32)
+                    pr = tl.load(res + x)
+                    px = tl.where(fresh != 0, pt, pr / tot)
+                    u = tl.sum(tl.where(local == c, us, 0.0), axis=0)
+                    accept = u * qx < px  # u < p/q without dividing by a zero q
+                    if not accept:  # p <- max(0, p - q_c), normalised via tot
+                        new_tot = 0.0
+                        for v0 in range(0, V, BLOCK_V):
+                            v = v0 + offs
+                            m = v < V
+                            mt, mr = tl.where(fresh != 0, m, False), tl.where(fresh == 0, m, False)
+                            p = tl.load(TP + row * s_tp + v, mask=mt, other=0.0).to(tl.float32)
+                            p += tl.load(res + v, mask=mr, other=0.0) / tot
+                            q = tl.load(DP + (start + c) * s_dp + v, mask=tl.where(hq, m, False), other=0.0)
+                            q = q.to(tl.float32)
+                            q = tl.where(hq, q, tl.where(v == x, 1.0, 0.0))
+                            r = tl.maximum(p - q, 0.0)
+                            tl.store(res + v, r, mask=m)
+                            new_tot += tl.sum(tl.where(m, r, 0.0), axis=0)
+                        tl.debug_barrier()  # the next child reads the scratch row other threads wrote
+                        # a rejection implies mass elsewhere; guard against round-off: back to the target row
+                        fresh = tl.where(new_tot > 0.0, 0, 1)
+                        tot = tl.where(new_tot > 0.0, new_tot, 1.0)
+                if accept:
+                    if c > 0:
+                        tl.store(PATH + b * max_depth + n_acc, c)
+                    cur = c
+                    n_acc += 1
+                    fresh = 1
+                    tot = 1.0
+                    tried = 0
+                    if greedy:  # the first maximum, as torch.argmax
+                        best = float("-inf")
+                        t = 0
+                        for v0 in range(0, V, BLOCK_V):
+                            v = v0 + offs
+                            logit = tl.load(TP + (start + c) * s_tp + v, mask=v < V, other=float("-inf"))
+                            logit = logit.to(tl.float32)
+                            m = tl.max(logit, axis=0)
+                            i = v0 + tl.argmax(logit, axis=0, tie_break_left=True)
+                            t = tl.where(m > best, i, t)
+                            best = tl.maximum(m, best)
+                else:
+                    tried = 1
+        if greedy:
+            token = t
+        else:  # the exponential race over p (scale-free, so the scratch row needs no division)
+            best = -1.0
+            token = 0
+            row = start + cur
+            for v0 in range(0, V, BLOCK_V):
+                v = v0 + offs
+                m = v < V
+                mt, mr = tl.where(fresh != 0, m, False), tl.where(fresh == 0, m, False)
+                p = tl.load(TP + row * s_tp + v, mask=mt, other=0.0).to(tl.float32)
+                p += tl.load(res + v, mask=mr, other=0.0)
+                score = tl.where(m, p / -tl.log(tl.rand(seed, start + n + v)), -1.0)
+                sm = tl.max(score, axis=0)
+                i = v0 + tl.argmax(score, axis=0, tie_break_left=True)
+                token = tl.where(sm > best, i, token)
+                best = tl.maximum(sm, best)
+        tl.store(NACC + b, n_acc)
+        tl.store(NEXT + b, token)
+        tl.store(BONUS + b, 1 - tried)
+
+    return kernel
