@@ -8,12 +8,13 @@ returns logits only for the rows asked for. Nothing from HF transformers is on t
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from .kernels.tree_attention import TreeBatch, tree_attention_launch, tree_batch, use_triton
 from .quant import replace_linears
 
 
@@ -226,7 +227,10 @@ class TransposedLinear(nn.Module):
 
 
 def transpose_linears(model: nn.Module) -> nn.Module:
-    """Swaps every nn.Linear (the LM head included, untied from the embedding) for TransposedLinear."""
+    """Swaps every nn.Linear (the LM head included, untied from the embedding) for TransposedLinear.
+    A CPU layout: a model on another device is left as it is (cuBLAS wants F.linear's)."""
+    if any(not p.is_cpu for p in model.parameters()):
+        return model
     return replace_linears(model, TransposedLinear)
 
 
@@ -293,19 +297,49 @@ class AttentionMetadata:
 
 
 @dataclass(frozen=True)
+class TreePlan:
+    """The Triton path of a forward: its decode and verify sequences (fewer than PREFILL_ROWS new
+    rows each) as one `TreeBatch` over the paged cache, read as [num_blocks, block_size, Hkv, hd].
+
+    block_size: a block size every one of their prefixes is laid out in (the cache's, or a divisor)
+    rows:       their rows in the flat batch on the device, None when they are all of it
+    prefill:    the sequences left to `prefill_attention`
+    """
+
+    batch: TreeBatch
+    block_size: int
+    rows: Tensor | None
+    prefill: list[int]
+
+
+@dataclass(frozen=True)
 class AttentionPlan:
     """What `Transformer.forward` derives from the metadata once for all its layers.
 
     biases:     per sequence, the additive attention bias (or prefill mask), None when plain causal
+                or taken by the Triton path
     slot_start: the first slot when a long run of new tokens goes to consecutive slots (written
                 as one copy), else None
+    meta:       the metadata on the model's device
+    tree:       the Triton path's plan, None on the torch path
     """
 
     biases: list[Tensor | None]
     slot_start: int | None
+    meta: AttentionMetadata | None = None
+    tree: TreePlan | None = None
 
 
-def plan_attention(meta: AttentionMetadata, args: ModelArgs) -> AttentionPlan:
+def plan_attention(meta: AttentionMetadata, args: ModelArgs, device: torch.device | None = None,
+                   cache_slots: int | None = None) -> AttentionPlan:
+    """device: the model's (default: the metadata's); cache_slots: the slots of a layer's cache."""
+    device = meta.slot_mapping.device if device is None else device
+    tree = None
+    # Sliding-window models keep the torch path: the kernel has no window.
+    if args.sliding_window is None and cache_slots is not None and use_triton(device):
+        tree = plan_tree(meta, device, cache_slots)
+    if meta.slot_mapping.device != device:  # the engine builds a batch on the host
+        meta = metadata_to(meta, device, None if tree is None else tree.prefill)
     slot_start = None
     sm = meta.slot_mapping
     if sm.shape[0] >= PREFILL_ROWS and bool((sm[1:] - sm[:-1] == 1).all()):
@@ -315,9 +349,84 @@ def plan_attention(meta: AttentionMetadata, args: ModelArgs) -> AttentionPlan:
         n_q, S = meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0]
         if n_q >= PREFILL_ROWS:
             biases.append(prefill_mask(n_q, S, meta.masks[b], args.sliding_window))
+        elif tree is not None:
+            biases.append(None)
         else:
             biases.append(attention_bias(n_q, S, args.n_heads // args.n_kv_heads, meta.masks[b], args.sliding_window))
-    return AttentionPlan(biases, slot_start)
+    if device.type != "cpu":
+        biases = [None if x is None else x.to(device, non_blocking=True) for x in biases]
+    return AttentionPlan(biases, slot_start, meta, tree)
+
+
+def metadata_to(meta: AttentionMetadata, device: torch.device, torch_seqs: list[int] | None) -> AttentionMetadata:
+    """The metadata on `device`; context slots only of `torch_seqs` (None: all), the sequences whose
+    attention gathers them (a long context is megabytes a step)."""
+    slots = list(meta.context_slots)
+    for b in range(meta.num_seqs) if torch_seqs is None else torch_seqs:
+        slots[b] = slots[b].to(device, non_blocking=True)
+    return replace(meta, positions=meta.positions.to(device, non_blocking=True),
+                   slot_mapping=meta.slot_mapping.to(device, non_blocking=True), context_slots=slots)
+
+
+BLOCK_SIZES = (16, 8, 4, 2, 1)  # tried in turn for the block tables the kernel reads (16: the engine's)
+
+
+def plan_tree(meta: AttentionMetadata, device: torch.device, cache_slots: int) -> TreePlan | None:
+    """The decode and verify sequences as one TreeBatch: each one's prefix is its context less its
+    new rows, its tree the new rows under `tree_parents` (a causal run: a chain). None when a
+    sequence has a mask but no tree (only the torch path reads a general mask) or none decodes."""
+    cu, parents, prefixes, decode, prefill = meta.cu_seqlens, [], [], [], []
+    for b in range(meta.num_seqs):
+        n_q = cu[b + 1] - cu[b]
+        if n_q >= PREFILL_ROWS:
+            prefill.append(b)
+            continue
+        tp = meta.tree_parents[b] if meta.tree_parents else None
+        if tp is None:
+            if meta.masks[b] is not None:
+                return None
+            tp = list(range(-1, n_q - 1))
+        plen = meta.context_slots[b].shape[0] - n_q
+        decode.append(b)
+        parents.append(list(tp))
+        first = meta.context_starts[b] if meta.context_starts else None
+        prefixes.append((meta.context_slots[b][:plen], first))
+    if not decode:
+        return None
+    bs = next(bs for bs in BLOCK_SIZES if cache_slots % bs == 0 and all(laid_out_in(s, f, bs) for s, f in prefixes))
+    max_blocks = max(1, max(-(-s.shape[0] // bs) for s, _ in prefixes))
+    tables = torch.zeros(len(decode), max_blocks, dtype=torch.int32)
+    for i, (s, _) in enumerate(prefixes):
+        tables[i, :-(-s.shape[0] // bs)] = s[::bs] // bs
+    batch = tree_batch(tables, [s.shape[0] for s, _ in prefixes], parents, device)
+    rows = None
+    if prefill:
+        rows = torch.cat([torch.arange(cu[b], cu[b + 1]) for b in decode]).to(device, non_blocking=True)
+    return TreePlan(batch, bs, rows, prefill)
+
+
+def laid_out_in(slots: Tensor, first: int | None, bs: int) -> bool:
+    """Whether slots [n] (of positions 0..n-1) are blocks of `bs` slots, each block aligned to bs:
+    slot(p) = table[p // bs] * bs + p % bs. first: slots[0] when they are one run, else None."""
+    if first is not None or slots.shape[0] == 0:
+        return first is None or first % bs == 0
+    if bs == 1:
+        return True
+    starts = slots[::bs]
+    if bool((starts % bs).any()):
+        return False
+    n = slots.shape[0]
+    return torch.equal(starts.repeat_interleave(bs)[:n] + torch.arange(n) % bs, slots)
+
+
+def context_kv(k_cache: Tensor, v_cache: Tensor, meta: AttentionMetadata, b: int) -> tuple[Tensor, Tensor]:
+    """Sequence b's whole context from a layer's cache: [Hkv, S, hd] each."""
+    first = meta.context_starts[b] if meta.context_starts else None
+    if first is not None:  # blocks laid out in order: a view, no gather
+        S = meta.context_slots[b].shape[0]
+        return k_cache.narrow(1, first, S), v_cache.narrow(1, first, S)
+    slots = meta.context_slots[b]
+    return k_cache.index_select(1, slots), v_cache.index_select(1, slots)
 
 
 class Attention(nn.Module):
@@ -346,6 +455,8 @@ class Attention(nn.Module):
             k_cache.index_copy_(1, meta.slot_mapping, k.transpose(0, 1).to(k_cache.dtype))
             v_cache.index_copy_(1, meta.slot_mapping, v.transpose(0, 1).to(v_cache.dtype))
 
+        if plan.tree is not None:
+            return linear(self.wo, self.tree_attention(q, k, v, k_cache, v_cache, meta, plan), residual)
         group = H // Hkv
         out = []
         for b in range(meta.num_seqs):
@@ -368,6 +479,25 @@ class Attention(nn.Module):
             o = attend(qb, kb, vb, plan.biases[b], self.scale)  # [Hkv, G * n_q, hd]
             out.append(o.view(Hkv, group, n_q, hd).permute(2, 0, 1, 3).reshape(n_q, H * hd))
         return linear(self.wo, out[0] if len(out) == 1 else torch.cat(out), residual)
+
+    def tree_attention(self, q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor,
+                       meta: AttentionMetadata, plan: AttentionPlan) -> Tensor:
+        """The Triton path: q [T, H, hd], k and v [T, Hkv, hd] (views, written to the cache already);
+        returns [T, H * hd]. Decode and verify rows in one launch, prefills through SDPA."""
+        tp, (T, H, hd), Hkv = plan.tree, q.shape, self.n_kv_heads
+        paged = (Hkv, k_cache.shape[1] // tp.block_size, tp.block_size, hd)  # -> [blocks, block_size, Hkv, hd]
+        kc, vc = k_cache.view(paged).permute(1, 2, 0, 3), v_cache.view(paged).permute(1, 2, 0, 3)
+        if tp.rows is None:
+            return tree_attention_launch(q, kc, vc, tp.batch, k, v, self.scale).view(T, H * hd)
+        pick = tp.rows
+        o = tree_attention_launch(q.index_select(0, pick), kc, vc, tp.batch, k.index_select(0, pick),
+                                  v.index_select(0, pick), self.scale)
+        out = q.new_empty(T, H * hd).index_copy_(0, pick, o.view(-1, H * hd))
+        for b in tp.prefill:
+            lo, hi = meta.cu_seqlens[b], meta.cu_seqlens[b + 1]
+            kb, vb = context_kv(k_cache, v_cache, meta, b)
+            out[lo:hi] = prefill_attention(q[lo:hi], kb.to(q.dtype), vb.to(q.dtype), plan.biases[b], self.scale)
+        return out
 
     @property
     def scale(self) -> float:
@@ -473,6 +603,10 @@ class Transformer(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.norm.weight.dtype
 
+    @property
+    def device(self) -> torch.device:
+        return self.norm.weight.device
+
     def forward(
         self,
         tokens: Tensor,
@@ -480,9 +614,16 @@ class Transformer(nn.Module):
         kv_caches: list[tuple[Tensor, Tensor]],
         logits_indices: Tensor | None = None,
     ) -> Tensor:
-        # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32
+        # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32, on the model's device
+        # (the metadata and indices may come from the host)
+        device = self.norm.weight.device
+        plan = plan_attention(meta, self.args, device, kv_caches[0][0].shape[1] if kv_caches else None)
+        meta = plan.meta
+        if tokens.device != device:
+            tokens = tokens.to(device, non_blocking=True)
+        if logits_indices is not None and logits_indices.device != device:
+            logits_indices = logits_indices.to(device, non_blocking=True)
         x = self.tok_embeddings(tokens)
-        plan = plan_attention(meta, self.args)
         if self.rope_cis is not None:
             cos, sin = self.rope_cis.index_select(0, meta.positions), None
         else:

@@ -1,0 +1,155 @@
+"""The Triton tree-attention path wired into the model (SPECFLEET_KERNELS=triton, TRITON_INTERPRET=1 on
+the CPU, in a subprocess so the settings do not leak): a verify forward over hand-built draft trees
+gives the torch path's logits, and the engine decodes the same tokens, greedy and with n-gram
+speculation. The subprocess counts the kernel's launches, so a run that never took the path fails."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from specfleet_engine import model as model_mod
+from specfleet_engine.engine import Engine
+from specfleet_engine.kernels import tree_attention as ta
+from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
+from specfleet_engine.model import AttentionMetadata, laid_out_in, plan_tree
+from specfleet_engine.sampling import SamplingParams
+from specfleet_engine.testing import TINY_ARCHITECTURES, repeating_prompts, tiny_model
+
+ARCHS = ["llama", "qwen2-bias", "mha-rope-llama3"]  # the sliding-window model keeps the torch path
+TREES = [[-1, 0, 0, 1, 2, -1], None, [-1, 0, 1]]  # a tree, a causal run of 2 (parents implied), a chain
+
+
+def verify_logits(arch: str) -> torch.Tensor:
+    """Logits of one forward mixing two draft trees, a causal run of two rows and a prefill of 40
+    (which SDPA takes), over prefixes in shuffled blocks of 8."""
+    model = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
+    cache = PagedKVCache.for_model(model.args, 512, block_size=8, dtype=model.dtype)
+    tables = [BlockTable(cache) for _ in range(4)]
+    prompts = repeating_prompts(4, seed=5)
+    for i, bt in enumerate(tables[:3]):  # interleaved prefills: each sequence's blocks are not one run
+        for chunk in range(0, 30, 7):
+            tokens, meta, _ = batch_metadata([bt], [(prompts[i] * 9)[chunk:chunk + 7]])
+            model(tokens, meta, cache.layers)
+    g = torch.Generator().manual_seed(0)
+    trees = TREES + [None]
+    inputs = [torch.randint(0, 100, (len(p) if p else 2,), generator=g).tolist() for p in TREES] + [prompts[3] * 9]
+    inputs[3] = (inputs[3] * 3)[:40]
+    tokens, meta, _ = batch_metadata(tables, inputs)
+    positions, masks = meta.positions.clone(), []
+    for b, parents in enumerate(trees):
+        lo, S = meta.cu_seqlens[b], meta.context_slots[b].shape[0]
+        if parents is None:
+            masks.append(None)
+            continue
+        n = len(parents)
+        depth = ta.tree_mask(parents).sum(1) - 1
+        positions[lo:lo + n] = S - n + depth
+        masks.append(torch.cat([torch.ones(n, S - n, dtype=torch.bool), ta.tree_mask(parents)], dim=1))
+    meta = AttentionMetadata(positions, meta.slot_mapping, meta.cu_seqlens, meta.context_slots, masks,
+                             meta.context_starts, trees)
+    return model(tokens, meta, cache.layers)
+
+
+def engine_outputs(arch: str) -> dict[str, list[list[int]]]:
+    """Greedy outputs of a continuous batch, plain and with n-gram drafts."""
+    model = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
+    engine = Engine(model, max_kv_tokens=2048, block_size=8, k_policy="fixed")
+    out = {}
+    for method in ("none", "ngram"):
+        seqs = [engine.add(p, SamplingParams(max_tokens=16, ignore_eos=True), method, 4) for p in repeating_prompts(3)]
+        while not all(s.finished for s in seqs):
+            engine.step()
+        out[method] = [s.output for s in seqs]
+        out[method + " drafted"] = sum(s.stats.num_draft_tokens for s in seqs)
+        out[method + " accepted"] = sum(s.stats.num_accepted_tokens for s in seqs)
+    return out
+
+
+_SUBPROCESS = """
+import json, sys, torch
+sys.path.insert(0, {testdir!r})
+import test_triton_model as t
+from specfleet_engine import model as model_mod
+launches = [0]
+real = model_mod.tree_attention_launch
+def counted(*a, **kw):
+    launches[0] += 1
+    return real(*a, **kw)
+model_mod.tree_attention_launch = counted
+res = {{}}
+for arch in t.ARCHS:
+    res[arch] = {{"logits": t.verify_logits(arch).tolist(), "engine": t.engine_outputs(arch)}}
+res["launches"] = launches[0]
+print(json.dumps(res))
+"""
+
+
+@pytest.fixture(scope="module")
+def triton_run():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", ta.KERNELS_ENV: "triton"}
+    code = _SUBPROCESS.format(testdir=os.path.dirname(__file__))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 0, f"interpreted Triton run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_the_triton_path_was_taken(triton_run):
+    assert triton_run["launches"] > 0
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_verify_forward_logits_match_the_torch_path(triton_run, arch, monkeypatch):
+    monkeypatch.delenv(ta.KERNELS_ENV, raising=False)
+    want = verify_logits(arch)
+    got = torch.tensor(triton_run[arch]["logits"])
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_engine_tokens_match_the_torch_path(triton_run, arch, monkeypatch):
+    monkeypatch.delenv(ta.KERNELS_ENV, raising=False)
+    got = triton_run[arch]["engine"]
+    assert got == engine_outputs(arch)
+    assert got["ngram"] == got["none"]
+    assert got["ngram drafted"] > 0, "no draft was made: verification rows were not exercised"
+
+
+def test_some_draft_was_accepted(triton_run):
+    """Accepted drafts, so that verified rows reached the output (random tiny models repeat little)."""
+    assert sum(triton_run[arch]["engine"]["ngram accepted"] for arch in ARCHS) > 0
+
+
+def test_block_size_detection():
+    """The kernel's block tables need a block size the prefixes are laid out in: the cache's or a divisor."""
+    slots = torch.tensor([16, 17, 18, 19, 4, 5, 6, 7, 40, 41])  # blocks of 4: 4, 1, 10
+    assert laid_out_in(slots, None, 4) and laid_out_in(slots, None, 2) and laid_out_in(slots, None, 1)
+    assert not laid_out_in(slots, None, 8)
+    assert laid_out_in(torch.arange(24, 40), 24, 8) and not laid_out_in(torch.arange(24, 40), 24, 16)
+    meta = AttentionMetadata(torch.zeros(3, dtype=torch.long), torch.tensor([42, 43, 8]), [0, 2, 3],
+                             [torch.cat([slots, torch.tensor([42, 43])]), torch.arange(0, 9)], [None, None],
+                             [None, 0], None)
+    plan = plan_tree(meta, torch.device("cpu"), cache_slots=64)
+    assert plan.block_size == 4 and plan.rows is None and plan.prefill == []
+    assert plan.batch.block_tables.tolist() == [[4, 1, 10], [0, 1, 0]]
+    assert plan.batch.prefix_lens.tolist() == [10, 8]
+    assert plan.batch.ancestry.tolist() == [[1, 0], [1, 1], [1, 0]]  # the causal run became a chain
+
+
+def test_a_mask_without_a_tree_keeps_the_torch_path():
+    meta = AttentionMetadata(torch.zeros(2, dtype=torch.long), torch.tensor([4, 5]), [0, 2], [torch.arange(6)],
+                             [torch.ones(2, 6, dtype=torch.bool)], [0], None)
+    assert plan_tree(meta, torch.device("cpu"), cache_slots=64) is None
+
+
+def test_cpu_default_path_does_not_plan_a_tree(monkeypatch):
+    monkeypatch.delenv(ta.KERNELS_ENV, raising=False)
+    model = tiny_model()
+    cache = PagedKVCache.for_model(model.args, 64, block_size=8)
+    tokens, meta, _ = batch_metadata([BlockTable(cache)], [[1, 2, 3]])
+    plan = model_mod.plan_attention(meta, model.args, model.device, cache.layers[0][0].shape[1])
+    assert plan.tree is None and plan.meta is meta
