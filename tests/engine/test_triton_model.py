@@ -22,11 +22,11 @@ ARCHS = ["llama", "qwen2-bias", "mha-rope-llama3"]  # the sliding-window model k
 TREES = [[-1, 0, 0, 1, 2, -1], None, [-1, 0, 1]]  # a tree, a causal run of 2 (parents implied), a chain
 
 
-def verify_logits(arch: str) -> torch.Tensor:
+def verify_logits(arch: str, device: str = "cpu") -> torch.Tensor:
     """Logits of one forward mixing two draft trees, a causal run of two rows and a prefill of 40
     (which SDPA takes), over prefixes in shuffled blocks of 8."""
-    model = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
-    cache = PagedKVCache.for_model(model.args, 512, block_size=8, dtype=model.dtype)
+    model = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch]).to(device)
+    cache = PagedKVCache.for_model(model.args, 512, block_size=8, dtype=model.dtype, device=device)
     tables = [BlockTable(cache) for _ in range(4)]
     prompts = repeating_prompts(4, seed=5)
     for i, bt in enumerate(tables[:3]):  # interleaved prefills: each sequence's blocks are not one run
@@ -50,7 +50,7 @@ def verify_logits(arch: str) -> torch.Tensor:
         masks.append(torch.cat([torch.ones(n, S - n, dtype=torch.bool), ta.tree_mask(parents)], dim=1))
     meta = AttentionMetadata(positions, meta.slot_mapping, meta.cu_seqlens, meta.context_slots, masks,
                              meta.context_starts, trees)
-    return model(tokens, meta, cache.layers)
+    return model(tokens, meta, cache.layers).cpu()
 
 
 def engine_outputs(arch: str) -> dict[str, list[list[int]]]:
@@ -150,6 +150,6 @@ def test_cpu_default_path_does_not_plan_a_tree(monkeypatch):
     monkeypatch.delenv(ta.KERNELS_ENV, raising=False)
     model = tiny_model()
     cache = PagedKVCache.for_model(model.args, 64, block_size=8)
-    tokens, meta, _ = batch_metadata([BlockTable(cache)], [[1, 2, 3]])
+    _, meta, _ = batch_metadata([BlockTable(cache)], [[1, 2, 3]])
     plan = model_mod.plan_attention(meta, model.args, model.device, cache.layers[0][0].shape[1])
     assert plan.tree is None and plan.meta is meta

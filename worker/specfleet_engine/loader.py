@@ -14,6 +14,8 @@ from pathlib import Path
 
 import torch
 
+from specfleet_api.enums import Dtype, resolve_device, resolve_dtype
+
 from .model import ModelArgs, Transformer
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -105,7 +107,20 @@ def ours_to_hf_state_dict(model: Transformer) -> dict[str, torch.Tensor]:
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype) -> Transformer:
+def torch_device(device: str | torch.device = "auto") -> torch.device:
+    """A worker's device name as torch's: auto is cuda when torch sees a GPU, else cpu."""
+    if isinstance(device, torch.device):
+        return device
+    return torch.device(resolve_device(device, torch.cuda.is_available()))
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a model computes in when the caller names none: specfleet_api's auto (bf16 on CUDA)."""
+    return getattr(torch, resolve_dtype(Dtype.AUTO.value, device.type))
+
+
+def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype | None,
+           device: str | torch.device = "auto") -> Transformer:
     with torch.device("meta"):
         model = Transformer(args)
     model = model.to_empty(device="cpu")
@@ -118,10 +133,11 @@ def _build(args: ModelArgs, state: dict[str, torch.Tensor], dtype: torch.dtype) 
     from .model import rope_cache
 
     model.rope_cos, model.rope_sin = rope_cache(args, args.max_position_embeddings)
-    return model.to(dtype).eval().requires_grad_(False)
+    device = torch_device(device)
+    return model.to(device=device, dtype=dtype or default_dtype(device)).eval().requires_grad_(False)
 
 
-def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+def load_hf_folder(path: Path, dtype: torch.dtype | None = None, device: str | torch.device = "auto") -> Transformer:
     from safetensors.torch import load_file
 
     cfg_file = path / "config.json"
@@ -140,7 +156,7 @@ def load_hf_folder(path: Path, dtype: torch.dtype = torch.float32) -> Transforme
     raw: dict[str, torch.Tensor] = {}
     for f in files:
         raw.update(load_file(f))
-    return _build(args, hf_state_dict_to_ours(args, {k: v.float() for k, v in raw.items()}), dtype)
+    return _build(args, hf_state_dict_to_ours(args, {k: v.float() for k, v in raw.items()}), dtype, device)
 
 
 def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -226,24 +242,25 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
     return args, raw, meta
 
 
-def load_gguf(path: Path, dtype: torch.dtype = torch.float32) -> Transformer:
+def load_gguf(path: Path, dtype: torch.dtype | None = None, device: str | torch.device = "auto") -> Transformer:
     args, raw, _ = read_gguf(path)
-    return _build(args, hf_state_dict_to_ours(args, raw), dtype)
+    return _build(args, hf_state_dict_to_ours(args, raw), dtype, device)
 
 
-def load_model(name_or_path: str, dtype: torch.dtype = torch.float32) -> Transformer:
-    """A model from a GGUF file, a HF checkpoint folder, or the default's name."""
+def load_model(name_or_path: str, dtype: torch.dtype | None = None, device: str | torch.device = "auto") -> Transformer:
+    """A model from a GGUF file, a HF checkpoint folder, or the default's name, on `device` (auto:
+    cuda when torch sees a GPU) in `dtype` (None: fp32 on the CPU, bf16 on CUDA)."""
     p = resolve_model_path(name_or_path)
     if p.is_dir():
-        return load_hf_folder(p, dtype)
+        return load_hf_folder(p, dtype, device)
     if p.suffix == ".gguf":
-        return load_gguf(p, dtype)
+        return load_gguf(p, dtype, device)
     if p.suffix in PICKLE_SUFFIXES:
         raise ModelFormatError(
             f"{p}: a pickle checkpoint; specfleet never unpickles weights. Use safetensors or GGUF."
         )
     if p.suffix == ".safetensors":
-        return load_hf_folder(p.parent, dtype)
+        return load_hf_folder(p.parent, dtype, device)
     raise ModelFormatError(f"{p}: unknown model format; expected a HF folder (safetensors) or a .gguf file")
 
 

@@ -8,7 +8,8 @@ outputs close to fp32.
 On the CPU the matmul is our own kernel (kernels/cpu_gemm.py): fp32 activations, fp32
 accumulation, every weight byte read once for all the rows of a step. Where it cannot be built
 (no compiler, or SPECFLEET_INT8_KERNEL=torch) the layer falls back, with one warning, to
-`torch._weight_int8pack_mm` on bf16 activations.
+`torch._weight_int8pack_mm` on bf16 activations. On CUDA (a layer quantized there) the weight is
+dequantized to the activations' dtype for each F.linear: simple and correct, not fast.
 """
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ class PackedLinear(nn.Module):
 
 def pack_linears(model: nn.Module) -> bool:
     """Swaps every fp32 nn.Linear (the LM head included, untied) for PackedLinear; False, and
-    nothing changed, where the kernel cannot be had."""
-    if int8_kernel() is None:
+    nothing changed, where the kernel cannot be had or the model is not on the CPU."""
+    if any(not p.is_cpu for p in model.parameters()) or int8_kernel() is None:
         return False
     replace_linears(model, PackedLinear)
     return True

@@ -133,7 +133,7 @@ def tree_batch(block_tables: Tensor, prefix_lens: list[int], parents: list[list[
     for a, n, p in zip(cu, sizes, parents):
         if n:
             ancestry[a:a + n, :n] = tree_mask(p)
-    as_i32 = lambda t: torch.as_tensor(t, dtype=torch.int32).to(device, non_blocking=True)  # noqa: E731
+    as_i32 = lambda t: torch.as_tensor(t, dtype=torch.int32).to(device, non_blocking=True)
     return TreeBatch(as_i32(block_tables), as_i32(prefix_lens), as_i32(cu), ancestry.to(device, non_blocking=True),
                      max_nodes, max(prefix_lens, default=0))
 
