@@ -31,16 +31,14 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
     if quantization not in SERVED_QUANTIZATIONS:
         raise ValueError(not_served("quantization", quantization, SERVED_QUANTIZATIONS))
     model = load_model(name, TORCH_DTYPES[dtype])
-    if device != Device.CPU:
-        return model.to(device)  # the layouts below are for the CPU's GEMMs
     fp32 = dtype == Dtype.FLOAT32
     if fp32:
         interleave_rope(model)  # RoPE as one complex multiply
     if quantization == Quantization.INT8:
         quantize_int8(model)
-    elif fp32 and not (fp32_kernel and pack_linears(model)):  # our few-row kernel, or
+    elif fp32 and device == Device.CPU and not (fp32_kernel and pack_linears(model)):  # our few-row kernel, or
         transpose_linears(model)  # the layout in which MKL's fp32 GEMM is fastest with few rows
-    return model
+    return model.to(device)  # loaded on the CPU (a no-op there)
 
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
