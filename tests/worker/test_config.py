@@ -288,3 +288,27 @@ def test_the_engine_builder_thread_returns_results_and_raises_errors():
     assert on_short_lived_thread(lambda: threading.current_thread().name) == "build-engine"
     with pytest.raises(ZeroDivisionError):
         on_short_lived_thread(lambda: 1 / 0)
+
+
+def test_the_device_follows_torch(monkeypatch):
+    from specfleet_engine import factory
+
+    monkeypatch.setattr(factory.torch.cuda, "is_available", lambda: True)
+    assert (factory.device_of("auto"), factory.device_of("cpu")) == ("cuda", "cpu")
+    monkeypatch.setattr(factory.torch.cuda, "is_available", lambda: False)
+    assert factory.device_of("auto") == "cpu"
+    with pytest.raises(ValueError, match="device must be one of auto, cpu, cuda, got 'tpu'"):
+        factory.device_of("tpu")
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_model_loads_on_the_gpu_in_bfloat16_by_default():
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    from specfleet_engine.factory import build_engine_parts
+
+    model, _, _ = build_engine_parts("smollm2-135m", "auto", device="auto")
+    weight = next(model.parameters())
+    assert (weight.device.type, weight.dtype) == ("cuda", torch.bfloat16)
