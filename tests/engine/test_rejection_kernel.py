@@ -3,6 +3,7 @@ walk and verify_greedy (greedy), losslessness by distribution (sampling: the fir
 follow the target's joint), and the Triton kernel (TRITON_INTERPRET=1 on the CPU, in a subprocess so the
 setting does not leak into this process; CUDA when there is one) against the reference."""
 
+import doctest
 import json
 import math
 import os
@@ -67,6 +68,10 @@ def walk_greedy(rows: list[list[float]], parents: list[int], tokens: list[int]):
 
 def as_lists(r: rk.TreeVerifyResult):
     return {k: getattr(r, k).cpu().tolist() for k in ("num_accepted", "path", "next_token", "bonus")}
+
+
+def test_doctests():
+    assert doctest.testmod(rk).failed == 0
 
 
 def test_reference_greedy_matches_an_independent_walk():
@@ -354,6 +359,24 @@ def check_comparison(out):
 
 def test_triton_interpreted_matches_reference(interpreted):
     check_comparison(interpreted)
+
+
+@pytest.mark.parametrize("target_dtype,block_v,block_r", [("*bf16", 1024, 64), ("*fp32", 128, 1024)])
+def test_triton_compiles_for_cuda(target_dtype, block_v, block_r):
+    """The interpreter runs the kernel as Python; this compiles it for an H100/H200 (sm_90) through ptxas,
+    which catches what only the compiler rejects, on a machine without a GPU."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    if not os.path.exists(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")):
+        pytest.skip("triton's CUDA backend (ptxas) is not installed")
+    sig = {"TP": target_dtype, "DP": "*fp32", "TOK": "*i64", "PAR": "*i32", "HASQ": "*i8", "CU": "*i64",
+           "GREEDY": "*i8", "SEED": "*i64", "RES": "*fp32", "NACC": "*i64", "PATH": "*i64", "NEXT": "*i64",
+           "BONUS": "*i8", "V": "i32", "s_tp": "i32", "s_dp": "i32", "max_depth": "i32",
+           "BLOCK_V": "constexpr", "BLOCK_R": "constexpr"}
+    src = ASTSource(fn=rk._kernel(), signature=sig, constexprs={"BLOCK_V": block_v, "BLOCK_R": block_r})
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    assert out.asm["cubin"] and "bar.sync" in out.asm["ptx"]  # the barrier before the scratch row is read
 
 
 @pytest.mark.gpu

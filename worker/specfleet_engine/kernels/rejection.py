@@ -242,7 +242,7 @@ def _kernel():
                     u = tl.sum(tl.where(local == c, us, 0.0), axis=0)
                     accept = u * qx < px  # u < p/q without dividing by a zero q
                     if not accept:  # p <- max(0, p - q_c), normalised via tot
-                        new_tot = 0.0
+                        new_tot = tl.full((), 0.0, tl.float32)
                         for v0 in range(0, V, BLOCK_V):
                             v = v0 + offs
                             m = v < V
@@ -268,8 +268,8 @@ def _kernel():
                     tot = 1.0
                     tried = 0
                     if greedy:  # the first maximum, as torch.argmax
-                        best = float("-inf")
-                        t = 0
+                        best = tl.full((), float("-inf"), tl.float32)
+                        t = tl.full((), 0, tl.int32)
                         for v0 in range(0, V, BLOCK_V):
                             v = v0 + offs
                             logit = tl.load(TP + (start + c) * s_tp + v, mask=v < V, other=float("-inf"))
@@ -283,8 +283,8 @@ def _kernel():
         if greedy:
             token = t
         else:  # the exponential race over p (scale-free, so the scratch row needs no division)
-            best = -1.0
-            token = 0
+            best = tl.full((), -1.0, tl.float32)
+            token = tl.full((), 0, tl.int32)
             row = start + cur
             for v0 in range(0, V, BLOCK_V):
                 v = v0 + offs
