@@ -335,7 +335,7 @@ sys.path.insert(0, {testdir!r})
 from test_rejection_kernel import compare_triton
 from specfleet_engine.kernels import rejection as rk
 rk.BLOCK_V = 32  # several chunks and a ragged tail over vocab 111
-print(json.dumps(compare_triton("cpu", 500, 6000)))
+print(json.dumps(compare_triton("cpu", 400, 6000)))
 """
 
 
