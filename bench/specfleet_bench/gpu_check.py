@@ -18,6 +18,7 @@ A part that fails records its error and the rest still run.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -110,9 +111,23 @@ def random_tree(n: int, seed: int) -> list[int]:
     return [-1] + [int(torch.randint(-1, i, (1,), generator=g)) for i in range(1, n)]
 
 
-def tree_attention_part(cfg: dict, device, bench) -> dict:
+def sdpa_paged(q, k_flat, v_flat, slots, kt, vt, mask, scale):
+    """The dense alternative: gather each sequence's K/V from the pages, then one SDPA under a bool mask.
+    q [B * n, H, hd]; k_flat, v_flat [Hkv, slots, hd]; slots [B, P]; kt, vt [B * n, Hkv, hd]; mask [n, P + n]."""
     import torch
     import torch.nn.functional as F
+
+    (B, P), (T, H, hd), Hkv = slots.shape, q.shape, k_flat.shape[0]
+    n = T // B
+    k = torch.cat([k_flat[:, slots.flatten()].view(Hkv, B, P, hd), kt.view(B, n, Hkv, hd).permute(2, 0, 1, 3)], 2)
+    v = torch.cat([v_flat[:, slots.flatten()].view(Hkv, B, P, hd), vt.view(B, n, Hkv, hd).permute(2, 0, 1, 3)], 2)
+    o = F.scaled_dot_product_attention(q.view(B, n, H, hd).transpose(1, 2), k.transpose(0, 1), v.transpose(0, 1),
+                                       attn_mask=mask, scale=scale, enable_gqa=True)
+    return o.transpose(1, 2).reshape(T, H, hd)
+
+
+def tree_attention_part(cfg: dict, device, bench) -> dict:
+    import torch
 
     from specfleet_engine.kernels import tree_attention as ta
 
@@ -150,20 +165,9 @@ def tree_attention_part(cfg: dict, device, bench) -> dict:
                 bt = tables.to(device)
                 mask = torch.cat([torch.ones(n, P, dtype=torch.bool), ta.tree_mask(parents)], 1).to(device)
 
-                def triton_fn():
-                    return ta.tree_attention_launch(q, kc, vc, batch, kt, vt, scale)
-
-                def ref_fn():
-                    return ta.tree_attention_ref(q, kc, vc, bt, pl, kt, vt, tp, cu, scale)
-
-                def sdpa_fn():  # gather each sequence's K/V from the pages, then one masked SDPA
-                    k = torch.cat([k_flat[:, slots.flatten()].view(Hkv, B, P, hd), kt.view(B, n, Hkv, hd)
-                                   .permute(2, 0, 1, 3)], 2).transpose(0, 1)  # [B, Hkv, P + n, hd]
-                    v = torch.cat([v_flat[:, slots.flatten()].view(Hkv, B, P, hd), vt.view(B, n, Hkv, hd)
-                                   .permute(2, 0, 1, 3)], 2).transpose(0, 1)
-                    o = F.scaled_dot_product_attention(q.view(B, n, H, hd).transpose(1, 2), k, v,
-                                                       attn_mask=mask, scale=scale, enable_gqa=True)
-                    return o.transpose(1, 2).reshape(T, H, hd)
+                triton_fn = functools.partial(ta.tree_attention_launch, q, kc, vc, batch, kt, vt, scale)
+                ref_fn = functools.partial(ta.tree_attention_ref, q, kc, vc, bt, pl, kt, vt, tp, cu, scale)
+                sdpa_fn = functools.partial(sdpa_paged, q, k_flat, v_flat, slots, kt, vt, mask, scale)
 
                 got = triton_fn()
                 row = {"batch": B, "prefix": P, "tree": n, "triton_ms": bench(triton_fn)}
@@ -182,8 +186,6 @@ def tree_attention_part(cfg: dict, device, bench) -> dict:
                 ref_s, vs_ref = ("-", "-") if ref is None else (f"{ref:.3f}", f"{ref / ms:.1f}x")
                 log(f"{B:>5} {P:>6} {n:>4} | {ms:>9.3f} {ref_s:>8} {row['sdpa_ms']:>8.3f} | {vs_ref:>6} "
                     f"{row['sdpa_ms'] / ms:>6.1f}x | {row['gbs']:>6.0f} {row['of_copy']:>7.0%} | {err:>8.1e}")
-                del q, kt, vt
-            del k_flat, v_flat, kc, vc
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     return {"copy_gbs": copy_gbs, "rows": rows}
@@ -217,9 +219,10 @@ def rejection_part(cfg: dict, device, bench) -> dict:
                 torch.full((R,), not greedy, device=device))
             gens = [None if greedy else torch.Generator(device=device).manual_seed(b) for b in range(B)]
             dp = None if greedy else draft
+            args = (target, dp, batch, gens)
             row = {"vocab": V, "mode": mode,
-                   "triton_ms": bench(lambda: rejection.rejection_sample_triton(target, dp, batch, gens)),
-                   "ref_ms": bench(lambda: rejection.rejection_sample_ref(target, dp, batch, gens), 50)}
+                   "triton_ms": bench(functools.partial(rejection.rejection_sample_triton, *args)),
+                   "ref_ms": bench(functools.partial(rejection.rejection_sample_ref, *args), 50)}
             rows.append(row)
             log(f"{V:>6} {mode:>7} | {row['triton_ms']:>9.3f} {row['ref_ms']:>8.3f} "
                 f"{row['ref_ms'] / row['triton_ms']:>6.1f}x")

@@ -192,8 +192,10 @@ def tree_attention_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: Tr
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), bt.stride(0),
         k_tree.stride(0), k_tree.stride(1), v_tree.stride(0), v_tree.stride(1), batch.ancestry.stride(0),
-        GROUP=group, N_HEADS=n_heads, BLOCK_SIZE=bs, HEAD_DIM=head_dim, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, num_warps=4)
+        GROUP=group, N_HEADS=n_heads, BLOCK_SIZE=bs, HEAD_DIM=head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, SPLIT=splits > 1, num_warps=4,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 exactly, not as TF32; bf16 natively
     if splits > 1:  # merge the splits' softmaxes; a split past a sequence's prefix has m = -inf, l = 0
         m, l = ml[0], ml[1]
         top = m.amax(0)
@@ -211,10 +213,12 @@ def _kernel():
     @triton.jit
     def kernel(Q, KC, VC, BT, PL, KT, VT, ANC, CU, OUT, PART, ML, scale, tiles, chunk, total,
                s_qn, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt, s_ktn, s_kth, s_vtn, s_vth, s_a,
-               GROUP: tl.constexpr, N_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr):
+               GROUP: tl.constexpr, N_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
+               PRECISION: tl.constexpr):
         seq = tl.program_id(0)
         kvh = tl.program_id(1) // tiles
+        kvh64 = kvh.to(tl.int64)  # a layer's cache can pass 2^31 elements
         tile = tl.program_id(1) % tiles
         split = tl.program_id(2)
         start = tl.load(CU + seq)
@@ -243,20 +247,20 @@ def _kernel():
             blk = tl.load(BT + seq * s_bt + pos // BLOCK_SIZE, mask=pv, other=0).to(tl.int64)
             within = (pos % BLOCK_SIZE).to(tl.int64)
             lm = pv[:, None] & dm[None, :]
-            k = tl.load(KC + (blk * s_kb + within * s_ks + kvh * s_kh)[:, None] + d[None, :], mask=lm, other=0.0)
-            v = tl.load(VC + (blk * s_vb + within * s_vs + kvh * s_vh)[:, None] + d[None, :], mask=lm, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            k = tl.load(KC + (blk * s_kb + within * s_ks + kvh64 * s_kh)[:, None] + d[None, :], mask=lm, other=0.0)
+            v = tl.load(VC + (blk * s_vb + within * s_vs + kvh64 * s_vh)[:, None] + d[None, :], mask=lm, other=0.0)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(pv[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))  # online softmax; a row that has seen nothing keeps -inf
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         t_end = n_nodes
         if SPLIT:
-            t_end = tl.where(split == 0, n_nodes, 0)  # the tree once, in split 0
+            t_end = n_nodes * (split == 0).to(tl.int32)  # the tree once, in split 0
         for t0 in range(0, t_end, BLOCK_N):  # the sequence's tree nodes, under the ancestry mask
             col = t0 + n
             cv = col < n_nodes
@@ -265,14 +269,14 @@ def _kernel():
             lm = cv[:, None] & dm[None, :]
             k = tl.load(KT + ((start + col) * s_ktn + kvh * s_kth)[:, None] + d[None, :], mask=lm, other=0.0)
             v = tl.load(VT + ((start + col) * s_vtn + kvh * s_vth)[:, None] + d[None, :], mask=lm, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision="ieee") * scale
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
             s = tl.where(seen, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_new
         sm = rv[:, None] & dm[None, :]
         row = (start + node).to(tl.int64) * N_HEADS + head  # OUT, PART and ML are contiguous, rows (node, head)
