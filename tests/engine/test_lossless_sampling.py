@@ -5,8 +5,10 @@ is computed by enumeration with plain forwards. The first token comes from the p
 first verify step decides tokens 2 to K+1: with K up to 3, every draft position is scored. 10^4
 seeded speculative generations must land within a total-variation bound calibrated by drawing as
 many samples from the exact distribution itself, and must have judged drafts at every position
-(accepted and rejected). The same check must reject each known-wrong acceptance rule below, so a
-pass cannot come from a check too weak to see a real bug.
+(accepted and rejected). Chains and trees alike: the tree cases must have verified branching
+trees (siblings tried in turn, each rejection leaving the residual). The same check must reject
+each known-wrong acceptance rule below, so a pass cannot come from a check too weak to see a
+real bug.
 """
 
 import dataclasses
@@ -22,10 +24,12 @@ from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.sampling import SamplingParams, logits_to_probs, sample_from
 from specfleet_engine.testing import tiny_model
-from specfleet_engine.verify import VerifyResult
+from specfleet_engine.kernels import rejection
+from specfleet_engine.kernels.rejection import TreeVerifyResult
 
 VOCAB, DEPTH, N, BATCH = 4, 4, 10_000, 1000
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+BRANCHY = [0, 1, 2, 3, 0, 1, 3, 2, 0, 1]  # "0 1" went on with 2 and with 3: an n-gram tree branches at once
 
 
 class Case(NamedTuple):
@@ -33,14 +37,20 @@ class Case(NamedTuple):
     method: str
     k: int
     params: dict
+    branching: int = 1
+    prompt: tuple = tuple(PROMPT)
 
 
 CASES = [
     Case("ngram (one-hot q)", "ngram", 3, dict(temperature=1.0)),
     Case("draft model", "draft-model", 3, dict(temperature=1.0)),
+    Case("ngram tree (one-hot q, 3 children)", "ngram", 3, dict(temperature=1.0), 3, tuple(BRANCHY)),
+    Case("draft model tree (2 children, without replacement)", "draft-model", 3, dict(temperature=1.0), 2),
     Case("draft model, T=0.7, top-p 0.9", "draft-model", 3, dict(temperature=0.7, top_p=0.9)),
     Case("ngram, T=1.5, top-k 3", "ngram", 2, dict(temperature=1.5, top_k=3)),
+    Case("draft model tree, T=1.5, top-k 3", "draft-model", 2, dict(temperature=1.5, top_k=3), 2),
 ]
+MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
 
 
 @pytest.fixture(scope="module")
@@ -50,14 +60,14 @@ def models():
     return target, draft
 
 
-def exact_distribution(model, params: SamplingParams) -> torch.Tensor:
+def exact_distribution(model, params: SamplingParams, prompt: list[int]) -> torch.Tensor:
     """P(x1..x4) under the target's sampling distribution, by enumeration: [VOCAB ** DEPTH], the
     outcome x1 x2 x3 x4 at index x1 V^3 + x2 V^2 + x3 V + x4."""
     engine = Engine(model, proposers={})
     probs = torch.ones(1, dtype=torch.float64)
     prefixes: list[list[int]] = [[]]
     for _ in range(DEPTH):
-        seqs = [engine.add(PROMPT + p, SamplingParams(max_tokens=1), "none") for p in prefixes]
+        seqs = [engine.add(prompt + p, SamplingParams(max_tokens=1), "none") for p in prefixes]
         logits = engine._forward(seqs, [s.tokens for s in seqs], "last")  # [len(prefixes), V]
         for s in seqs:
             engine.abort(s)
@@ -86,10 +96,10 @@ def reference(models):
     per module and shared by the real rule and by every mutant."""
     cache = {}
 
-    def get(params: dict) -> tuple[torch.Tensor, float]:
-        key = tuple(sorted(params.items()))
+    def get(params: dict, prompt: tuple) -> tuple[torch.Tensor, float]:
+        key = (tuple(sorted(params.items())), prompt)
         if key not in cache:
-            exact = exact_distribution(models[0], SamplingParams(**params))
+            exact = exact_distribution(models[0], SamplingParams(**params), list(prompt))
             cache[key] = exact, tv_threshold(exact, N)
         return cache[key]
 
@@ -100,26 +110,29 @@ class Sampled(NamedTuple):
     dist: torch.Tensor  # [VOCAB ** DEPTH] the empirical distribution of x1..x4
     judged: Counter  # (draft position from 1, "accepted" | "rejected") -> count, scored tokens only
     draft_errors: int
+    branched: int  # verify steps whose draft was a tree (more nodes than depth)
 
 
 def sample_speculatively(models, case: Case) -> Sampled:
     target, draft = models
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft)}
-    engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed")
+    engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
+                    tree_branching=case.branching)
     # max_tokens leaves room for K drafts in every step that makes a scored token
     params = SamplingParams(max_tokens=DEPTH + case.k, ignore_eos=True, **case.params)
     counts = torch.zeros(VOCAB ** DEPTH, dtype=torch.float64)
     judged: Counter = Counter()
-    draft_errors = 0
+    draft_errors = branched = 0
     for start in range(0, N, BATCH):
-        seqs = [engine.add(PROMPT, dataclasses.replace(params, seed=seed), case.method, case.k)
+        seqs = [engine.add(list(case.prompt), dataclasses.replace(params, seed=seed), case.method, case.k)
                 for seed in range(start, start + BATCH)]
         while not all(s.finished for s in seqs):
             for out in engine.step():
                 if out.stats is None:  # the prefill's token
                     continue
-                made = len(out.seq.output) - len(out.new_tokens)  # the draft at index i decides token made + i
-                for i in range(min(out.stats.num_draft_tokens, DEPTH - made)):
+                made = len(out.seq.output) - len(out.new_tokens)  # the draft at depth i + 1 decides token made + i
+                branched += out.stats.num_draft_tokens > out.stats.draft_depth
+                for i in range(min(out.stats.draft_depth, DEPTH - made)):
                     if i > out.stats.num_accepted:
                         break
                     judged[i + 1, "accepted" if i < out.stats.num_accepted else "rejected"] += 1
@@ -132,14 +145,16 @@ def sample_speculatively(models, case: Case) -> Sampled:
                 idx = idx * VOCAB + t
             counts[idx] += 1
             draft_errors += s.stats.draft_errors
-    return Sampled(counts / N, judged, draft_errors)
+    return Sampled(counts / N, judged, draft_errors, branched)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_speculative_samples_follow_the_target_distribution(case, models, reference):
-    exact, limit = reference(case.params)
-    dist, judged, draft_errors = sample_speculatively(models, case)
+    exact, limit = reference(case.params, case.prompt)
+    dist, judged, draft_errors, branched = sample_speculatively(models, case)
     assert draft_errors == 0, f"{case.name}: {draft_errors} failed drafts fell back to plain decoding"
+    if case.branching > 1:
+        assert branched > N // 2, f"{case.name}: only {branched} verify steps held a branching tree"
     for position in range(1, case.k + 1):  # else a bug at that position would go unseen
         for verdict in ("accepted", "rejected"):
             assert judged[position, verdict] > 0, \
@@ -155,67 +170,83 @@ MUTANTS = [
     "recover from p",  # the recovered token drawn from p instead of norm(max(0, p - q))
     "accept with min(1, q/p)",
     "always accept",
-    "accepted is not a prefix",  # sum of the accept flags instead of their cumprod
-    "residual of the first position",  # q of draft position 1 instead of the rejected one
+    "residual of the first node",  # q of the draft's first node instead of the rejected one's
+    "siblings judged against p",  # each sibling tried against the node's p, not the residual left by the ones before
 ]
 
 
 def mutant(wrong: str):
-    """verify.verify_sampling with one thing wrong (same signature, same vocabulary)."""
+    """rejection.rejection_sample_ref with one thing wrong (same signature, same draws in the same order)."""
 
-    def verify_sampling(target_probs, draft_tokens, draft_probs, generator):
-        k = draft_tokens.shape[0]
-        rows = torch.arange(k)
-        p = target_probs[rows, draft_tokens]  # [K]
-        q = draft_probs[rows, draft_tokens] if draft_probs is not None else torch.ones_like(p)
-        u = torch.rand(k, generator=generator, dtype=p.dtype)
-        if wrong == "accept with min(1, q/p)":
-            accepted = u * p < q
-        elif wrong == "always accept":
-            accepted = torch.ones(k, dtype=torch.bool)
-        else:
-            accepted = u * q < p
-        n = int(accepted.sum()) if wrong == "accepted is not a prefix" else int(torch.cumprod(accepted, dim=0).sum())
-        tokens = draft_tokens[:n].tolist()
-        if n == k:
-            tokens.append(int(sample_from(target_probs[k:k + 1], generator)))
-            return VerifyResult(n, tokens, True)
-        j = 0 if wrong == "residual of the first position" else n
-        if wrong == "recover from p":
-            residual = target_probs[n].clone()
-        elif draft_probs is not None:
-            residual = (target_probs[n] - draft_probs[j]).clamp_min(0.0)
-        else:
-            residual = target_probs[n].clone()
-            residual[draft_tokens[j]] = 0.0
-        total = residual.sum()
-        residual = residual / total if total > 0 else target_probs[n]
-        tokens.append(int(sample_from(residual[None], generator)))
-        return VerifyResult(n, tokens, False)
+    def rejection_sample(target_probs, draft_probs, batch, generators):
+        cu, parents = batch.cu_rows.tolist(), batch.parents.tolist()
+        tokens, has_q, greedy = batch.tokens.tolist(), batch.has_q.tolist(), batch.greedy.tolist()
+        out = []
+        for b in range(len(cu) - 1):
+            s, e, g = cu[b], cu[b + 1], generators[b]
+            assert not greedy[b]
+            children = [[i for i in range(1, e - s) if parents[s + i] == r] for r in range(e - s)]
+            cur, path, p = 0, [], target_probs[s].float()
+            descended = True
+            while descended:
+                descended, judge = False, p
+                for c in children[cur]:
+                    x = tokens[s + c]
+                    q_row = draft_probs[s + c].float() if has_q[s + c] else torch.nn.functional.one_hot(
+                        torch.tensor(x), target_probs.shape[1]).float()
+                    q = float(q_row[x])
+                    u = float(torch.rand((), generator=g))
+                    if wrong == "siblings judged against p":
+                        judge = target_probs[s + cur].float()
+                    accept = (wrong == "always accept" or (u * float(judge[x]) < q if wrong == "accept with min(1, q/p)"
+                                                           else u * q < float(judge[x])))
+                    if accept:
+                        path.append(c)
+                        cur, descended, p = c, True, target_probs[s + c].float()
+                        break
+                    if wrong == "residual of the first node":
+                        first = 1
+                        q_row = draft_probs[s + first].float() if has_q[s + first] else torch.nn.functional.one_hot(
+                            torch.tensor(tokens[s + first]), target_probs.shape[1]).float()
+                    residual = p.clone() if wrong == "recover from p" else (p - q_row).clamp_min(0.0)
+                    total = residual.sum()
+                    p = residual / total if total > 0 else target_probs[s + cur].float()
+                    judge = p
+            out.append((path, int(sample_from(p[None], g)), not children[cur]))
+        depth = max(1, *(len(path) for path, _, _ in out))
+        return TreeVerifyResult(torch.tensor([len(path) for path, _, _ in out]),
+                                torch.tensor([path + [-1] * (depth - len(path)) for path, _, _ in out]),
+                                torch.tensor([t for _, t, _ in out]), torch.tensor([bonus for _, _, bonus in out]))
 
-    return verify_sampling
+    return rejection_sample
 
 
-@pytest.mark.parametrize("case", CASES[:2], ids=[c.name for c in CASES[:2]])
+@pytest.mark.parametrize("case", MUTATED, ids=[c.name for c in MUTATED])
 @pytest.mark.parametrize("wrong", MUTANTS)
 def test_the_check_rejects_a_wrong_acceptance_rule(wrong, case, models, reference, monkeypatch):
-    monkeypatch.setattr(engine_module, "verify_sampling", mutant(wrong))
-    exact, limit = reference(case.params)
+    if wrong == "siblings judged against p" and case.branching == 1:
+        pytest.skip("a chain has no siblings")  # the case that matters runs on the trees
+    monkeypatch.setattr(engine_module, "rejection_sample", mutant(wrong))
+    exact, limit = reference(case.params, case.prompt)
     tv = total_variation(sample_speculatively(models, case).dist, exact)
     print(f"{wrong} on {case.name}: TV {tv:.4f}, limit {limit:.4f}")
     assert tv > limit, f"{wrong} went unnoticed on {case.name}: TV {tv:.4f} within the limit {limit:.4f}"
 
 
 def test_with_nothing_wrong_the_mutant_is_the_real_rule():
-    """So each mutant differs from verify_sampling in its one wrong piece and nothing else."""
-    from specfleet_engine.verify import verify_sampling
-
+    """So each mutant differs from rejection_sample_ref in its one wrong piece and nothing else."""
     g = torch.Generator().manual_seed(0)
     for trial in range(200):
-        k = 1 + trial % 4
-        target_probs = torch.softmax(3 * torch.randn(k + 1, VOCAB, generator=g), dim=-1)
-        draft_probs = torch.softmax(3 * torch.randn(k, VOCAB, generator=g), dim=-1) if trial % 2 else None
-        draft_tokens = torch.randint(0, VOCAB, (k,), generator=g)
-        results = [rule(target_probs, draft_tokens, draft_probs, torch.Generator().manual_seed(trial))
-                   for rule in (verify_sampling, mutant("nothing"))]
-        assert results[0] == results[1], (trial, results)
+        n = 1 + trial % 6
+        parents = [-1] + [int(torch.randint(0, i, (), generator=g)) for i in range(1, n + 1)]
+        target_probs = torch.softmax(3 * torch.randn(n + 1, VOCAB, generator=g), dim=-1)
+        draft_probs = torch.softmax(3 * torch.randn(n + 1, VOCAB, generator=g), dim=-1)
+        has_q = torch.tensor([False] + [bool(trial % 2)] * n)
+        batch = rejection.TreeVerifyBatch(torch.tensor([0, n + 1]), torch.randint(0, VOCAB, (n + 1,), generator=g),
+                                          torch.tensor(parents), torch.tensor([False]), has_q)
+        results = [rule(target_probs, draft_probs, batch, [torch.Generator().manual_seed(trial)])
+                   for rule in (rejection.rejection_sample_ref, mutant("nothing"))]
+        assert all(torch.equal(getattr(results[0], f), getattr(results[1], f))
+                   for f in ("num_accepted", "next_token", "bonus")), (trial, results)
+        n = int(results[0].num_accepted[0])
+        assert torch.equal(results[0].path[0, :n], results[1].path[0, :n]), (trial, results)

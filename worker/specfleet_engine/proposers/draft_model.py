@@ -20,11 +20,14 @@ class TokenizerMismatch(ValueError):
 class DraftModelProposer:
     name = Method.DRAFT_MODEL.value
     cheap = False
+    trees = True  # propose() takes branching: the top tokens (or draws) at each level
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):
         self.model = model
         self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype)
         self.tables: dict[int, BlockTable] = {}
+        self.base: dict[int, int] = {}  # tokens in the draft's cache before this step's draft
+        self.slots: dict[int, dict[int, int]] = {}  # a tree being drafted: node -> its position in the table
 
     @staticmethod
     def check_tokenizers(target, draft) -> None:
@@ -52,18 +55,15 @@ class DraftModelProposer:
                 probs.append(q)
         return tokens, probs
 
-    def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Proposal]:
+    def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
+        if branching is not None and any(b > 1 for b, k in zip(branching, ks) if k > 0):
+            return self._propose_trees(seqs, ks, branching)
         active = [(s, k) for s, k in zip(seqs, ks) if k > 0]
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         qs: dict[int, list] = {s.seq_id: [] for s in seqs}
         if active:
             group = [s for s, _ in active]
-            # catch up: feed every token the draft has not seen (at least the newest one)
-            inputs = []
-            for s in group:
-                bt = self.tables.setdefault(s.seq_id, BlockTable(self.cache))
-                inputs.append(s.tokens[bt.num_tokens:])
-            logits = self._forward(group, inputs)
+            logits = self._catch_up(group)
             want = dict((s.seq_id, k) for s, k in active)
             while True:
                 toks, probs = self._pick(group, logits)
@@ -81,12 +81,116 @@ class DraftModelProposer:
             out.append(Proposal(drafts[s.seq_id], probs))
         return out
 
+    def _catch_up(self, group: list[SequenceView]) -> torch.Tensor:
+        """Feeds every token the draft has not seen (at least the newest one): [B, V] logits."""
+        inputs = []
+        for s in group:
+            bt = self.tables.setdefault(s.seq_id, BlockTable(self.cache))
+            inputs.append(s.tokens[bt.num_tokens:])
+        logits = self._forward(group, inputs)
+        for s in group:
+            self.base[s.seq_id] = self.tables[s.seq_id].num_tokens
+        return logits
+
+    def _children(self, seq: SequenceView, row: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor | None, float]]:
+        """A node's `width` children: (token, the q it was drawn from, its draft log-prob).
+
+        Greedy: the top tokens. Sampled: draws without replacement (Gumbel top-k: the order is
+        that of drawing one by one), each with q renormalised over what earlier siblings left."""
+        if seq.params.greedy:
+            logp = torch.log_softmax(row, dim=-1)
+            top = torch.topk(logp, width)
+            return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
+        q = logits_to_probs(row[None], seq.params)[0]
+        keys = q.log() - torch.empty_like(q).exponential_(generator=seq.generator).log()
+        order = torch.topk(keys, min(width, int((q > 0).sum()))).indices.tolist()
+        out, left = [], q.clone()
+        for t in order:
+            cond = left / left.sum()
+            out.append((t, cond, float(q[t].log())))
+            left[t] = 0.0
+        return out
+
+    def _propose_trees(self, seqs: list[SequenceView], ks: list[int], branching: list[int]) -> list[Proposal]:
+        """Trees level by level: every node kept at a level gets `branching` children; the
+        `branching` best of them by their path's draft log-prob are expanded at the next level
+        (one draft forward per level, their K/V under a tree mask). Which children exist never
+        depends on their own sampled values, so rejection sampling stays exact."""
+        trees = {s.seq_id: ([], [], []) for s in seqs}  # tokens, parents, q rows
+        active = [(s, k, b) for s, k, b in zip(seqs, ks, branching) if k > 0]
+        if active:
+            group = [s for s, _, _ in active]
+            rows = self._catch_up(group)
+            frontier = {s.seq_id: [(-1, 0.0, rows[i])] for i, s in enumerate(group)}  # (node, score, logits)
+            depth = 0
+            want = {s.seq_id: (k, b) for s, k, b in active}
+            while group:
+                depth += 1
+                expand: dict[int, list[tuple[int, float]]] = {}
+                for s in group:
+                    tokens, parents, qrows = trees[s.seq_id]
+                    k, width = want[s.seq_id]
+                    born = []
+                    for node, score, row in frontier[s.seq_id]:
+                        for tok, q, logq in self._children(s, row, width):
+                            tokens.append(tok)
+                            parents.append(node)
+                            qrows.append(q)
+                            born.append((len(tokens) - 1, score + logq))
+                    expand[s.seq_id] = sorted(born, key=lambda x: -x[1])[:width] if depth < k else []
+                group = [s for s in group if expand[s.seq_id]]
+                if not group:
+                    break
+                logits = self._forward_tree(group, [expand[s.seq_id] for s in group], trees)
+                at = 0
+                for s in group:
+                    nodes = expand[s.seq_id]
+                    frontier[s.seq_id] = [(n, sc, logits[at + i]) for i, (n, sc) in enumerate(nodes)]
+                    at += len(nodes)
+        out = []
+        for s in seqs:
+            tokens, parents, qrows = trees[s.seq_id]
+            probs = torch.stack(qrows) if qrows and qrows[0] is not None else None
+            out.append(Proposal(tokens, probs, parents=parents) if tokens else Proposal([], None))
+        return out
+
+    def _forward_tree(self, group: list[SequenceView], expand: list[list[tuple[int, float]]], trees) -> torch.Tensor:
+        """One draft forward over the nodes to expand; each sees the prefix, its ancestors
+        (written at earlier levels) and itself. Returns their logits in order."""
+        tables = [self.tables[s.seq_id] for s in group]
+        inputs = [[trees[s.seq_id][0][n] for n, _ in nodes] for s, nodes in zip(group, expand)]
+        for s, nodes in zip(group, expand):  # where each node's K/V lands: the next free slot
+            slot_of = self.slots.setdefault(s.seq_id, {})
+            for i, (n, _) in enumerate(nodes):
+                slot_of[n] = self.tables[s.seq_id].num_tokens + i
+        tokens, meta, _ = batch_metadata(tables, inputs)
+        for b, (s, nodes) in enumerate(zip(group, expand)):
+            base, parents, slot_of = self.base[s.seq_id], trees[s.seq_id][1], self.slots[s.seq_id]
+            S = meta.context_slots[b].shape[0]
+            mask = torch.zeros(len(nodes), S, dtype=torch.bool)
+            mask[:, :base] = True
+            pos = []
+            for i, (n, _) in enumerate(nodes):
+                depth, a = 0, n
+                while a >= 0:
+                    mask[i, slot_of[a]] = True
+                    a, depth = parents[a], depth + 1
+                pos.append(base - 1 + depth)
+            meta.masks[b] = mask
+            meta.positions[meta.cu_seqlens[b]:meta.cu_seqlens[b + 1]] = torch.tensor(pos)
+        with torch.inference_mode():
+            return self.model(tokens, meta, self.cache.layers)  # [rows, V]
+
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
         bt = self.tables.get(seq.seq_id)
+        if self.slots.pop(seq.seq_id, None) is not None:  # a tree's nodes sit off the path: drop them all
+            num_valid = min(num_valid, self.base[seq.seq_id])
         if bt is not None and bt.num_tokens > num_valid:
             bt.truncate(num_valid)
 
     def release(self, seq: SequenceView) -> None:
+        self.slots.pop(seq.seq_id, None)
+        self.base.pop(seq.seq_id, None)
         bt = self.tables.pop(seq.seq_id, None)
         if bt is not None:
             bt.free()
