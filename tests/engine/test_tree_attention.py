@@ -183,3 +183,32 @@ def test_triton_cuda_matches_reference(name, head_dim, seqs, dtype):
     tol = 1e-4 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(ta.tree_attention_triton(**case).float(), ta.tree_attention_ref(**case).float(),
                                atol=tol, rtol=tol)
+
+
+def _compile_for_h200(dtype: str, split: bool, group: int, head_dim: int):
+    """The kernel compiled ahead of time for sm_90 (the H200) with the ptxas Triton ships: no GPU needed."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    kernel = ta._kernel()
+    const = dict(GROUP=group, N_HEADS=group * 8, BLOCK_SIZE=16, HEAD_DIM=head_dim,
+                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=64, BLOCK_N=ta.BLOCK_N, SPLIT=split,
+                 PRECISION="ieee" if dtype == "fp32" else "tf32")
+    ptrs = {"Q": f"*{dtype}", "KC": f"*{dtype}", "VC": f"*{dtype}", "KT": f"*{dtype}", "VT": f"*{dtype}",
+            "OUT": f"*{dtype}", "PART": "*fp32", "ML": "*fp32", "BT": "*i32", "PL": "*i32", "CU": "*i32",
+            "ANC": "*i8", "scale": "fp32"}
+    sig = {n: "constexpr" if n in const else ptrs.get(n, "i32") for n in kernel.arg_names}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(kernel.arg_names.index(n),): v for n, v in const.items()})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+@pytest.mark.parametrize("dtype,split,group,head_dim", [("bf16", False, 4, 128), ("bf16", True, 4, 128),
+                                                        ("fp32", True, 3, 64)])
+def test_kernel_compiles_for_the_h200(dtype, split, group, head_dim):
+    """What the interpreter cannot see (dot shapes and precisions, types a GPU build rejects) fails here."""
+    pytest.importorskip("triton.backends.nvidia")
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("the interpreter replaces the compiler")
+    compiled = _compile_for_h200(dtype, split, group, head_dim)
+    assert compiled.asm["cubin"] and compiled.metadata.shared <= 227 * 1024  # an H200 SM's shared memory
