@@ -14,7 +14,7 @@ from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.sampling import SamplingParams
-from specfleet_engine.testing import TINY_ARCHITECTURES, repeating_prompts, tiny_draft, tiny_model
+from specfleet_engine.testing import TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_model
 
 METHODS = ("ngram", "draft-model")
 
@@ -25,6 +25,7 @@ def proposers_for(target) -> dict:
 
 def tally(totals: dict[str, Counter], seq) -> None:
     t = totals[seq.method]
+    t["steps"] += seq.stats.num_steps
     t["draft tokens"] += seq.stats.num_draft_tokens
     t["accepted"] += seq.stats.num_accepted_tokens
     t["draft errors"] += seq.stats.draft_errors
@@ -40,11 +41,35 @@ def assert_every_proposer_drafted(totals: dict[str, Counter]) -> None:
         assert t["accepted"] > 0, f"{method}: no draft token was ever accepted: verification was not exercised"
 
 
-def check_speculation_matches_plain(target, proposers: dict) -> None:
-    engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8, k_policy="fixed")
+def count_trees(engine: Engine, totals: dict[str, Counter]):
+    """Wraps engine.step to count, per method, the verify steps whose draft was a branching tree."""
+    step = engine.step
+
+    def counted():
+        outs = step()
+        for out in outs:
+            if out.stats is not None and out.stats.num_draft_tokens > out.stats.draft_depth:
+                totals[out.seq.method]["tree steps"] += 1
+        return outs
+
+    engine.step = counted
+
+
+def assert_trees_verified(totals: dict[str, Counter]) -> None:
+    for method in METHODS:
+        t = totals[method]
+        # n-gram trees branch only where the context continued differently: a fraction of steps
+        assert t["tree steps"] >= max(10, t["steps"] // 40), \
+            f"{method}: only {t['tree steps']} of {t['steps']} steps held a tree"
+
+
+def check_speculation_matches_plain(target, proposers: dict, branching: int = 1) -> None:
+    engine = Engine(target, proposers=proposers, max_kv_tokens=4096, block_size=8, k_policy="fixed",
+                    tree_branching=branching)
     params = SamplingParams(max_tokens=24, ignore_eos=True)
     totals = {m: Counter() for m in METHODS}
-    for prompt in repeating_prompts(3):
+    count_trees(engine, totals)
+    for prompt in repeating_prompts(3) + (branching_prompts(3) if branching > 1 else []):
         plain = engine.generate(prompt, params, "none").output
         assert len(plain) == 24
         for k in range(1, 9):
@@ -53,6 +78,8 @@ def check_speculation_matches_plain(target, proposers: dict) -> None:
                 assert seq.output == plain, (method, k)
                 tally(totals, seq)
     assert_every_proposer_drafted(totals)
+    if branching > 1:
+        assert_trees_verified(totals)
     assert engine.cache.allocator.num_used == 0
     for method, proposer in proposers.items():
         assert getattr(proposer, "cache", None) is None or proposer.cache.allocator.num_used == 0, method
@@ -62,6 +89,22 @@ def check_speculation_matches_plain(target, proposers: dict) -> None:
 def test_ngram_and_draft_model_match_plain_decoding(arch):
     target = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
     check_speculation_matches_plain(target, proposers_for(target))
+
+
+@pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
+def test_draft_trees_match_plain_decoding(arch):
+    """Up to 3 children a node: the longest agreeing root path, its K/V compacted into place."""
+    target = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
+    check_speculation_matches_plain(target, proposers_for(target), branching=3)
+
+
+def test_the_tree_check_fails_when_proposers_draft_chains_only(monkeypatch):
+    """Chains verify fine, so outputs still match: only the tree guard sees it."""
+    monkeypatch.setattr(NgramProposer, "trees", False)
+    monkeypatch.setattr(DraftModelProposer, "trees", False)
+    target = tiny_model(seed=1, scale=4.0)
+    with pytest.raises(AssertionError, match="steps held a tree"):
+        check_speculation_matches_plain(target, proposers_for(target), branching=3)
 
 
 class NeverDrafts:
@@ -90,13 +133,17 @@ def test_the_check_fails_when_a_proposer_never_drafts(broken):
         check_speculation_matches_plain(tiny_model(seed=1, scale=4.0), proposers)
 
 
+@pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
-def test_batched_speculation_matches_single_requests(arch):
+def test_batched_speculation_matches_single_requests(arch, branching):
     target = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
-    # fixed K: every speculative request verifies its own k (1 to 7) each step, next to plain ones
-    engine = Engine(target, proposers=proposers_for(target), k_policy="fixed")
+    # fixed K: every speculative request verifies its own k (1 to 7) each step, next to plain ones;
+    # with trees, a ragged batch of trees, chains (a single continuation) and plain rows
+    engine = Engine(target, proposers=proposers_for(target), k_policy="fixed", tree_branching=branching)
+    totals = {m: Counter() for m in METHODS}
+    count_trees(engine, totals)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    ps = repeating_prompts(8, seed=5)
+    ps = repeating_prompts(8, seed=5) if branching == 1 else repeating_prompts(4, seed=5) + branching_prompts(4)
     expected = [engine.generate(p, params, "none").output for p in ps]
     methods = ["none", "ngram", "draft-model"]
     seqs = [engine.add(p, params, methods[i % 3], k=1 + i % 7) for i, p in enumerate(ps)]
@@ -107,20 +154,21 @@ def test_batched_speculation_matches_single_requests(arch):
             seqs.append(engine.add(ps[0], params, "ngram", 3))
     assert [s.output for s in seqs[: len(ps)]] == expected
     assert seqs[-1].output == expected[0]
-    totals = {m: Counter() for m in METHODS}
     for s in seqs:
         if s.method != "none":
             tally(totals, s)
     assert_every_proposer_drafted(totals)
+    if branching > 1:
+        assert_trees_verified(totals)
     assert engine.cache.allocator.num_used == 0
 
 
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
 def test_batched_adaptive_k_matches_single_requests(arch):
     """The default policy: each step verifies what pays for the whole batch (cheap verify rows
-    here), so draft lengths differ by sequence and by step; outputs must not."""
+    here), so draft lengths and tree budgets differ by sequence and by step; outputs must not."""
     target = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
-    engine = Engine(target, proposers=proposers_for(target), k_policy="adaptive")
+    engine = Engine(target, proposers=proposers_for(target), k_policy="adaptive", tree_branching=3)
     engine.costs.set_curve({r: 1.0 + 0.02 * (r - 1) for r in range(1, 80)})
     params = SamplingParams(max_tokens=40, ignore_eos=True)
     ps = repeating_prompts(6, seed=8)
@@ -138,9 +186,10 @@ def test_batched_adaptive_k_matches_single_requests(arch):
     assert engine.cache.allocator.num_used == 0
 
 
-def test_eos_max_tokens_and_logprobs_inside_verification():
+@pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
+def test_eos_max_tokens_and_logprobs_inside_verification(branching):
     target = tiny_model(seed=1, scale=4.0)
-    engine = Engine(target, k_policy="fixed")
+    engine = Engine(target, k_policy="fixed", tree_branching=branching)
     prompt = repeating_prompts(1, seed=0)[0]
     plain = engine.generate(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "none")
     spec = engine.add(prompt, SamplingParams(max_tokens=25, ignore_eos=True, logprobs=True), "ngram", 8)

@@ -87,6 +87,22 @@ def repeating_prompts(n: int, seed: int = 0, vocab: int = 100) -> list[list[int]
     return out
 
 
+def branching_prompts(n: int, seed: int = 0, vocab: int = 100) -> list[list[int]]:
+    """n random prompts of a short run repeated with a token changed in each repeat, so that the
+    n-gram proposer finds several continuations of the same tail: its drafts are trees."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        base = torch.randint(0, vocab, (int(torch.randint(5, 9, (1,), generator=g)),), generator=g).tolist()
+        prompt = []
+        for r in range(4):
+            run = list(base)
+            run[1 + r % (len(base) - 1)] = int(torch.randint(0, vocab, (1,), generator=g))
+            prompt += run
+        out.append(prompt + base[:2])
+    return out
+
+
 def hf_transformers_model(model: Transformer):
     """The same weights in HF transformers' own modeling code, built from the config (no download):
     the outside reference our model must agree with."""
