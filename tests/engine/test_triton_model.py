@@ -1,7 +1,7 @@
 """The Triton tree-attention path wired into the model (SPECFLEET_KERNELS=triton, TRITON_INTERPRET=1 on
 the CPU, in a subprocess so the settings do not leak): a verify forward over hand-built draft trees
-gives the torch path's logits, and the engine decodes the same tokens, greedy and with n-gram
-speculation. The subprocess counts the kernel's launches, so a run that never took the path fails."""
+gives the torch path's logits, and the engine decodes the same tokens, greedy, with n-gram chains
+and with n-gram trees. The subprocess counts the kernel's launches, so a run that never took the path fails."""
 
 import json
 import os
@@ -19,6 +19,7 @@ from specfleet_engine.sampling import SamplingParams
 from specfleet_engine.testing import TINY_ARCHITECTURES, repeating_prompts, tiny_model
 
 ARCHS = ["llama", "qwen2-bias", "mha-rope-llama3"]  # the sliding-window model keeps the torch path
+ENGINE_ARCHS = ["llama", "mha-rope-llama3"]  # grouped and plain multi-head attention (the interpreter is slow)
 TREES = [[-1, 0, 0, 1, 2, -1], None, [-1, 0, 1]]  # a tree, a causal run of 2 (parents implied), a chain
 
 
@@ -53,18 +54,26 @@ def verify_logits(arch: str, device: str = "cpu") -> torch.Tensor:
     return model(tokens, meta, cache.layers).cpu()
 
 
-def engine_outputs(arch: str) -> dict[str, list[list[int]]]:
-    """Greedy outputs of a continuous batch, plain and with n-gram drafts."""
+# prompts whose n-grams branch ("5 6" went on with 7 and with 9), so that n-gram trees have siblings
+BRANCHY = [[5, 6, 7, 8, 5, 6, 9, 10, 5, 6, 7, 8, 5, 6], [1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 2]]
+
+
+def engine_outputs(arch: str) -> dict:
+    """Greedy outputs of a continuous batch: plain, n-gram chains and n-gram trees (3 children a node)."""
     model = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
-    engine = Engine(model, max_kv_tokens=2048, block_size=8, k_policy="fixed")
     out = {}
-    for method in ("none", "ngram"):
-        seqs = [engine.add(p, SamplingParams(max_tokens=16, ignore_eos=True), method, 4) for p in repeating_prompts(3)]
+    for name, method, branching in (("none", "none", 1), ("ngram", "ngram", 1), ("ngram tree", "ngram", 3)):
+        engine = Engine(model, max_kv_tokens=2048, block_size=8, k_policy="fixed", tree_branching=branching)
+        seqs = [engine.add(p, SamplingParams(max_tokens=16, ignore_eos=True), method, 4)
+                for p in BRANCHY + repeating_prompts(2)]
+        branched = 0
         while not all(s.finished for s in seqs):
-            engine.step()
-        out[method] = [s.output for s in seqs]
-        out[method + " drafted"] = sum(s.stats.num_draft_tokens for s in seqs)
-        out[method + " accepted"] = sum(s.stats.num_accepted_tokens for s in seqs)
+            for step in engine.step():
+                branched += step.stats is not None and step.stats.num_draft_tokens > step.stats.draft_depth
+        out[name] = [s.output for s in seqs]
+        out[name + " drafted"] = sum(s.stats.num_draft_tokens for s in seqs)
+        out[name + " accepted"] = sum(s.stats.num_accepted_tokens for s in seqs)
+        out[name + " branched"] = branched
     return out
 
 
@@ -81,7 +90,9 @@ def counted(*a, **kw):
 model_mod.tree_attention_launch = counted
 res = {{}}
 for arch in t.ARCHS:
-    res[arch] = {{"logits": t.verify_logits(arch).tolist(), "engine": t.engine_outputs(arch)}}
+    res[arch] = {{"logits": t.verify_logits(arch).tolist()}}
+    if arch in t.ENGINE_ARCHS:
+        res[arch]["engine"] = t.engine_outputs(arch)
 res["launches"] = launches[0]
 print(json.dumps(res))
 """
@@ -110,18 +121,21 @@ def test_verify_forward_logits_match_the_torch_path(triton_run, arch, monkeypatc
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("arch", ENGINE_ARCHS)
 def test_engine_tokens_match_the_torch_path(triton_run, arch, monkeypatch):
     monkeypatch.delenv(ta.KERNELS_ENV, raising=False)
     got = triton_run[arch]["engine"]
     assert got == engine_outputs(arch)
-    assert got["ngram"] == got["none"]
+    assert got["ngram"] == got["none"] and got["ngram tree"] == got["none"]
     assert got["ngram drafted"] > 0, "no draft was made: verification rows were not exercised"
 
 
-def test_some_draft_was_accepted(triton_run):
-    """Accepted drafts, so that verified rows reached the output (random tiny models repeat little)."""
-    assert sum(triton_run[arch]["engine"]["ngram accepted"] for arch in ARCHS) > 0
+def test_some_draft_was_accepted_and_some_tree_branched(triton_run):
+    """Accepted drafts, so that verified rows reached the output, and trees with siblings (random tiny
+    models repeat little: counted over the architectures)."""
+    assert sum(triton_run[arch]["engine"]["ngram tree branched"] for arch in ENGINE_ARCHS) > 0
+    for name in ("ngram", "ngram tree"):
+        assert sum(triton_run[arch]["engine"][name + " accepted"] for arch in ENGINE_ARCHS) > 0, name
 
 
 def test_block_size_detection():

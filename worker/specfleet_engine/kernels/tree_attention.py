@@ -286,6 +286,7 @@ def _kernel():
             tl.store(ML + row, m_i, mask=rv)
             tl.store(ML + tl.num_programs(2).to(tl.int64) * total * N_HEADS + row, l_i, mask=rv)
         else:
+            l_i = tl.where(rv, l_i, 1.0)  # rows past the tree saw nothing
             tl.store(OUT + row[:, None] * HEAD_DIM + d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
                      mask=sm)
 
