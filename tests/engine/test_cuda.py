@@ -70,7 +70,7 @@ def test_greedy_speculation_matches_plain_decoding_on_cuda_fp32(arch):
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("index", [0, 1, 2])
+@pytest.mark.parametrize("index", [0, 2])  # n-gram chain and tree (the draft model: the greedy test)
 def test_sampled_speculation_follows_the_target_distribution_on_cuda(index):
     sampled = sibling("test_lossless_sampling")
     case = sampled.CASES[index]
