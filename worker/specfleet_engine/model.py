@@ -347,12 +347,15 @@ def plan_attention(meta: AttentionMetadata, args: ModelArgs, device: torch.devic
     biases = []
     for b in range(meta.num_seqs):
         n_q, S = meta.cu_seqlens[b + 1] - meta.cu_seqlens[b], meta.context_slots[b].shape[0]
+        # a tree's window is measured from its nodes' positions
+        pos = None if meta.masks[b] is None else meta.positions[meta.cu_seqlens[b]:meta.cu_seqlens[b + 1]]
         if n_q >= PREFILL_ROWS:
-            biases.append(prefill_mask(n_q, S, meta.masks[b], args.sliding_window))
+            biases.append(prefill_mask(n_q, S, meta.masks[b], args.sliding_window, pos))
         elif tree is not None:
             biases.append(None)
         else:
-            biases.append(attention_bias(n_q, S, args.n_heads // args.n_kv_heads, meta.masks[b], args.sliding_window))
+            biases.append(attention_bias(n_q, S, args.n_heads // args.n_kv_heads, meta.masks[b], args.sliding_window,
+                                         pos))
     if device.type != "cpu":
         biases = [None if x is None else x.to(device, non_blocking=True) for x in biases]
     return AttentionPlan(biases, slot_start, meta, tree)
@@ -517,22 +520,25 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, scal
     return o[0].transpose(0, 1).reshape(n_q, H * hd)
 
 
-def allowed(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None) -> Tensor:
+def allowed(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None,
+            positions: Tensor | None = None) -> Tensor:
     """bool [n_q, S], True where a query may attend: `mask` (tree verification) or causal, where
-    new token i sits at context index S - n_q + i; both cut to the sliding window."""
+    new token i sits at context index S - n_q + i; both cut to the sliding window, measured from
+    each query's position (`positions`: a tree node's position is its depth, not its index)."""
     if mask is None:
         mask = torch.ones(n_q, S, dtype=torch.bool).tril(S - n_q)
     if sliding_window is not None and S > sliding_window:
-        qpos = torch.arange(S - n_q, S)[:, None]
+        qpos = (torch.arange(S - n_q, S) if positions is None else positions.cpu())[:, None]
         mask = mask & (torch.arange(S)[None, :] > qpos - sliding_window)
     return mask
 
 
-def prefill_mask(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
+def prefill_mask(n_q: int, S: int, mask: Tensor | None, sliding_window: int | None,
+                 positions: Tensor | None = None) -> Tensor | None:
     """The bool mask `prefill_attention` takes; None when plain causal attention from position 0 fits."""
     if mask is None and S == n_q and (sliding_window is None or S <= sliding_window):
         return None
-    return allowed(n_q, S, mask, sliding_window)
+    return allowed(n_q, S, mask, sliding_window, positions)
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -> Tensor:
@@ -547,13 +553,14 @@ def attend(q: Tensor, k: Tensor, v: Tensor, bias: Tensor | None, scale: float) -
     return torch.bmm(torch.softmax(scores, dim=-1), v)
 
 
-def attention_bias(n_q: int, S: int, group: int, mask: Tensor | None, sliding_window: int | None) -> Tensor | None:
+def attention_bias(n_q: int, S: int, group: int, mask: Tensor | None, sliding_window: int | None,
+                   positions: Tensor | None = None) -> Tensor | None:
     """The additive mask of one sequence, rows ordered (g, i) as `Attention` lays queries out.
 
     mask: an explicit bool [n_q, S] (tree verification), or None for causal attention (`allowed`)."""
     if mask is None and n_q == 1 and (sliding_window is None or S <= sliding_window):
         return None
-    bias = torch.zeros(n_q, S).masked_fill_(~allowed(n_q, S, mask, sliding_window), float("-inf"))
+    bias = torch.zeros(n_q, S).masked_fill_(~allowed(n_q, S, mask, sliding_window, positions), float("-inf"))
     return bias.repeat(group, 1)
 
 
