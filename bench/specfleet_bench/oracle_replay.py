@@ -9,6 +9,10 @@ from tau and the cost curve alone, with no machine noise. Prefill is not counted
 
     python -m specfleet_bench.oracle_replay record results/outputs.jsonl --per-category 0      # ~20 min, all 240
     python -m specfleet_bench.oracle_replay replay results/outputs.jsonl --costs 1,1.03,1.06,1.09,1.12,1.15,1.18,1.21,1.24
+    python -m specfleet_bench.oracle_replay budgets docs/bench/smollm2-dev-greedy-outputs.jsonl --branching 4
+
+`budgets` gives the tau the drafter can reach at each tree budget (draft nodes a step may verify
+for free, none beyond), chains (branching 1) beside trees: the adaptive policy picks the nodes.
 """
 
 from __future__ import annotations
@@ -70,12 +74,13 @@ def record(args) -> int:
 
 
 def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size: int = 49152,
-           max_tokens: int = 128) -> dict:
+           max_tokens: int = 128, branching: int = 1) -> dict:
     """{category: (tokens, modelled spec cost, modelled plain cost, steps)}; cost in units of one plain step.
 
-    max_tokens: the recording's. An output shorter than that ended at EOS, which took a step too."""
+    max_tokens: the recording's. An output shorter than that ended at EOS, which took a step too.
+    branching: the engine's tree cap (1: chains)."""
     oracle = Oracle(vocab_size)
-    engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1])
+    engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1], tree_branching=branching)
     engine.costs.set_curve(costs)
     engine.costs.observe = lambda rows, seconds: None  # the oracle's steps take no real time
     by_cat: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
@@ -98,6 +103,28 @@ def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size:
     return dict(by_cat)
 
 
+def budget_costs(budget: int) -> dict[int, float]:
+    """A forward's cost when `budget` draft nodes (plus the root row) are free and one more is not."""
+    return {**{r: 1.0 for r in range(1, budget + 2)}, budget + 2: 1e6}
+
+
+def budgets(records: list[dict], budget_list: list[int], branching: int, k: int, max_tokens: int) -> dict:
+    """{budget: {"chain" | "tree": {category: tau}}}: tokens per target forward at each budget."""
+    out = {}
+    for budget in budget_list:
+        row = {}
+        for name, width in (("chain", 1), ("tree", branching)):
+            res = replay(records, budget_costs(budget), max(k, 1), max_tokens=max_tokens, branching=width)
+            taus = {cat: round(n / steps, 3) for cat, (n, _, _, steps) in sorted(res.items())}
+            total_n, total_steps = sum(v[0] for v in res.values()), sum(v[3] for v in res.values())
+            taus["overall"] = round(total_n / total_steps, 3)
+            row[name] = taus
+        out[budget] = row
+        print(f"budget {budget:3d} nodes: tau chain {row['chain']['overall']:.3f}, tree {row['tree']['overall']:.3f}",
+              file=sys.stderr, flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -113,9 +140,34 @@ def main(argv=None) -> int:
                    help="cost of a forward over 1, 2, ... rows, relative to one row")
     s.add_argument("-k", type=int, default=8)
     s.add_argument("--max-tokens", type=int, default=128, help="the recording's max_tokens")
+    s.add_argument("--branching", type=int, default=1, help="tree cap: children per node (1: chains)")
+    b = sub.add_parser("budgets", help="tau at each tree budget, chains beside trees, with free verify rows")
+    b.add_argument("path", type=Path)
+    b.add_argument("--budgets", default="1,2,4,8,16,32,64", help="draft nodes a step may verify")
+    b.add_argument("--branching", type=int, default=4, help="tree cap: children per node")
+    b.add_argument("-k", type=int, default=8, help="depth cap")
+    b.add_argument("--max-tokens", type=int, default=128, help="the recording's max_tokens")
+    b.add_argument("--out", type=Path, default=None, help="JSON results")
     args = p.parse_args(argv)
     if args.cmd == "record":
         return record(args)
+    if args.cmd == "budgets":
+        if not args.path.exists():
+            p.error(f"{args.path}: no such file (run `record` first)")
+        try:
+            budget_list = [int(x) for x in args.budgets.split(",")]
+        except ValueError:
+            p.error(f"--budgets must be comma-separated integers, got {args.budgets!r}")
+        records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+        res = budgets(records, budget_list, args.branching, args.k, args.max_tokens)
+        cats = list(next(iter(res.values()))["chain"])
+        print("| budget (nodes) | " + " | ".join(f"{c} chain / tree" for c in cats) + " |")
+        print("|---" * (len(cats) + 1) + "|")
+        for budget, row in res.items():
+            print(f"| {budget} | " + " | ".join(f"{row['chain'][c]:.2f} / {row['tree'][c]:.2f}" for c in cats) + " |")
+        if args.out:
+            args.out.write_text(json.dumps({"branching": args.branching, "depth": args.k, "budgets": res}, indent=1))
+        return 0
     try:
         costs = {i + 1: float(c) for i, c in enumerate(args.costs.split(","))}
     except ValueError:
@@ -123,7 +175,7 @@ def main(argv=None) -> int:
     if not args.path.exists():
         p.error(f"{args.path}: no such file (run `record` first)")
     records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
-    res = replay(records, costs, args.k, max_tokens=args.max_tokens)
+    res = replay(records, costs, args.k, max_tokens=args.max_tokens, branching=args.branching)
     total = [0, 0.0, 0.0, 0]
     for cat, (n, spec, plain, steps) in sorted(res.items()):
         print(f"{cat:15s} {n:6d} tokens  tau {n / steps:.2f}  modelled decode speedup {plain / spec:.2f}x")

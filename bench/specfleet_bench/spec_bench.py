@@ -35,6 +35,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=None, help="fixed draft length (default: the engine's adaptive K)")
+    p.add_argument("--tree-branching", type=int, default=4, help="children a node may have in METHOD-tree configs")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
@@ -71,8 +72,10 @@ class Run:
 #: PRECISION names of --configs: the served dtypes' short names, then the served quantizations
 PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + tuple(
     q for q in SERVED_QUANTIZATIONS if q != Quantization.NONE)
-#: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model)
+#: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model);
+#: METHOD + TREE drafts trees (up to --tree-branching children a node), the rest chains
 METHODS = (Method.NONE.value, Method.NGRAM.value)
+TREE = "-tree"
 HF_METHODS = ("plain", "lookup")
 BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
 
@@ -89,10 +92,12 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
     out = []
     for item in spec.split(","):
         prec, _, method = item.strip().partition("/")
-        ok = (prec in PRECISIONS and method in METHODS) or (prec == "hf" and method in HF_METHODS)
+        base = method.removesuffix(TREE)
+        ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)) or (
+            prec == "hf" and method in HF_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
-                             f"{'|'.join(METHODS)}, or hf/{'|hf/'.join(HF_METHODS)})")
+                             f"{'|'.join(METHODS)}[{TREE}], or hf/{'|hf/'.join(HF_METHODS)})")
         out.append((prec, method))
     if BASELINE not in out:
         out.insert(0, BASELINE)
@@ -102,7 +107,8 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
 class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
-    def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None):
+    def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
+                 tree_branching: int = 4):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -110,7 +116,7 @@ class Runner:
         from specfleet_engine.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_name)
-        self.max_tokens, self.k = max_tokens, k
+        self.max_tokens, self.k, self.tree_branching = max_tokens, k, tree_branching
         self.engines = {}
         for prec in sorted(precisions):
             dtype, quant = precision_parts(prec)
@@ -145,6 +151,8 @@ class Runner:
                 toks.pop()  # our engine does not count the EOS token either
             return toks, dt, len(toks), 0, 0
         engine = self.engines[prec]
+        engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
+        method = method.removesuffix(TREE)
         params = SamplingParams(max_tokens=self.max_tokens)
         k = self.k if self.k is not None else engine.default_k
         t = time.perf_counter()
@@ -195,6 +203,23 @@ def summarize(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
             }
         table[cat] = rows
     return table
+
+
+def tree_vs_chain(table: dict, configs: list[tuple[str, str]]) -> dict:
+    """Per precision with both METHOD and METHOD-tree: the tree's speedup over the chain and tau."""
+    out = {}
+    for prec, method in configs:
+        chain = f"{prec}/{method.removesuffix(TREE)}"
+        if not method.endswith(TREE) or (prec, method.removesuffix(TREE)) not in configs:
+            continue
+        tree = f"{prec}/{method}"
+        cats = [c for c in table if c != "overall"]
+        up = [c for c in cats if (table[c][tree]["tau"] or 0) > (table[c][chain]["tau"] or 0)]
+        o = table["overall"]
+        out[prec] = {"speedup_tree_vs_chain": round(o[tree]["tok_s"] / o[chain]["tok_s"], 3),
+                     "tau_chain": o[chain]["tau"], "tau_tree": o[tree]["tau"], "categories": len(cats),
+                     "categories_tau_up": len(up), "categories_tau_not_up": sorted(set(cats) - set(up))}
+    return out
 
 
 def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
@@ -269,7 +294,8 @@ def run_bench(args) -> int:
     console.print(f"[bold]specfleet bench[/]: {len(questions)} questions, configs {', '.join(f'{p}/{m}' for p, m in configs)}, "
                   f"max {args.max_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
     with console.status("loading models"):
-        runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k)
+        runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
+                        getattr(args, "tree_branching", 4))
         bandwidth = memory_bandwidth_gbs()
     # warm-up: first calls pay for allocation and kernel selection
     warm = runner.tokenizer.chat("Say hello.")
@@ -292,8 +318,8 @@ def run_bench(args) -> int:
                 runs.append(Run(f"{prec}/{method}", q["category"], q["question_id"], len(out), dt, steps,
                                 drafted, accepted, out))
             for prec, method in configs:
-                if method == "ngram" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
-                    mismatches[prec] += 1
+                if method != "none" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
+                    mismatches[f"{prec}/{method}"] += 1
             for prec in precisions - {BASELINE[0]}:
                 a, n = teacher_forced_agreement(runner.engines[prec], prompt, outputs[BASELINE])
                 agreement[prec][0] += a
@@ -322,15 +348,20 @@ def run_bench(args) -> int:
     quality = {p: round(a / n, 4) for p, (a, n) in agreement.items() if n}
     for p, v in quality.items():
         console.print(f"{p}: greedy agreement with fp32 (teacher-forced) {v:.4f} over {agreement[p][1]} tokens")
-    for prec in sorted(precisions):
-        if (prec, "ngram") in configs:
-            console.print(f"{prec}: speculative output == plain output on "
-                          f"{len(questions) - mismatches[prec]}/{len(questions)} questions")
+    spec_configs = [f"{p}/{m}" for p, m in configs if p != "hf" and m != "none" and (p, "none") in configs]
+    for name in spec_configs:
+        console.print(f"{name}: speculative output == plain output on "
+                      f"{len(questions) - mismatches[name]}/{len(questions)} questions")
+    trees = tree_vs_chain(table, configs)
+    for prec, t in trees.items():
+        console.print(f"{prec}: trees vs chains {t['speedup_tree_vs_chain']:.3f}x overall (tau {t['tau_chain']:.2f} -> "
+                      f"{t['tau_tree']:.2f}); tau higher with trees in {t['categories_tau_up']}/{t['categories']} categories")
     result = {
         "questions": len(questions), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
         "configs": [f"{p}/{m}" for p, m in configs], "table": table, "quality_agreement_vs_fp32": quality,
         "roofline": roofline, "memory_bandwidth_gb_s": round(bandwidth, 2),
-        "spec_equals_plain": {p: len(questions) - mismatches[p] for p in precisions},
+        "spec_equals_plain": {n: len(questions) - mismatches[n] for n in spec_configs},
+        "trees_vs_chains": trees,
         "runs": [r.__dict__ | {"output": None} for r in runs],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -36,11 +36,12 @@ def test_bench_runs_end_to_end_on_smollm2(tmp_path):
         ("qa", "What is the capital of France?"),
     ])) + "\n")
     out_json = tmp_path / "r.json"
-    out = specfleet("bench", "--questions", str(q), "--max-tokens", "6", "--configs", "fp32/ngram,int8/ngram",
-                    "--out", str(out_json), "--plot", str(tmp_path / "r.png"))
+    out = specfleet("bench", "--questions", str(q), "--max-tokens", "6", "--configs",
+                    "fp32/ngram,fp32/ngram-tree,int8/ngram", "--out", str(out_json), "--plot", str(tmp_path / "r.png"))
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out_json.read_text())
-    assert r["questions"] == 2 and set(r["configs"]) == {"fp32/none", "fp32/ngram", "int8/ngram"}
-    assert r["spec_equals_plain"]["fp32"] == 2
+    assert r["questions"] == 2 and set(r["configs"]) == {"fp32/none", "fp32/ngram", "fp32/ngram-tree", "int8/ngram"}
+    assert r["spec_equals_plain"] == {"fp32/ngram": 2, "fp32/ngram-tree": 2}  # int8 has no plain twin here
+    assert r["trees_vs_chains"]["fp32"]["categories"] == 2
     assert r["table"]["overall"]["fp32/none"]["tokens"] > 0
     assert (tmp_path / "r.png").stat().st_size > 0 and out_json.with_suffix(".md").exists()

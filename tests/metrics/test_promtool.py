@@ -4,7 +4,6 @@ router's (both in this process, after traffic so that labelled series exist) and
 `prometheus` package, which `./dev setup` installs: a missing promtool fails, never skips."""
 from __future__ import annotations
 
-import os
 import shutil
 import socket
 import subprocess
@@ -12,7 +11,6 @@ import sys
 import time
 import urllib.request
 
-import pytest
 
 from specfleet_router.testing import running_router
 from specfleet_worker.testing import pb, running_worker

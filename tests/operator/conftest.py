@@ -11,7 +11,7 @@ from specfleet_operator.testing import Cluster, declare_resources
 
 @pytest.fixture()
 async def cluster():
-    async with Cluster() as handler, kmock.Server(handler) as server:
+    async with Cluster() as handler, kmock.Server(handler):
         declare_resources(handler)
         yield handler
 

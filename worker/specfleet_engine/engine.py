@@ -79,7 +79,8 @@ _ids = itertools.count()
 
 class Sequence:
     def __init__(self, prompt: list[int], params: SamplingParams, method: str, k: int,
-                 block_table: BlockTable, request_id: str | None = None, k_min: int = 0, k_max: int | None = None):
+                 block_table: BlockTable, request_id: str | None = None, k_min: int = 0, k_max: int | None = None,
+                 device: torch.device | str = "cpu"):
         self.seq_id = next(_ids)
         self.request_id = request_id or f"seq-{self.seq_id}"
         self.tokens = list(prompt)
@@ -94,7 +95,7 @@ class Sequence:
         self.block_table = block_table
         self.generator = None
         if not params.greedy:
-            self.generator = torch.Generator()
+            self.generator = torch.Generator(device=device)
             self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
@@ -162,7 +163,8 @@ class Engine:
         self.model = model
         self.tokenizer = tokenizer
         self.proposers: dict[str, Proposer] = default_proposers() if proposers is None else dict(proposers)
-        self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype)
+        self.device = getattr(model, "device", torch.device("cpu"))
+        self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype, device=self.device)
         self.max_len = model.args.max_position_embeddings
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.args.eos_token_ids
@@ -214,7 +216,8 @@ class Engine:
             raise ValueError("stop strings need a tokenizer")
         if method == NO_SPECULATION:
             k = k_min = k_max = 0
-        seq = Sequence(prompt, params, method, k, BlockTable(self.cache), request_id, k_min, k_max)
+        seq = Sequence(prompt, params, method, k, BlockTable(self.cache), request_id, k_min, k_max,
+                       self.device)
         if method != NO_SPECULATION:
             self.k_policy.start(seq, prior, batch)
         self.waiting.append(seq)
@@ -370,8 +373,8 @@ class Engine:
             parents += [-1] + [q + 1 for q in prop.parent_list()]
             has_q += [False] + [prop.draft_probs is not None] * len(prop.draft_tokens)
             if any_q:
-                q = prop.draft_probs if prop.draft_probs is not None else torch.zeros(len(prop.draft_tokens), rows.shape[1])
-                draft += [torch.zeros(1, rows.shape[1]), q.to(rows.dtype)]
+                q = prop.draft_probs if prop.draft_probs is not None else rows.new_zeros(len(prop.draft_tokens), rows.shape[1])
+                draft += [rows.new_zeros(1, rows.shape[1]), q.to(rows.dtype)]
         batch = TreeVerifyBatch(torch.tensor(cu), torch.tensor(tokens), torch.tensor(parents),
                                 torch.tensor([s.params.greedy for s in seqs]), torch.tensor(has_q))
         return rejection_sample(torch.cat(target), torch.cat(draft) if any_q else None, batch,
@@ -433,7 +436,7 @@ class Engine:
         finally:
             table.free()
         logp = torch.log_softmax(logits, dim=-1) if params.greedy else torch.log(logits_to_probs(logits, params))
-        return logp.gather(1, torch.tensor(tokens)[:, None]).squeeze(1).tolist()
+        return logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None]).squeeze(1).tolist()
 
     # -- convenience --------------------------------------------------------------------------
 

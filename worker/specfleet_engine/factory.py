@@ -30,7 +30,7 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
     dtype = resolve_dtype(dtype, device)
     if quantization not in SERVED_QUANTIZATIONS:
         raise ValueError(not_served("quantization", quantization, SERVED_QUANTIZATIONS))
-    model = load_model(name, TORCH_DTYPES[dtype])
+    model = load_model(name, TORCH_DTYPES[dtype], device="cpu")  # CPU layouts first, moved last
     fp32 = dtype == Dtype.FLOAT32
     if fp32:
         interleave_rope(model)  # RoPE as one complex multiply

@@ -176,6 +176,7 @@ def batch_metadata(tables: list[BlockTable], inputs: list[list[int]],
 
 def move_slots(cache: PagedKVCache, src: Tensor, dst: Tensor) -> None:
     """Copies the K/V at slots src to slots dst in every layer (src read before dst is written)."""
+    src, dst = src.to(cache.device), dst.to(cache.device)
     for k, v in cache.layers:
         k.index_copy_(1, dst, k.index_select(1, src))
         v.index_copy_(1, dst, v.index_select(1, src))

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from specfleet_engine.acceptance import Acceptance, window
-from specfleet_engine.engine import NO_SPECULATION, Engine, Sequence
+from specfleet_engine.engine import Engine, Sequence
 from specfleet_engine.sampling import SamplingParams
 
 from .config import LiveConfig

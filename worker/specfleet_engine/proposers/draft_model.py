@@ -24,7 +24,8 @@ class DraftModelProposer:
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):
         self.model = model
-        self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype)
+        self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype,
+                                            device=getattr(model, "device", "cpu"))
         self.tables: dict[int, BlockTable] = {}
         self.base: dict[int, int] = {}  # tokens in the draft's cache before this step's draft
         self.slots: dict[int, dict[int, int]] = {}  # a tree being drafted: node -> its position in the table
