@@ -148,6 +148,8 @@ def main(argv=None) -> int:
     b.add_argument("-k", type=int, default=8, help="depth cap")
     b.add_argument("--max-tokens", type=int, default=128, help="the recording's max_tokens")
     b.add_argument("--out", type=Path, default=None, help="JSON results")
+    b.add_argument("--per-category", type=int, default=0,
+                   help="only the questions a Spec-Bench run with this many per category takes (0: all recorded)")
     args = p.parse_args(argv)
     if args.cmd == "record":
         return record(args)
@@ -159,6 +161,9 @@ def main(argv=None) -> int:
         except ValueError:
             p.error(f"--budgets must be comma-separated integers, got {args.budgets!r}")
         records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
+        if args.per_category:
+            ids = {q["question_id"] for q in load_questions(default_questions(), args.per_category)}
+            records = [r for r in records if r["question_id"] in ids]
         res = budgets(records, budget_list, args.branching, args.k, args.max_tokens)
         cats = list(next(iter(res.values()))["chain"])
         print("| budget (nodes) | " + " | ".join(f"{c} chain / tree" for c in cats) + " |")
@@ -166,7 +171,8 @@ def main(argv=None) -> int:
         for budget, row in res.items():
             print(f"| {budget} | " + " | ".join(f"{row['chain'][c]:.2f} / {row['tree'][c]:.2f}" for c in cats) + " |")
         if args.out:
-            args.out.write_text(json.dumps({"branching": args.branching, "depth": args.k, "budgets": res}, indent=1))
+            args.out.write_text(json.dumps({"branching": args.branching, "depth": args.k, "questions": len(records),
+                                            "budgets": res}, indent=1))
         return 0
     try:
         costs = {i + 1: float(c) for i, c in enumerate(args.costs.split(","))}

@@ -10,6 +10,12 @@ with speculation on must equal those with it off; the table says whether they di
 
     python -m specfleet_bench.serving --limit 8 --max-tokens 64 --concurrency 1,4   # a quick look
     python -m specfleet_bench.serving                                              # the full run
+    python -m specfleet_bench.serving --limit 32 --concurrency 16 --trees 4 --repeats 3   # trees vs chains
+
+--trees B adds a third mode beside off and on: speculation on with draft trees of up to B
+children a node (the in-process worker's engine cap, set between runs); "on" is then chains.
+--repeats N runs every mode N times, interleaved (the order rotates each round), and reports
+the median of each round's ratios.
 """
 
 from __future__ import annotations
@@ -45,7 +51,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--k-max", type=int, default=8, help="K_max for the speculative runs")
     p.add_argument("--threads", type=int, default=None, help="torch threads for the in-process worker")
     p.add_argument("--out", type=Path, default=Path("results/serving_bench.json"))
-    return p.parse_args(argv)
+    p.add_argument("--trees", type=int, default=0, help="also run speculation with trees of up to this many "
+                   "children a node (in-process worker only); 0: chains only")
+    p.add_argument("--repeats", type=int, default=1, help="rounds of every mode, interleaved")
+    args = p.parse_args(argv)
+    if args.trees and args.target:
+        p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
+    if args.trees == 1 or args.trees < 0 or args.repeats < 1:
+        p.error("--trees must be 0 or >= 2 and --repeats >= 1")
+    return args
 
 
 PROMPT_TYPES = {"coding": "code", "math_reasoning": "math", "summarization": "summarization", "rag": "rag",
@@ -96,6 +110,29 @@ def run_once(stub, prompts: list[dict], concurrency: int, max_tokens: int) -> di
             "tau": (accepted + steps) / steps if steps else 0.0, "outputs": outputs}
 
 
+def summarize_level(concurrency: int, runs: dict[str, list[dict]]) -> dict:
+    """One concurrency's row: the median run of each mode (by tokens/s) and the median of each
+    round's ratios; outputs compared with plain decoding's, every round."""
+    def median_run(rs):
+        return sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2]
+
+    def median_ratio(a, b, key):
+        return statistics.median(x[key] / y[key] for x, y in zip(runs[a], runs[b]) if y[key])
+
+    row = {"concurrency": concurrency, "rounds": len(runs["off"])}
+    for mode, rs in runs.items():
+        row[mode] = {k: v for k, v in median_run(rs).items() if k != "outputs"}
+    row["speedup"] = median_ratio("on", "off", "tokens_per_s")
+    row["p99_on_vs_off"] = median_ratio("on", "off", "p99_s")
+    row["identical"] = all(r["outputs"] == o["outputs"] for mode in runs if mode != "off"
+                           for r, o in zip(runs[mode], runs["off"]))
+    if "tree" in runs:
+        row["tree_vs_off"] = median_ratio("tree", "off", "tokens_per_s")
+        row["tree_vs_chain"] = median_ratio("tree", "on", "tokens_per_s")
+        row["p99_tree_vs_off"] = median_ratio("tree", "off", "p99_s")
+    return row
+
+
 def percentile(sorted_values: list[float], p: float) -> float:
     if not sorted_values:
         return float("nan")
@@ -143,30 +180,33 @@ def main(argv=None) -> int:
     print(f"{len(prompts)} prompts x concurrency {levels}, max_tokens {args.max_tokens}, model {model}, "
           f"target {target}", file=sys.stderr, flush=True)
 
+    modes = ["off", "on"] + (["tree"] if args.trees else [])
+    engine = server.worker.scheduler.engine if server is not None else None
     rows = []
     try:
         for c in levels:
-            result = {}
-            for spec in (False, True):  # back to back at each level: both see the same machine load
-                admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=spec, k_min=0, k_max=args.k_max))
-                before = speedup_totals(server)
-                result[spec] = run_once(gen, prompts, c, args.max_tokens)
-                r = result[spec]
-                # the worker's own estimates, to set beside the measured ratio: the gauge
-                # (spec_decode_total_speedup_ratio, its recent window) and, in-process, the ratio of
-                # its plain-equivalent and busy seconds counters over exactly this run
-                r["live_speedup_estimate"] = admin.GetStats(pb.GetStatsRequest()).speedup_ratio
-                after = speedup_totals(server)
-                if before and after and after[1] > before[1]:
-                    r["run_speedup_estimate"] = (after[0] - before[0]) / (after[1] - before[1])
-                print(f"  concurrency {c:>2} speculation {'on ' if spec else 'off'}: {r['tokens_per_s']:7.1f} tok/s, "
-                      f"p50 {r['p50_s']:.2f}s, p99 {r['p99_s']:.2f}s, tau {r['tau']:.2f}"
-                      + (f", {len(r['errors'])} errors" if r["errors"] else ""), file=sys.stderr, flush=True)
-            off, on = result[False], result[True]
-            rows.append({"concurrency": c, "off": {k: v for k, v in off.items() if k != "outputs"},
-                         "on": {k: v for k, v in on.items() if k != "outputs"},
-                         "speedup": on["tokens_per_s"] / off["tokens_per_s"] if off["tokens_per_s"] else 0.0,
-                         "identical": on["outputs"] == off["outputs"]})
+            runs: dict[str, list[dict]] = {m: [] for m in modes}
+            for rnd in range(args.repeats):
+                order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]  # interleaved: the order rotates
+                for mode in order:
+                    admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=mode != "off", k_min=0,
+                                                              k_max=args.k_max))
+                    if engine is not None:
+                        engine.tree_branching = args.trees if mode == "tree" else 1
+                    before = speedup_totals(server)
+                    r = run_once(gen, prompts, c, args.max_tokens)
+                    # the worker's own estimates, to set beside the measured ratio: the gauge
+                    # (spec_decode_total_speedup_ratio, its recent window) and, in-process, the ratio of
+                    # its plain-equivalent and busy seconds counters over exactly this run
+                    r["live_speedup_estimate"] = admin.GetStats(pb.GetStatsRequest()).speedup_ratio
+                    after = speedup_totals(server)
+                    if before and after and after[1] > before[1]:
+                        r["run_speedup_estimate"] = (after[0] - before[0]) / (after[1] - before[1])
+                    runs[mode].append(r)
+                    print(f"  concurrency {c:>2} round {rnd + 1} {mode:>4}: {r['tokens_per_s']:7.1f} tok/s, "
+                          f"p50 {r['p50_s']:.2f}s, p99 {r['p99_s']:.2f}s, tau {r['tau']:.2f}"
+                          + (f", {len(r['errors'])} errors" if r["errors"] else ""), file=sys.stderr, flush=True)
+            rows.append(summarize_level(c, runs))
     finally:
         channel.close()
         if server is not None:
@@ -175,7 +215,8 @@ def main(argv=None) -> int:
     print_table(rows, model, len(prompts), args.max_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                                    "k_max": args.k_max, "rows": rows}, indent=2) + "\n")
+                                    "k_max": args.k_max, "trees": args.trees, "repeats": args.repeats,
+                                    "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
 
@@ -194,6 +235,11 @@ def print_table(rows: list[dict], model: str, n: int, max_tokens: int) -> None:
               f"{r['speedup']:>5.2f}x {on['live_speedup_estimate']:>5.2f}x {on.get('run_speedup_estimate', float('nan')):>6.2f}x "
               f"{'yes' if r['identical'] else 'NO':>8} "
               f"{'ok' if r['speedup'] >= bar else 'MISS':>5}")
+        print(f"     p99 with speculation / without: {r['p99_on_vs_off']:.3f}"
+              + (f"; trees: {r['tree']['tokens_per_s']:.1f} tok/s, vs off {r['tree_vs_off']:.3f}x, "
+                 f"vs chains {r['tree_vs_chain']:.3f}x, p99 vs off {r['p99_tree_vs_off']:.3f}, "
+                 f"tau {r['tree']['tau']:.2f}" if "tree" in r else "")
+              + (f" (medians of {r['rounds']} rounds)" if r["rounds"] > 1 else ""))
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ def test_bounds_bind_at_once_and_a_fixed_policy_stays_put():
     fixed.start(s)
     for _ in range(50):
         assert fixed.draft_lengths([s], [8], lambda r: float(r), False, 64) == [4]
-        assert fixed.select_nodes([s], [Proposal([1, 2, 3, 4], None)], lambda r: float(r), True) == [[0, 1, 2, 3]]
+        assert fixed.select_nodes([s], [Proposal([1, 2, 3, 4], None)], lambda r: float(r), True, 1) == [[0, 1, 2, 3]]
         fixed.observe(s, 0, 4, 0)
     assert fixed.draft_lengths([s], [2], lambda r: 1.0, True, 1) == [2]  # never past the room left
 
@@ -148,7 +148,7 @@ def test_a_cheap_draft_is_trimmed_by_the_acceptance_of_its_own_kind():
     cost = linear_costs(1.0, 0.1)
 
     def verified(key, cheap=True):
-        return len(p.select_nodes([s], [Proposal(list(range(8)), None, key)], cost, cheap)[0])
+        return len(p.select_nodes([s], [Proposal(list(range(8)), None, key)], cost, cheap, 1)[0])
 
     assert verified(4) == 8
     assert verified(1) == 0
@@ -171,18 +171,18 @@ def test_the_tree_budget_keeps_the_branches_worth_their_rows_and_shrinks_with_th
     for _ in range(200):  # where it was tried, the second branch won half the time
         p.observe_branches([-1, -1], [1])
         p.observe_branches([-1, -1], [])
-    cheap_rows = p.select_nodes([s], [tree_proposal()], linear_costs(1.0, 0.05), True)[0]
+    cheap_rows = p.select_nodes([s], [tree_proposal()], linear_costs(1.0, 0.05), True, 1)[0]
     assert cheap_rows == [0, 1, 2, 3, 4] or cheap_rows[:4] == [0, 1, 2, 3]  # the branch is in
-    dear = p.select_nodes([s], [tree_proposal()], linear_costs(1.0, 0.6), True)[0]
+    dear = p.select_nodes([s], [tree_proposal()], linear_costs(1.0, 0.6), True, 1)[0]
     assert 3 not in dear and len(dear) < len(cheap_rows)  # rows cost more: toward a chain
-    none = p.select_nodes([s], [tree_proposal()], lambda rows: float(rows), True)[0]
+    none = p.select_nodes([s], [tree_proposal()], lambda rows: float(rows), True, 1)[0]
     assert none == []  # a row costs a whole step: plain decoding
     batch = [seq(8) for _ in range(16)]
     for b in batch:
         p.start(b)
         for _ in range(30):
             p.observe(b, 4, 3, 1)
-    chosen = p.select_nodes(batch, [tree_proposal() for _ in batch], linear_costs(1.0, 0.05), True)
+    chosen = p.select_nodes(batch, [tree_proposal() for _ in batch], linear_costs(1.0, 0.05), True, 16)
     assert sum(map(len, chosen)) < 16 * len(cheap_rows)  # a bigger batch affords fewer nodes each
 
 
@@ -193,7 +193,7 @@ def test_branch_ranks_learn_which_sibling_wins():
     assert p.branch(1).alpha < 0.05 and p.branch(2).alpha > 0.95
     s = seq(8)
     p.start(s)
-    kept = p.select_nodes([s], [Proposal([1, 2, 3], None, 0, [-1, -1, -1])], linear_costs(1.0, 0.01), True)[0]
+    kept = p.select_nodes([s], [Proposal([1, 2, 3], None, 0, [-1, -1, -1])], linear_costs(1.0, 0.01), True, 1)[0]
     assert kept == [0, 2]  # the third child is worth its row, the second (which never wins) is not
 
 
@@ -230,3 +230,29 @@ def test_k_min_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
         steps += 1
     assert steps > 3
     assert s.output == alone.output
+
+
+def test_the_latency_guard_keeps_every_sequence_within_max_slowdown_of_plain_decoding():
+    """Throughput alone has the step verify rows that slow the requests with nothing to draft;
+    with the guard, a request with no draft pays at most max_slowdown more per token."""
+    costs = linear_costs(1.0, 0.03)  # each verify row: 3% of a one-row step
+    batch = [seq(8) for _ in range(16)]
+    proposals = [tree_proposal() if i < 8 else Proposal([], None) for i in range(16)]
+    rows = {}
+    for guard in (None, 0.05):
+        p = AdaptivePolicy(costs, max_slowdown=guard)
+        for s in batch:
+            p.start(s)
+            for _ in range(30):
+                p.observe(s, 4, 3, 3)  # drafts well accepted
+        rows[guard] = sum(map(len, p.select_nodes(batch, proposals, costs, True, 16)))
+    assert costs(16 + rows[None]) > 1.05 * costs(16)  # unguarded: the drafts' rows slow plain requests more
+    assert 0 < rows[0.05] < rows[None] and costs(16 + rows[0.05]) <= 1.05 * costs(16)
+    # sequences outside this proposer's group (bystanders) count as drafting nothing
+    p = AdaptivePolicy(costs, max_slowdown=0.05)
+    for s in batch[:8]:
+        p.start(s)
+        for _ in range(30):
+            p.observe(s, 4, 3, 3)
+    alone = sum(map(len, p.select_nodes(batch[:8], proposals[:8], lambda r: costs(r + 8), True, 16)))
+    assert costs(16 + alone) <= 1.05 * costs(16)

@@ -5,7 +5,6 @@ import torch
 
 from specfleet_engine import sampling
 from specfleet_engine.sampling import SamplingParams, logits_to_probs
-from specfleet_engine.verify import verify_greedy
 
 
 def test_docstring_examples():
@@ -20,17 +19,6 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(p, torch.tensor([[0.625, 0.375, 0.0, 0.0]]))
     p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=0.5))
     assert torch.allclose(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
-
-
-def test_verify_greedy_all_accepted_gives_a_bonus_token():
-    logits = torch.eye(6)[[3, 4, 5]]
-    r = verify_greedy(logits, torch.tensor([3, 4]))
-    assert (r.num_accepted, r.tokens, r.bonus) == (2, [3, 4, 5], True)
-
-
-def test_verify_greedy_without_draft_is_plain_decoding():
-    r = verify_greedy(torch.eye(6)[[2]], torch.tensor([], dtype=torch.long))
-    assert (r.num_accepted, r.tokens, r.bonus) == (0, [2], True)
 
 
 @pytest.mark.parametrize("field,kwargs", [

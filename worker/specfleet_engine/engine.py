@@ -308,7 +308,7 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
-                keep = self.k_policy.select_nodes(group, results, cost, cheap)
+                keep = self.k_policy.select_nodes(group, results, cost, cheap, len(seqs))
                 results = [p if len(k) == len(p.draft_tokens) else p.subset(k) for p, k in zip(results, keep)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p

@@ -1,6 +1,6 @@
 """Sampling parameters and the target distribution p they define (temperature, top-k, top-p).
 
-Verification of draft tokens against p lives in verify.py."""
+Verification of draft tokens against p lives in kernels/rejection.py."""
 
 from __future__ import annotations
 

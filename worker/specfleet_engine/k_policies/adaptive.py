@@ -42,10 +42,11 @@ class AdaptivePolicy:
     name = "adaptive"
 
     def __init__(self, costs: Cost, *, window: int = 16, hold: int = 4, margin: float = 0.03,
-                 probe_every: int = 32, prior: float = 0.5, branch_prior: float = 0.15):
+                 probe_every: int = 32, prior: float = 0.5, branch_prior: float = 0.15,
+                 max_slowdown: float | None = 0.05):
         self.costs = costs  # the engine's StepCostModel: seconds by rows
         self.window, self.hold, self.margin, self.probe_every, self.prior = window, hold, margin, probe_every, prior
-        self.branch_prior = branch_prior
+        self.branch_prior, self.max_slowdown = branch_prior, max_slowdown
         self.branches: dict[int, Acceptance] = {}  # sibling rank >= 1 -> chance it wins where tried
 
     def _window(self, prior: float) -> Acceptance:
@@ -89,12 +90,13 @@ class AdaptivePolicy:
         chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
         return [max(c, min(s.k_min, k)) for s, c, k in zip(seqs, chosen, caps)]
 
-    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool) -> list[list[int]]:
+    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int) -> list[list[int]]:
         """The tree budget: a node's score is the chance its path is accepted, rank-0 edges at
         the sequence's acceptance for that kind of draft, a rank-r sibling at the fleet-wide
         chance that rank r wins where it was tried; nodes go best first while tokens per second
-        of the forward rise. A costly draft was sized before: its chain is kept whole; its tree
-        is pruned the same way."""
+        of the forward rise and no sequence's seconds per token rise by more than max_slowdown
+        (`choose_nodes`). A costly draft was sized before: its chain is kept whole; its tree is
+        pruned the same way."""
         if not cheap and not any(p.is_tree for p in proposals):
             return [list(range(len(p.draft_tokens))) for p in proposals]
         parents = [p.parent_list() for p in proposals]
@@ -103,7 +105,7 @@ class AdaptivePolicy:
             a = s.kstate.acceptance(p.key).alpha
             scores.append(path_scores(par, lambda rank, depth, a=a: a if rank == 0 else self.branch(rank).alpha))
         floors = [min(s.k_min, len(p.draft_tokens)) for s, p in zip(seqs, proposals)]
-        return choose_nodes(scores, parents, floors, cost)
+        return choose_nodes(scores, parents, floors, cost, self.max_slowdown, batch - len(seqs))
 
     def branch(self, rank: int) -> Acceptance:
         est = self.branches.get(rank)

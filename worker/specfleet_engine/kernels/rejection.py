@@ -1,6 +1,10 @@
 """Fused verification of draft trees (chains included) for a ragged batch: greedy or rejection sampling.
 
-Same vocabulary as verify.py. Each sequence is a root row (its last token) and its draft nodes in
+Words used everywhere: the *draft tokens* (tree nodes) a proposer suggests, the *accepted tokens* (the
+path the target agrees with), and one more token the target always contributes: the *bonus token*
+when the path ends at a leaf, or the *recovered token* (drawn from the residual) where every child
+was rejected. For a chain this is Leviathan et al. 2023 / Chen et al. 2023: accept with
+min(1, p/q), recover from norm(max(0, p - q)). Each sequence is a root row (its last token) and its draft nodes in
 topological order, siblings in the order they are tried. From the root: greedy accepts the child whose
 token is the target's argmax; sampling tries the children in turn, accepts child c (token x, draft q_c)
 when u * q_c(x) < p(x), else replaces p by norm(max(0, p - q_c)) and tries the next child (multi-draft
