@@ -221,3 +221,22 @@ def test_failing_proposer_degrades_to_plain_decoding():
     assert seq.output == plain.output
     # the last step has one token left to make: nothing is drafted, so nothing fails
     assert seq.stats.draft_errors == seq.stats.num_steps - 1 == 8
+
+
+def test_a_tree_never_verifies_more_nodes_than_a_kv_reservation_leaves_room_for():
+    """Up to 8 children a node, 16 deep, every node verified (fixed K): still at most MAX_DRAFT_NODES a step."""
+    from specfleet_engine.engine import MAX_DRAFT_NODES
+
+    target = tiny_model(seed=1, scale=4.0)
+    engine = Engine(target, proposers=proposers_for(target), k_policy="fixed", tree_branching=8)
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    biggest = 0
+    for prompt in branching_prompts(3, seed=2):
+        plain = engine.generate(prompt, params, "none").output
+        seq = engine.add(prompt, params, "draft-model", 16)
+        while not seq.finished:
+            for out in engine.step():
+                if out.stats is not None:
+                    biggest = max(biggest, out.stats.num_draft_tokens)
+        assert seq.output == plain
+    assert biggest == MAX_DRAFT_NODES  # the draft model's 8 x 16 tree was cut to the cap

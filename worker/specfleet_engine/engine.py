@@ -26,6 +26,7 @@ from .proposers import Proposal, Proposer, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
 
 NO_SPECULATION = Method.NONE.value
+MAX_DRAFT_NODES = 32  # draft nodes one sequence verifies in a step, at most: what a KV reservation must leave room for
 
 
 @dataclass
@@ -308,7 +309,7 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
-                keep = self.k_policy.select_nodes(group, results, cost, cheap, len(seqs))
+                keep = [k[:MAX_DRAFT_NODES] for k in self.k_policy.select_nodes(group, results, cost, cheap, len(seqs))]
                 results = [p if len(k) == len(p.draft_tokens) else p.subset(k) for p, k in zip(results, keep)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from specfleet_engine.acceptance import Acceptance, window
-from specfleet_engine.engine import Engine, Sequence
+from specfleet_engine.engine import MAX_DRAFT_NODES, Engine, Sequence
 from specfleet_engine.sampling import SamplingParams
 
 from .config import LiveConfig
@@ -141,8 +141,8 @@ class Scheduler:
         return self.thread.is_alive() and self.fatal is None
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
-        """KV blocks a request may hold at worst: its whole context plus a full draft."""
-        tokens = min(prompt_len + max_tokens, self.engine.max_len) + MAX_K + 1
+        """KV blocks a request may hold at worst: its whole context plus a full draft (chain or tree)."""
+        tokens = min(prompt_len + max_tokens, self.engine.max_len) + max(MAX_K, MAX_DRAFT_NODES) + 1
         return -(-tokens // self.engine.cache.block_size)
 
     def submit(self, req: Request) -> None:
