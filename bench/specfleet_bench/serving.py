@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--trees", type=int, default=0, help="also run speculation with trees of up to this many "
                    "children a node (in-process worker only); 0: chains only")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every mode, interleaved")
+    p.add_argument("--max-slowdown", type=float, default=None,
+                   help="the adaptive policy's latency guard for the in-process worker (default: the engine's)")
     args = p.parse_args(argv)
     if args.trees and args.target:
         p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
@@ -107,7 +109,8 @@ def run_once(stub, prompts: list[dict], concurrency: int, max_tokens: int) -> di
     accepted = sum(stats[i].num_accepted_tokens for i in done)
     return {"tokens": tokens, "wall_s": wall, "tokens_per_s": tokens / wall if wall else 0.0,
             "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99), "errors": errors,
-            "tau": (accepted + steps) / steps if steps else 0.0, "outputs": outputs}
+            "tau": (accepted + steps) / steps if steps else 0.0, "outputs": outputs,
+            "latencies": [round(x, 3) for x in latencies], "categories": [q["category"] for q in prompts]}
 
 
 def summarize_level(concurrency: int, runs: dict[str, list[dict]]) -> dict:
@@ -182,6 +185,8 @@ def main(argv=None) -> int:
 
     modes = ["off", "on"] + (["tree"] if args.trees else [])
     engine = server.worker.scheduler.engine if server is not None else None
+    if engine is not None and args.max_slowdown is not None:
+        engine.k_policy.max_slowdown = args.max_slowdown
     rows = []
     try:
         for c in levels:
@@ -216,6 +221,7 @@ def main(argv=None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
                                     "k_max": args.k_max, "trees": args.trees, "repeats": args.repeats,
+                                    "max_slowdown": engine.k_policy.max_slowdown if engine is not None else None,
                                     "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0
