@@ -16,8 +16,8 @@ from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.sampling import SamplingParams
-from specfleet_engine.testing import (TINY_ARCHITECTURES, hf_transformers_model, repeating_prompts, tiny_draft,
-                                      tiny_model)
+from specfleet_engine.testing import (TINY_ARCHITECTURES, branching_prompts, hf_transformers_model, repeating_prompts,
+                                      tiny_draft, tiny_model)
 
 TOKENS, TIE = 64, 1e-4
 
@@ -57,16 +57,24 @@ def near_ties(hf, prompt: list[int], ours: list[int], theirs: list[int], logits:
     return ties
 
 
-def check_against_hf(engine, hf, prompts, runs: list[tuple[str, int]]) -> None:
+def check_against_hf(engine, hf, prompts, runs: list[tuple[str, int]], branching: int = 1) -> None:
+    """Each run (method, K) on every prompt; with branching > 1, the runs draft trees too and the
+    speculative ones together must have verified branching trees."""
+    tree_steps = 0
     for n, prompt in enumerate(prompts):
         theirs, logits = hf_generate(hf, prompt)
         for method, k in runs:
-            seq = engine.generate(prompt, SamplingParams(max_tokens=TOKENS, ignore_eos=True), method, k)
-            if method != "none":
-                assert seq.stats.num_draft_tokens > 0 and seq.stats.draft_errors == 0, (method, seq.stats)
-            ties = near_ties(hf, prompt, seq.output, theirs, logits)
-            if ties:
-                warnings.warn(f"prompt {n}, {method}: ours took the other side of HF's near-ties: {'; '.join(ties)}")
+            for width in [1] if method == "none" else sorted({1, branching}):
+                engine.tree_branching = width
+                seq = engine.generate(prompt, SamplingParams(max_tokens=TOKENS, ignore_eos=True), method, k)
+                tree_steps += seq.stats.num_tree_steps
+                if method != "none":
+                    assert seq.stats.num_draft_tokens > 0 and seq.stats.draft_errors == 0, (method, seq.stats)
+                ties = near_ties(hf, prompt, seq.output, theirs, logits)
+                if ties:
+                    warnings.warn(f"prompt {n}, {method}, branching {width}: ours took the other side of HF's "
+                                  f"near-ties: {'; '.join(ties)}")
+    assert branching == 1 or tree_steps > 0, "no step verified a branching tree: trees were not compared with HF"
 
 
 def test_a_divergence_passes_only_at_a_near_tie():
@@ -89,8 +97,8 @@ def test_tiny_models_generate_what_hf_generates(arch):
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(tiny_draft(target))}
     engine = Engine(target, proposers=proposers, k_policy="fixed")
     # the third prompt (35 tokens) outgrows Mistral's window of 24 already in the prefill
-    check_against_hf(engine, hf_transformers_model(target), repeating_prompts(3),
-                     [("none", 0), ("ngram", 4), ("draft-model", 4)])
+    check_against_hf(engine, hf_transformers_model(target), repeating_prompts(2) + branching_prompts(1),
+                     [("none", 0), ("ngram", 4), ("draft-model", 4)], branching=3)
 
 
 @pytest.mark.slow
@@ -108,4 +116,4 @@ def test_smollm2_generates_what_hf_generates():
     engine = Engine(prepare_model("smollm2-135m", "fp32"), tokenizer, max_kv_tokens=8192, k_policy="fixed")
     prompts = [tokenizer.chat("Write a short story about a robot who learns to paint."),
                tokenizer.chat("List the planets of the solar system, one line each, with a fact about each.")]
-    check_against_hf(engine, hf, prompts, [("none", 0), ("ngram", 4)])
+    check_against_hf(engine, hf, prompts, [("none", 0), ("ngram", 4)], branching=4)

@@ -52,11 +52,13 @@ class SequenceStats:
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     draft_errors: int = 0
+    num_tree_steps: int = 0  # steps whose draft branched (more nodes than depth)
 
     def add(self, s: StepStats) -> None:
         self.num_steps += 1
         if s.num_draft_tokens:
             self.num_drafts += 1
+            self.num_tree_steps += s.num_draft_tokens > s.draft_depth
             self.num_draft_tokens += s.num_draft_tokens
             self.num_accepted_tokens += s.num_accepted
             if len(self.accepted_per_position) < s.num_draft_tokens:
