@@ -28,6 +28,8 @@ import time
 import traceback
 from pathlib import Path
 
+from specfleet_api.enums import Method
+
 ROOT = Path(__file__).resolve().parents[2]
 
 # Random-weight stand-ins: SmolLM2-135M's configuration and a Llama-3.2-1B-shaped one.
@@ -279,7 +281,7 @@ def decode_part(cfg: dict, device) -> dict:
         for n_seqs in (1, cfg["batch_seqs"]):
             res = {}
             engine.generate(prompts[0][:8], SamplingParams(max_tokens=4, ignore_eos=True), "ngram", cfg["k"])  # warm up
-            for method in ("none", "ngram"):
+            for method in (Method.NONE.value, Method.NGRAM.value):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t = time.perf_counter()

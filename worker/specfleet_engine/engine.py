@@ -259,11 +259,13 @@ class Engine:
             timing.decode = time.perf_counter() - t
         return outputs
 
-    def _forward(self, seqs: list[Sequence], inputs: list[list[int]], logits_rows: str) -> Tensor:
+    def _forward(self, seqs: list[Sequence], inputs: list[list[int]], logits_rows: str,
+                 trees: list[list[int] | None] | None = None) -> Tensor:
         """One target forward over the new tokens of several sequences.
 
-        logits_rows: "last" (one row per sequence) or "all" (every input token)."""
-        tokens, meta, last = batch_metadata([s.block_table for s in seqs], inputs)
+        logits_rows: "last" (one row per sequence) or "all" (every input token); trees: per
+        sequence, None or its new tokens' parents (`batch_metadata`)."""
+        tokens, meta, last = batch_metadata([s.block_table for s in seqs], inputs, trees)
         with torch.inference_mode():
             return self.model(tokens, meta, self.cache.layers, last if logits_rows == "last" else None)
 
@@ -327,18 +329,16 @@ class Engine:
         trees = [[-1] + [q + 1 for q in p.parent_list()] if p.is_tree else None for p in proposals]
         rows_total = sum(map(len, inputs))
         t = time.perf_counter()
-        tokens, meta, _ = batch_metadata([s.block_table for s in seqs], inputs,
-                                         trees if any(x is not None for x in trees) else None)
-        with torch.inference_mode():
-            logits = self.model(tokens, meta, self.cache.layers)  # [sum(1 + n_i), V]
-        timing.forward = time.perf_counter() - t
+        logits = self._forward(seqs, inputs, "all", trees if any(x is not None for x in trees) else None)
+        timing.forward = time.perf_counter() - t  # logits: [sum(1 + n_i), V]
         timing.decode_rows, timing.decode_seqs = rows_total, len(seqs)
         self.costs.observe(rows_total, timing.forward)
-        result = self._verify(seqs, proposals, logits, meta.cu_seqlens)
+        cu = [0, *itertools.accumulate(map(len, inputs))]
+        result = self._verify(seqs, proposals, logits, cu)
         outs = []
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):
             n = len(prop.draft_tokens)
-            lo = meta.cu_seqlens[b]
+            lo = cu[b]
             accepted = int(result.num_accepted[b])
             path = result.path[b, :accepted].tolist()  # rows local to the sequence (root: 0)
             context = len(seq.tokens)  # the cache held context - 1 positions; the root is the next

@@ -43,7 +43,7 @@ class AdaptivePolicy:
 
     def __init__(self, costs: Cost, *, window: int = 16, hold: int = 4, margin: float = 0.03,
                  probe_every: int = 32, prior: float = 0.5, branch_prior: float = 0.15,
-                 max_slowdown: float | None = 0.02):
+                 max_slowdown: float | None = None):
         self.costs = costs  # the engine's StepCostModel: seconds by rows
         self.window, self.hold, self.margin, self.probe_every, self.prior = window, hold, margin, probe_every, prior
         self.branch_prior, self.max_slowdown = branch_prior, max_slowdown
