@@ -4,16 +4,14 @@ follow the target's joint), and the Triton kernel (TRITON_INTERPRET=1 on the CPU
 setting does not leak into this process; CUDA when there is one) against the reference."""
 
 import doctest
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from specfleet_engine.kernels import rejection as rk
 from specfleet_engine.kernels import tree_attention as ta
+from specfleet_engine.testing import run_interpreted
 
 V = 111
 # (draft nodes, chain?): ragged batches mixing plain rows, chains and random trees of up to 64 nodes
@@ -350,13 +348,7 @@ print(json.dumps(compare_triton("cpu", 400, 6000)))
 @pytest.fixture(scope="module")
 def interpreted():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop(ta.KERNELS_ENV, None)
-    code = _SUBPROCESS.format(testdir=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert proc.returncode == 0, f"interpreted Triton run failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_SUBPROCESS.format(testdir=os.path.dirname(__file__)))
 
 
 def check_comparison(out):

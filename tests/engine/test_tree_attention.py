@@ -2,15 +2,13 @@
 token-by-token computation, and the Triton kernel (TRITON_INTERPRET=1 on the CPU, in a subprocess so
 the setting does not leak into this process) against the reference."""
 
-import json
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from specfleet_engine.kernels import tree_attention as ta
+from specfleet_engine.testing import run_interpreted
 
 BLOCK = 16
 TREE = [-1, 0, 0, 1, 1, 2, -1, 6, 3]  # 9 nodes, two roots, branching at 0, 1 and 6
@@ -156,13 +154,7 @@ print(json.dumps(errs))
 @pytest.fixture(scope="module")
 def triton_errors():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    env.pop(ta.KERNELS_ENV, None)
-    code = _SUBPROCESS.format(testdir=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
-                          check=False)
-    assert proc.returncode == 0, f"interpreted Triton run failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_SUBPROCESS.format(testdir=os.path.dirname(__file__)))
 
 
 @pytest.mark.parametrize("name", [c[0] for c in KERNEL_CASES])

@@ -3,10 +3,7 @@ the CPU, in a subprocess so the settings do not leak): a verify forward over han
 gives the torch path's logits, and the engine decodes the same tokens, greedy, with n-gram chains
 and with n-gram trees. The subprocess counts the kernel's launches, so a run that never took the path fails."""
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -16,7 +13,7 @@ from specfleet_engine.kernels import tree_attention as ta
 from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
 from specfleet_engine.model import AttentionMetadata, laid_out_in, plan_tree
 from specfleet_engine.sampling import SamplingParams
-from specfleet_engine.testing import TINY_ARCHITECTURES, repeating_prompts, tiny_model
+from specfleet_engine.testing import TINY_ARCHITECTURES, repeating_prompts, run_interpreted, tiny_model
 
 ARCHS = ["llama", "qwen2-bias", "mha-rope-llama3"]  # the sliding-window model keeps the torch path
 ENGINE_ARCHS = ["llama", "mha-rope-llama3"]  # grouped and plain multi-head attention (the interpreter is slow)
@@ -101,12 +98,7 @@ print(json.dumps(res))
 @pytest.fixture(scope="module")
 def triton_run():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", ta.KERNELS_ENV: "triton"}
-    code = _SUBPROCESS.format(testdir=os.path.dirname(__file__))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                          check=False)
-    assert proc.returncode == 0, f"interpreted Triton run failed:\n{proc.stderr[-4000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_interpreted(_SUBPROCESS.format(testdir=os.path.dirname(__file__)), kernels="triton", timeout=300)
 
 
 def test_the_triton_path_was_taken(triton_run):

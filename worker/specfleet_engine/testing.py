@@ -103,6 +103,28 @@ def branching_prompts(n: int, seed: int = 0, vocab: int = 100) -> list[list[int]
     return out
 
 
+def run_interpreted(code: str, kernels: str | None = None, timeout: int = 120) -> dict:
+    """Runs `code` in a fresh Python under TRITON_INTERPRET=1 (Triton reads it when a kernel is
+    built, so it must be set before this process's first launch; a subprocess keeps it from
+    leaking) and returns the JSON object its last stdout line prints. kernels: the
+    SPECFLEET_KERNELS value there (None: unset)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from .kernels.tree_attention import KERNELS_ENV
+
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    env.pop(KERNELS_ENV, None)
+    if kernels is not None:
+        env[KERNELS_ENV] = kernels
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout,
+                          check=False)
+    assert proc.returncode == 0, f"interpreted Triton run failed:\n{proc.stderr[-4000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 def hf_transformers_model(model: Transformer):
     """The same weights in HF transformers' own modeling code, built from the config (no download):
     the outside reference our model must agree with."""
