@@ -326,7 +326,8 @@ class Engine:
         timing.propose = time.perf_counter() - t
         inputs = [[s.tokens[-1]] + p.draft_tokens for s, p in zip(seqs, proposals)]
         # rows of a sequence: its last token (the root), then its draft nodes; trees get a mask
-        trees = [[-1] + [q + 1 for q in p.parent_list()] if p.is_tree else None for p in proposals]
+        row_parents = [[-1] + [q + 1 for q in p.parent_list()] for p in proposals]
+        trees = [rp if p.is_tree else None for rp, p in zip(row_parents, proposals)]
         rows_total = sum(map(len, inputs))
         t = time.perf_counter()
         logits = self._forward(seqs, inputs, "all", trees if any(x is not None for x in trees) else None)
@@ -334,7 +335,7 @@ class Engine:
         timing.decode_rows, timing.decode_seqs = rows_total, len(seqs)
         self.costs.observe(rows_total, timing.forward)
         cu = [0, *itertools.accumulate(map(len, inputs))]
-        result = self._verify(seqs, proposals, logits, cu)
+        result = self._verify(seqs, proposals, row_parents, logits, cu)
         outs = []
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):
             n = len(prop.draft_tokens)
@@ -365,7 +366,8 @@ class Engine:
             outs.append(StepOutput(seq, emitted, stats))
         return outs
 
-    def _verify(self, seqs: list[Sequence], proposals: list[Proposal], logits: Tensor, cu: list[int]):
+    def _verify(self, seqs: list[Sequence], proposals: list[Proposal], row_parents: list[list[int]], logits: Tensor,
+                cu: list[int]):
         """Greedy or multi-draft rejection sampling over the whole batch (kernels/rejection.py)."""
         target, draft, tokens, parents, has_q = [], [], [], [], []
         any_q = any(p.draft_probs is not None for p in proposals)
@@ -373,7 +375,7 @@ class Engine:
             rows = logits[cu[b]:cu[b + 1]]
             target.append(rows if seq.params.greedy else logits_to_probs(rows, seq.params))
             tokens += [-1, *prop.draft_tokens]
-            parents += [-1] + [q + 1 for q in prop.parent_list()]
+            parents += row_parents[b]
             has_q += [False] + [prop.draft_probs is not None] * len(prop.draft_tokens)
             if any_q:
                 q = prop.draft_probs if prop.draft_probs is not None else rows.new_zeros(len(prop.draft_tokens), rows.shape[1])
