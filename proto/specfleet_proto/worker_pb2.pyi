@@ -52,7 +52,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., apply_chat_template: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., speculation_method: _Optional[str] = ..., prompt_type: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("method", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "draft_errors", "final_k")
+    __slots__ = ("method", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "draft_errors", "final_k", "num_draft_nodes")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class SpeculationStats(_message.Message):
     MEAN_ACCEPTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_K_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_steps: int
     num_drafts: int
@@ -73,7 +74,8 @@ class SpeculationStats(_message.Message):
     mean_accepted_length: float
     draft_errors: int
     final_k: int
-    def __init__(self, method: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_errors: _Optional[int] = ..., final_k: _Optional[int] = ...) -> None: ...
+    num_draft_nodes: int
+    def __init__(self, method: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_errors: _Optional[int] = ..., final_k: _Optional[int] = ..., num_draft_nodes: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")
@@ -198,7 +200,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("queue_depth", "running", "kv_blocks_used", "kv_blocks_total", "requests_total", "rejected_total", "failed_total", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_accepted_length", "speedup_ratio", "acceptance_rate_by_prompt_type", "ready", "draining", "draft_errors")
+    __slots__ = ("queue_depth", "running", "kv_blocks_used", "kv_blocks_total", "requests_total", "rejected_total", "failed_total", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "acceptance_rate", "mean_accepted_length", "speedup_ratio", "acceptance_rate_by_prompt_type", "ready", "draining", "draft_errors", "num_draft_nodes")
     class AcceptanceRateByPromptTypeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -223,6 +225,7 @@ class WorkerStats(_message.Message):
     READY_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
     queue_depth: int
     running: int
     kv_blocks_used: int
@@ -240,7 +243,8 @@ class WorkerStats(_message.Message):
     ready: bool
     draining: bool
     draft_errors: int
-    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_total: _Optional[int] = ..., rejected_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., speedup_ratio: _Optional[float] = ..., acceptance_rate_by_prompt_type: _Optional[_Mapping[str, float]] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., draft_errors: _Optional[int] = ...) -> None: ...
+    num_draft_nodes: int
+    def __init__(self, queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., requests_total: _Optional[int] = ..., rejected_total: _Optional[int] = ..., failed_total: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., speedup_ratio: _Optional[float] = ..., acceptance_rate_by_prompt_type: _Optional[_Mapping[str, float]] = ..., ready: _Optional[bool] = ..., draining: _Optional[bool] = ..., draft_errors: _Optional[int] = ..., num_draft_nodes: _Optional[int] = ...) -> None: ...
 
 class ScoreRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "apply_chat_template", "messages", "token_ids", "temperature", "top_k", "top_p")

@@ -27,6 +27,7 @@ def tally(totals: dict[str, Counter], seq) -> None:
     t = totals[seq.method]
     t["steps"] += seq.stats.num_steps
     t["draft tokens"] += seq.stats.num_draft_tokens
+    t["draft nodes"] += seq.stats.num_draft_nodes
     t["accepted"] += seq.stats.num_accepted_tokens
     t["draft errors"] += seq.stats.draft_errors
 
@@ -61,6 +62,8 @@ def assert_trees_verified(totals: dict[str, Counter]) -> None:
         # n-gram trees branch only where the context continued differently: a fraction of steps
         assert t["tree steps"] >= max(10, t["steps"] // 40), \
             f"{method}: only {t['tree steps']} of {t['steps']} steps held a tree"
+        # alpha counts the positions drafted (a tree's depth), the nodes are counted apart
+        assert t["draft nodes"] > t["draft tokens"] > 0, (method, t)
 
 
 def check_speculation_matches_plain(target, proposers: dict, branching: int = 1) -> None:

@@ -43,15 +43,20 @@ def test_the_gauge_reads_the_branching_verified_not_the_cap():
         assert branch_factor(r) == 1.0  # nothing verified yet: read as chains, not as the cap
         assert r.admin.GetConfig(pb.GetConfigRequest()).tree_branching == 4
 
-        def serve() -> None:
-            r.gen.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=48, ignore_eos=True),
-                           timeout=60)
+        def serve():
+            resp = r.gen.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=48, ignore_eos=True),
+                                  timeout=60)
             wait_idle(r)
+            return resp.speculation
 
         shape.update(nodes=6, depth=3)
-        serve()
-        assert r.stats().num_drafts > 0  # the steps did verify drafts
+        spec = serve()
+        stats = r.stats()
+        assert stats.num_drafts > 0  # the steps did verify drafts
         assert branch_factor(r) == 2.0  # 6 nodes over 3 levels, in every step
+        # alpha counts positions (the depth), the nodes are counted apart: a tree's alpha reads like a chain's
+        assert stats.num_draft_tokens == 3 * stats.num_drafts and stats.num_draft_nodes == 6 * stats.num_drafts
+        assert spec.num_draft_tokens > 0  # the request's own stats are the engine's (tests/engine/test_stats.py)
         shape.clear()  # the real engine's chains: the window moves toward 1 and remembers the trees
         drafts = r.stats().num_drafts
         serve()

@@ -34,12 +34,19 @@ class StepStats:
     """What one decoding step of one sequence did (gpt-fast's accept_counts, per step)."""
 
     method: str
-    num_draft_tokens: int
+    num_draft_tokens: int  # draft nodes verified (rows of the forward beyond the root)
     num_accepted: int
     bonus: bool
     num_emitted: int  # tokens appended to the output (after EOS / stop / max_tokens cuts)
     draft_depth: int = 0  # the deepest draft node verified (a chain: num_draft_tokens); branching
     # actually verified = num_draft_tokens / draft_depth (1.0 for a chain)
+
+    @property
+    def draft_positions(self) -> int:
+        """Output positions the draft covered: its depth (a chain: its length). alpha counts these,
+        not nodes: a tree's siblings are candidates for one position, so a tree's alpha reads like
+        a chain's and a switch between them does not look like an acceptance drop."""
+        return self.draft_depth or self.num_draft_tokens
 
 
 @dataclass
@@ -48,27 +55,30 @@ class SequenceStats:
 
     num_steps: int = 0  # decoding steps (target forwards) after the prefill
     num_drafts: int = 0  # steps that verified at least one draft token
-    num_draft_tokens: int = 0
+    num_draft_tokens: int = 0  # positions drafted (StepStats.draft_positions): alpha's denominator
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     draft_errors: int = 0
     num_tree_steps: int = 0  # steps whose draft branched (more nodes than depth)
+    num_draft_nodes: int = 0  # draft nodes verified (= num_draft_tokens for chains): what drafts cost in rows
 
     def add(self, s: StepStats) -> None:
         self.num_steps += 1
         if s.num_draft_tokens:
             self.num_drafts += 1
-            self.num_tree_steps += s.num_draft_tokens > s.draft_depth
-            self.num_draft_tokens += s.num_draft_tokens
+            positions = s.draft_positions
+            self.num_tree_steps += s.num_draft_tokens > positions
+            self.num_draft_tokens += positions
+            self.num_draft_nodes += s.num_draft_tokens
             self.num_accepted_tokens += s.num_accepted
-            if len(self.accepted_per_position) < s.num_draft_tokens:
-                self.accepted_per_position += [0] * (s.num_draft_tokens - len(self.accepted_per_position))
+            if len(self.accepted_per_position) < positions:
+                self.accepted_per_position += [0] * (positions - len(self.accepted_per_position))
             for i in range(s.num_accepted):
                 self.accepted_per_position[i] += 1
 
     @property
     def acceptance_rate(self) -> float:
-        """alpha: accepted draft tokens / draft tokens."""
+        """alpha: accepted draft tokens / positions drafted."""
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
     @property
@@ -162,6 +172,7 @@ class Engine:
         k_policy: str | KPolicy = "adaptive",
         tree_branching: int = 1,
         tree_depth: int = 0,
+        max_slowdown: float | None = None,
     ):
         self.model = model
         self.tokenizer = tokenizer
@@ -176,7 +187,9 @@ class Engine:
         self.running: list[Sequence] = []
         self.default_k = 8
         self.costs = StepCostModel()
-        self.k_policy: KPolicy = make_policy(k_policy, self.costs) if isinstance(k_policy, str) else k_policy
+        # max_slowdown: the adaptive policy's latency guard (a fraction; None: off), for a policy named here
+        self.k_policy: KPolicy = make_policy(k_policy, self.costs, max_slowdown) if isinstance(k_policy, str) \
+            else k_policy
         self.last_timing = StepTiming()
         # caps on the adaptive draft tree: children per node (1: chains) and depth (0: K's bound)
         self.tree_branching, self.tree_depth = tree_branching, tree_depth

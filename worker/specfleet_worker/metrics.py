@@ -42,7 +42,7 @@ class Metrics:
         self.draft_k = Histogram("spec_decode_draft_k_distribution", "K chosen per request per decoding step",
                                  m, buckets=K_BUCKETS, registry=r)
         self.tree_branch_factor = Gauge("spec_decode_tree_branch_factor",
-                                        "Draft tree branching verified over the recent window: draft tokens per "
+                                        "Draft tree branching verified over the recent window: draft nodes per "
                                         "draft level (1: chains)", m, registry=r)
         self.speedup = Gauge("spec_decode_total_speedup_ratio",
                              "Estimated speed-up over plain decoding over recent steps, priced by the engine's "
@@ -56,7 +56,12 @@ class Metrics:
         # vLLM-compatible counters
         self.num_drafts = Counter("spec_decode_num_drafts", "Verify steps with at least one draft token",
                                   m, registry=r)
-        self.num_draft_tokens = Counter("spec_decode_num_draft_tokens", "Draft tokens verified", m, registry=r)
+        self.num_draft_tokens = Counter("spec_decode_num_draft_tokens",
+                                        "Output positions drafted (a draft tree's depth: alpha's denominator)",
+                                        m, registry=r)
+        self.num_draft_nodes = Counter("spec_decode_num_draft_nodes",
+                                       "Draft tokens verified, every tree node (chains: = num_draft_tokens)",
+                                       m, registry=r)
         self.num_accepted_tokens = Counter("spec_decode_num_accepted_tokens", "Draft tokens accepted",
                                            m, registry=r)
         self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
@@ -87,7 +92,8 @@ class Metrics:
         self.kv_blocks_total = Gauge("spec_decode_kv_blocks_capacity", "KV cache blocks in all (a gauge: not named _total, "
                                      "which Prometheus reserves for counters)", m, registry=r)
 
-        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "draft_errors": 0}
+        self.totals = {"num_drafts": 0, "num_draft_tokens": 0, "num_draft_nodes": 0, "num_accepted_tokens": 0,
+                       "draft_errors": 0}
         self.window = new_window()
         # (draft tokens, draft levels) of recent verify steps with a draft, forgotten as the window is
         self._tree = (0.0, 0.0)
@@ -97,14 +103,17 @@ class Metrics:
         self.speedup.labels(model, quantization).set(1.0)
         self.avg_accepted_tokens.labels(model).set(0.0)
         self.tree_branch_factor.labels(model).set(1.0)  # nothing verified yet reads as chains
-        for c in (self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, self.draft_failures, self.failed,
-                  self.prompt_tokens, self.generation_tokens, self.busy_seconds, self.plain_equivalent_seconds):
+        for c in (self.num_drafts, self.num_draft_tokens, self.num_draft_nodes, self.num_accepted_tokens,
+                  self.draft_failures, self.failed, self.prompt_tokens, self.generation_tokens, self.busy_seconds,
+                  self.plain_equivalent_seconds):
             c.labels(model)  # exported at 0 from the start, so rate() works from the first scrape
 
-    def step(self, prompt_type: str, k: int, drafted: int, accepted: int, emitted: int, depth: int = 0) -> None:
-        """One decoding step of one request; `depth`: the levels of the draft tree it verified
-        (StepStats.draft_depth; 0 reads as a chain of `drafted`)."""
+    def step(self, prompt_type: str, k: int, nodes: int, accepted: int, emitted: int, depth: int = 0) -> None:
+        """One decoding step of one request: `nodes` draft tokens verified over `depth` levels
+        (StepStats.num_draft_tokens, .draft_depth; depth 0 reads as a chain of `nodes`). alpha
+        counts positions (the depth), so a tree's reads like a chain's; the nodes price the step."""
         m = self.model
+        drafted = depth or nodes
         self.draft_k.labels(m).observe(k)
         self.generation_tokens.labels(m).inc(emitted)
         self.window.observe(drafted, accepted)
@@ -118,9 +127,11 @@ class Metrics:
         if drafted:
             self.totals["num_drafts"] += 1
             self.totals["num_draft_tokens"] += drafted
+            self.totals["num_draft_nodes"] += nodes
             self.totals["num_accepted_tokens"] += accepted
             self.num_drafts.labels(m).inc()
             self.num_draft_tokens.labels(m).inc(drafted)
+            self.num_draft_nodes.labels(m).inc(nodes)
             self.num_accepted_tokens.labels(m).inc(accepted)
             for pos in range(accepted):
                 self.accepted_per_pos.labels(m, str(pos)).inc()
@@ -129,9 +140,9 @@ class Metrics:
                 w = self.window_by_type[prompt_type] = new_window()
             w.observe(drafted, accepted)
             self.acceptance_rate.labels(m, prompt_type).set(w.rate)
-            nodes, levels = self._tree
+            tree_nodes, levels = self._tree
             d = self.window.decay
-            self._tree = (d * nodes + drafted, d * levels + (depth or drafted))
+            self._tree = (d * tree_nodes + nodes, d * levels + drafted)
             self.tree_branch_factor.labels(m).set(self._tree[0] / self._tree[1])
         self.avg_accepted_tokens.labels(m).set(self.window.tau)
 

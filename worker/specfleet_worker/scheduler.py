@@ -368,7 +368,7 @@ class Scheduler:
                 req.k_steps += 1
                 if st.num_draft_tokens:
                     self._by_type.setdefault(req.prompt_type, window(256, weight=1.0, recover=0.0)).observe(
-                        st.num_draft_tokens, st.num_accepted)
+                        st.draft_positions, st.num_accepted)
                 self.metrics.step(req.prompt_type, seq.k, st.num_draft_tokens, st.num_accepted, st.num_emitted,
                                   st.draft_depth)
             errors = seq.stats.draft_errors - req._draft_errors

@@ -233,7 +233,8 @@ class Worker:
             method=req.method, num_steps=s.num_steps, num_drafts=s.num_drafts, num_draft_tokens=s.num_draft_tokens,
             num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
             acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
-            draft_errors=s.draft_errors, final_k=seq.k if req.method != Method.NONE else 0)
+            draft_errors=s.draft_errors, final_k=seq.k if req.method != Method.NONE else 0,
+            num_draft_nodes=s.num_draft_nodes)
 
 
 class TextStream:
@@ -373,4 +374,5 @@ class AdminServicer(pb_grpc.AdminServicer):
             acceptance_rate=m.window.rate, mean_accepted_length=m.window.tau,
             speedup_ratio=sch.speedup_ratio(),
             acceptance_rate_by_prompt_type={t: wr.rate for t, wr in list(m.window_by_type.items())},
-            ready=self.holder.ready, draining=sch.draining, draft_errors=m.totals["draft_errors"])
+            ready=self.holder.ready, draining=sch.draining, draft_errors=m.totals["draft_errors"],
+            num_draft_nodes=m.totals["num_draft_nodes"])

@@ -67,6 +67,7 @@ def result_attributes(req) -> dict:
         "specfleet.speculation.k": seq.k,
         "specfleet.speculation.k_mean": req.k_sum / max(req.k_steps, 1),
         "specfleet.speculation.draft_tokens": s.num_draft_tokens,
+        "specfleet.speculation.draft_nodes": s.num_draft_nodes,
         "specfleet.speculation.accepted_tokens": s.num_accepted_tokens,
         "specfleet.speculation.alpha": s.acceptance_rate,
         "specfleet.speculation.mean_accepted_length": s.mean_accepted_length,
