@@ -4,6 +4,8 @@ the setting does not leak into this process) against the reference."""
 
 import math
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -138,6 +140,19 @@ def test_dispatcher_uses_the_reference_off_cuda_and_when_forced(monkeypatch):
     assert torch.equal(ta.tree_attention(**case), ta.tree_attention_ref(**case))
 
 
+def test_importing_the_engine_does_not_import_triton():
+    """Triton comes in with the kernel's own module, at its first launch; the check after it makes sure
+    this test looks at the right sys.modules."""
+    code = ("import sys\n"
+            "import specfleet_engine, specfleet_engine.engine, specfleet_engine.model\n"
+            "from specfleet_engine.kernels import rejection, tree_attention\n"
+            "assert 'triton' not in sys.modules, 'importing the engine imported triton'\n"
+            "tree_attention._kernel()\n"
+            "assert 'triton' in sys.modules\n")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
 _SUBPROCESS = """
 import json, sys, torch
 sys.path.insert(0, {testdir!r})
@@ -184,9 +199,9 @@ def _compile_for_h200(dtype: str, split: bool, group: int, head_dim: int):
     from triton.compiler import ASTSource
 
     kernel = ta._kernel()
-    const = dict(GROUP=group, N_HEADS=group * 8, BLOCK_SIZE=16, HEAD_DIM=head_dim,
-                 BLOCK_D=max(16, triton.next_power_of_2(head_dim)), BLOCK_M=64, BLOCK_N=ta.BLOCK_N, SPLIT=split,
-                 PRECISION="ieee" if dtype == "fp32" else "tf32")
+    const = {"GROUP": group, "N_HEADS": group * 8, "BLOCK_SIZE": 16, "HEAD_DIM": head_dim,
+             "BLOCK_D": max(16, triton.next_power_of_2(head_dim)), "BLOCK_M": 64, "BLOCK_N": ta.BLOCK_N,
+             "SPLIT": split, "PRECISION": "ieee" if dtype == "fp32" else "tf32"}
     ptrs = {"Q": f"*{dtype}", "KC": f"*{dtype}", "VC": f"*{dtype}", "KT": f"*{dtype}", "VT": f"*{dtype}",
             "OUT": f"*{dtype}", "PART": "*fp32", "ML": "*fp32", "BT": "*i32", "PL": "*i32", "CU": "*i32",
             "ANC": "*i8", "scale": "fp32"}

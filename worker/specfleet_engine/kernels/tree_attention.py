@@ -12,15 +12,15 @@ prefix block is read once for the whole tree and every query head of the group, 
 are `tl.dot`s (fp32 inputs in IEEE precision, not TF32). A long prefix with few programs is split
 across programs and the partial softmaxes merged (flash-decoding). The cache may be any strided
 view whose last dim is contiguous: the model passes its [Hkv, slots, hd] tensors as
-[num_blocks, block_size, Hkv, hd] views, no copy. Runs under TRITON_INTERPRET=1 too, which Triton
-reads when the kernel is built, i.e. at its first launch here. `tree_attention` dispatches: Triton
+[num_blocks, block_size, Hkv, hd] views, no copy. The kernel lives in _tree_attention_triton.py,
+imported at its first launch here: importing this module never imports triton. Runs under
+TRITON_INTERPRET=1 too, which Triton reads as that module is imported. `tree_attention` dispatches: Triton
 on CUDA (or anywhere with SPECFLEET_KERNELS=triton), else the reference; SPECFLEET_KERNELS=torch
 forces the reference.
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import os
 from dataclasses import dataclass
@@ -204,93 +204,12 @@ def tree_attention_launch(q: Tensor, k_cache: Tensor, v_cache: Tensor, batch: Tr
     return out
 
 
-@functools.cache
 def _kernel():
-    """Built on first use, so TRITON_INTERPRET set before the first launch takes effect."""
-    import triton
-    import triton.language as tl
+    """The @triton.jit kernel, imported on first use: its module imports triton (this one must not), and
+    Triton reads TRITON_INTERPRET as it is imported, so a setting made before the first launch takes effect."""
+    from ._tree_attention_triton import tree_attention_kernel
 
-    @triton.jit
-    def kernel(Q, KC, VC, BT, PL, KT, VT, ANC, CU, OUT, PART, ML, scale, tiles, chunk, total,
-               s_qn, s_qh, s_kb, s_ks, s_kh, s_vb, s_vs, s_vh, s_bt, s_ktn, s_kth, s_vtn, s_vth, s_a,
-               GROUP: tl.constexpr, N_HEADS: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT: tl.constexpr,
-               PRECISION: tl.constexpr):
-        seq = tl.program_id(0)
-        kvh = tl.program_id(1) // tiles
-        kvh64 = kvh.to(tl.int64)  # a layer's cache can pass 2^31 elements
-        tile = tl.program_id(1) % tiles
-        split = tl.program_id(2)
-        start = tl.load(CU + seq)
-        n_nodes = tl.load(CU + seq + 1) - start
-        plen = tl.load(PL + seq)
-        r = tile * BLOCK_M + tl.arange(0, BLOCK_M)  # this program's rows: (node, query head of the group)
-        node = r // GROUP
-        head = kvh * GROUP + r % GROUP
-        rv = node < n_nodes
-        d = tl.arange(0, BLOCK_D)
-        dm = d < HEAD_DIM
-        q = tl.load(Q + (start + node)[:, None] * s_qn + head[:, None] * s_qh + d[None, :],
-                    mask=rv[:, None] & dm[None, :], other=0.0)
-        m_i = tl.full((BLOCK_M,), float("-inf"), tl.float32)
-        l_i = tl.zeros((BLOCK_M,), tl.float32)
-        acc = tl.zeros((BLOCK_M, BLOCK_D), tl.float32)
-        lo = 0
-        hi = plen
-        if SPLIT:
-            lo = split * chunk
-            hi = tl.minimum(plen, lo + chunk)
-        n = tl.arange(0, BLOCK_N)
-        for n0 in range(lo, hi, BLOCK_N):  # the prefix, through the block table
-            pos = n0 + n
-            pv = pos < hi
-            blk = tl.load(BT + seq * s_bt + pos // BLOCK_SIZE, mask=pv, other=0).to(tl.int64)
-            within = (pos % BLOCK_SIZE).to(tl.int64)
-            lm = pv[:, None] & dm[None, :]
-            k = tl.load(KC + (blk * s_kb + within * s_ks + kvh64 * s_kh)[:, None] + d[None, :], mask=lm, other=0.0)
-            v = tl.load(VC + (blk * s_vb + within * s_vs + kvh64 * s_vh)[:, None] + d[None, :], mask=lm, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(pv[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))  # online softmax; a row that has seen nothing keeps -inf
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        t_end = n_nodes
-        if SPLIT:
-            t_end = n_nodes * (split == 0).to(tl.int32)  # the tree once, in split 0
-        for t0 in range(0, t_end, BLOCK_N):  # the sequence's tree nodes, under the ancestry mask
-            col = t0 + n
-            cv = col < n_nodes
-            seen = tl.load(ANC + (start + node)[:, None] * s_a + col[None, :], mask=rv[:, None] & cv[None, :],
-                           other=0) != 0
-            lm = cv[:, None] & dm[None, :]
-            k = tl.load(KT + ((start + col) * s_ktn + kvh * s_kth)[:, None] + d[None, :], mask=lm, other=0.0)
-            v = tl.load(VT + ((start + col) * s_vtn + kvh * s_vth)[:, None] + d[None, :], mask=lm, other=0.0)
-            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale
-            s = tl.where(seen, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        sm = rv[:, None] & dm[None, :]
-        row = (start + node).to(tl.int64) * N_HEADS + head  # OUT, PART and ML are contiguous, rows (node, head)
-        if SPLIT:
-            row += split.to(tl.int64) * total * N_HEADS
-            tl.store(PART + row[:, None] * HEAD_DIM + d[None, :], acc, mask=sm)
-            tl.store(ML + row, m_i, mask=rv)
-            tl.store(ML + tl.num_programs(2).to(tl.int64) * total * N_HEADS + row, l_i, mask=rv)
-        else:
-            l_i = tl.where(rv, l_i, 1.0)  # rows past the tree saw nothing
-            tl.store(OUT + row[:, None] * HEAD_DIM + d[None, :], (acc / l_i[:, None]).to(OUT.dtype.element_ty),
-                     mask=sm)
-
-    return kernel
+    return tree_attention_kernel
 
 
 def use_triton(device: torch.device) -> bool:
