@@ -256,3 +256,56 @@ def test_the_latency_guard_keeps_every_sequence_within_max_slowdown_of_plain_dec
             p.observe(s, 4, 3, 3)
     alone = sum(map(len, p.select_nodes(batch[:8], proposals[:8], lambda r: costs(r + 8), True, 16)))
     assert costs(16 + alone) <= 1.05 * costs(16)
+
+
+def test_a_probe_survives_the_latency_guard():
+    """At K = 0 the ceiling drafts one token every probe_every idle steps so that alpha can
+    recover; in a batch of plain requests the guard would prune that row (it slows them all), so
+    the probe is a floor until its outcome is observed: alpha recovers, guard or not."""
+    costs = linear_costs(1.0, 0.03)  # a verify row: 2% of a 16-row step, over a 1% guard
+    p = AdaptivePolicy(costs, max_slowdown=0.01)
+    batch = [seq(0) for _ in range(16)]
+    for s in batch:
+        p.start(s)
+    probe = batch[0]
+    for _ in range(30):
+        p.observe(probe, 1, 4, 0)  # its drafts failed: the ceiling stays at 0
+    for _ in range(p.probe_every):
+        p.observe(probe, 1, 0, 0)
+    assert p.draft_lengths(batch, [8] * 16, costs, True, 16) == [1] + [0] * 15  # the probe is due
+    plain = [Proposal([], None) for _ in range(15)]
+    assert p.select_nodes(batch, [Proposal([7], None, 4), *plain], costs, True, 16)[0] == [0]
+    # the same draft from a sequence that is not probing: the guard prunes it (no guard: kept)
+    other = seq(1)
+    p.start(other)
+    assert p.select_nodes([other, *batch[1:]], [Proposal([7], None, 4), *plain], costs, True, 16)[0] == []
+    unguarded = AdaptivePolicy(costs)
+    unguarded.start(other)
+    assert unguarded.select_nodes([other, *batch[1:]], [Proposal([7], None, 4), *plain], costs, True, 16)[0] == [0]
+    before = probe.kstate.window.alpha
+    p.observe(probe, 4, 1, 1)  # the probe's token was accepted: alpha moves, the floor goes
+    assert probe.kstate.window.alpha > before and p.floor(probe) == 0
+    assert p.select_nodes(batch, [Proposal([7], None, 4), *plain], costs, True, 16)[0] == []
+
+
+def test_a_costly_drafts_probe_is_drafted_whatever_the_budget():
+    """A draft model is told how many tokens to draft (choose_ks): a due probe drafts its one."""
+    costs = lambda rows: float(rows)  # noqa: E731 - a row costs a whole step: the budget drafts nothing
+    p = AdaptivePolicy(costs)
+    s = seq(0)
+    p.start(s)
+    for _ in range(30):
+        p.observe(s, 0, 4, 0)
+    for _ in range(p.probe_every):
+        p.observe(s, 0, 0, 0)
+    assert p.draft_lengths([s], [8], costs, False, 1) == [1]
+    assert p.draft_lengths([s], [0], costs, False, 1) == [0]  # never past the room left
+
+
+def test_the_latency_guard_reaches_the_adaptive_policy_by_name():
+    costs = linear_costs(1.0, 0.1)
+    assert make_policy("adaptive", costs, max_slowdown=0.02).max_slowdown == 0.02
+    assert make_policy("adaptive", costs).max_slowdown is None  # absent: off
+    assert make_policy("fixed", costs, max_slowdown=0.02).name == "fixed"  # a fixed K has no budget to guard
+    with pytest.raises(ValueError, match="max_slowdown must be a fraction >= 0"):
+        make_policy("adaptive", costs, max_slowdown=-0.1)

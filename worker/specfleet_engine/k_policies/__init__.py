@@ -13,11 +13,16 @@ POLICIES = {PolicyName.ADAPTIVE.value: AdaptivePolicy, PolicyName.FIXED.value: F
 assert tuple(POLICIES) == K_POLICIES, "every K policy the API names has an implementation"
 
 
-def make_policy(name: str, costs: Cost) -> KPolicy:
-    """The policy the CRD's kPolicy names, priced by `costs` (the engine's StepCostModel)."""
+def make_policy(name: str, costs: Cost, max_slowdown: float | None = None) -> KPolicy:
+    """The policy the CRD's kPolicy names, priced by `costs` (the engine's StepCostModel).
+
+    max_slowdown: the adaptive policy's latency guard (`speculation.latencyGuard`, a fraction;
+    None: off). A fixed policy verifies its whole draft: it has no budget to guard."""
     if name not in POLICIES:
         raise ValueError(f"kPolicy must be one of {', '.join(POLICIES)}, got {name!r}")
-    return AdaptivePolicy(costs) if name == PolicyName.ADAPTIVE else FixedPolicy()
+    if max_slowdown is not None and not 0.0 <= max_slowdown:
+        raise ValueError(f"max_slowdown must be a fraction >= 0 (0.02: 2%), got {max_slowdown!r}")
+    return AdaptivePolicy(costs, max_slowdown=max_slowdown) if name == PolicyName.ADAPTIVE else FixedPolicy()
 
 
 __all__ = ["AdaptivePolicy", "Cost", "FixedPolicy", "KPolicy", "POLICIES", "best_k", "choose_ks",

@@ -6,7 +6,8 @@ Two parts, composed:
   the geometric estimate (each accepted token a success, each step that stopped short a failure)
   and the ceiling walks one step at a time toward `best_k` for the current batch, at most every
   `hold` steps and only for a gain above `margin` (hysteresis). At 0 it drafts one token every
-  `probe_every` idle steps, so alpha can recover.
+  `probe_every` idle steps, so alpha can recover: that token is verified whatever the budget or
+  the latency guard say, until a probe's outcome has been observed.
 - **The cost-aware choice** (`choose_ks`, over the whole batch): a proposer whose drafts cost
   something (a draft model) is told how many tokens to draft, judged by the sequence's acceptance;
   a cheap one (n-gram) drafts up to the ceiling and its draft is trimmed after, judged by the
@@ -30,6 +31,7 @@ class AdaptiveState:
     by_key: dict[int, Acceptance] = field(default_factory=dict)  # for the cost-aware choice
     since_change: int = 0
     idle_steps: int = 0
+    probing: bool = False  # a probe is due: its first draft node is verified (a floor), whatever the budget
 
     def acceptance(self, key: int) -> Acceptance:
         est = self.by_key.get(key)
@@ -80,23 +82,29 @@ class AdaptivePolicy:
         elif seq.k == 0 and k_max > 0 and st.idle_steps >= self.probe_every:
             # K = 0 drafts nothing, so alpha cannot move: draft one token now and then to re-measure
             st.window = self._window(self.prior)
-            seq.k, st.since_change, st.idle_steps = 1, 0, 0
+            seq.k, st.since_change, st.idle_steps, st.probing = 1, 0, 0, True
         return seq.k
+
+    @staticmethod
+    def floor(seq) -> int:
+        """Draft tokens a sequence verifies whatever the budget: k_min, and a due probe's one."""
+        return max(seq.k_min, int(seq.kstate.probing))
 
     def draft_lengths(self, seqs: list, room: list[int], cost: Cost, cheap: bool, batch: int) -> list[int]:
         caps = [min(self.ceiling(s, batch), r) for s, r in zip(seqs, room)]
         if cheap or not any(caps):
             return caps
         chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
-        return [max(c, min(s.k_min, k)) for s, c, k in zip(seqs, chosen, caps)]
+        return [max(c, min(self.floor(s), k)) for s, c, k in zip(seqs, chosen, caps)]
 
     def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int) -> list[list[int]]:
         """The tree budget: a node's score is the chance its path is accepted, rank-0 edges at
         the sequence's acceptance for that kind of draft, a rank-r sibling at the fleet-wide
         chance that rank r wins where it was tried; nodes go best first while tokens per second
         of the forward rise and no sequence's seconds per token rise by more than max_slowdown
-        (`choose_nodes`). A costly draft was sized before: its chain is kept whole; its tree is
-        pruned the same way."""
+        (`choose_nodes`), past each sequence's `floor`: the guard would otherwise prune a probe's
+        one row in a batch of plain requests, and alpha would never recover. A costly draft was
+        sized before: its chain is kept whole; its tree is pruned the same way."""
         if not cheap and not any(p.is_tree for p in proposals):
             return [list(range(len(p.draft_tokens))) for p in proposals]
         parents = [p.parent_list() for p in proposals]
@@ -104,7 +112,7 @@ class AdaptivePolicy:
         for s, p, par in zip(seqs, proposals, parents):
             a = s.kstate.acceptance(p.key).alpha
             scores.append(path_scores(par, lambda rank, depth, a=a: a if rank == 0 else self.branch(rank).alpha))
-        floors = [min(s.k_min, len(p.draft_tokens)) for s, p in zip(seqs, proposals)]
+        floors = [min(self.floor(s), len(p.draft_tokens)) for s, p in zip(seqs, proposals)]
         return choose_nodes(scores, parents, floors, cost, self.max_slowdown, batch - len(seqs))
 
     def branch(self, rank: int) -> Acceptance:
@@ -131,6 +139,6 @@ class AdaptivePolicy:
         st.acceptance(key).observe(drafted, accepted)
         if drafted:
             st.window.observe(drafted, accepted)
-            st.idle_steps = 0
+            st.idle_steps, st.probing = 0, False
         else:
             st.idle_steps += 1
