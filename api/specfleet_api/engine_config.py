@@ -27,6 +27,7 @@ log = logging.getLogger("specfleet.api")
 
 AUTO = "auto"  # a request or a route that lets the worker's routing table choose the method
 K_LIMIT = 32
+SLOWDOWN_PERCENT = (1, 100)  # speculation.latencyGuard.maxSlowdownPercent's bounds (the CRD's, checked by a test)
 INVALID, UNSUPPORTED = "InvalidSpec", "Unsupported"  # the condition reasons a problem earns
 MISSING = "WeightsNotFound"  # weights absent where the check ran (never judged by the operator)
 WEIGHTED_METHODS = (Method.DRAFT_MODEL.value, Method.EAGLE.value, Method.MEDUSA.value)  # need draft.uri
@@ -40,8 +41,9 @@ _KNOWN = {
     "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "device", "role"},
     "model": {"name", "uri", "tokenizer"},
     "draft": {"method", "uri"},
-    "speculation": {"kMin", "kMax", "kInitial", "kPolicy", "tree"},
+    "speculation": {"kMin", "kMax", "kInitial", "kPolicy", "tree", "latencyGuard"},
     "speculation.tree": {"branching", "depth"},
+    "speculation.latencyGuard": {"maxSlowdownPercent"},
     "routing": {"default", "byPromptType"},
 }
 
@@ -76,10 +78,10 @@ def _warn_unknown(raw: dict, where: str = "") -> None:
             _warn_unknown(value, sub)
 
 
-def _section(raw: dict, key: str) -> dict:
+def _section(raw: dict, key: str, where: str = "") -> dict:
     value = raw.get(key) or {}
     if not isinstance(value, dict):
-        raise ValueError(f"engine.json: {key} must be an object, got {value!r}")
+        raise ValueError(f"engine.json: {where}{key} must be an object, got {value!r}")
     return value
 
 
@@ -139,6 +141,9 @@ class EngineConfig:
     k_policy: str = KPolicy.ADAPTIVE.value
     tree_branching: int = DEFAULT_TREE_BRANCHING  # caps on each step's draft tree (enums)
     tree_depth: int = 0
+    # the adaptive policy's latency guard: a sequence's expected seconds per token at most this
+    # fraction above plain decoding's (maxSlowdownPercent / 100); None: off
+    max_slowdown: float | None = None
     default_method: str = Method.NGRAM.value
     by_prompt_type: dict[str, str] = field(default_factory=dict)
     quantization: str = Quantization.NONE.value
@@ -154,7 +159,7 @@ class EngineConfig:
         _warn_unknown(raw)
         model, draft = _section(raw, "model"), _section(raw, "draft")
         spec, routing = _section(raw, "speculation"), _section(raw, "routing")
-        tree = _section(spec, "tree")
+        tree, guard = _section(spec, "tree", "speculation."), _section(spec, "latencyGuard", "speculation.")
         draft_method = draft.get("method", cls.draft_method)
 
         def integer(section: dict, key: str, default: int, where: str) -> int:
@@ -163,6 +168,9 @@ class EngineConfig:
                 raise ValueError(f"engine.json: {where}.{key} must be an integer, got {value!r}")
             return value
 
+        slowdown = None
+        if "maxSlowdownPercent" in guard:  # absent: the guard is off
+            slowdown = integer(guard, "maxSlowdownPercent", 0, "speculation.latencyGuard") / 100
         routes = routing.get("byPromptType") or {}
         if not isinstance(routes, dict):
             raise ValueError(f"engine.json: routing.byPromptType must be an object, got {routes!r}")
@@ -174,7 +182,7 @@ class EngineConfig:
             k_initial=integer(spec, "kInitial", cls.k_initial, "speculation"),
             k_policy=spec.get("kPolicy", cls.k_policy),
             tree_branching=integer(tree, "branching", cls.tree_branching, "speculation.tree"),
-            tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"),
+            tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"), max_slowdown=slowdown,
             default_method=routing.get("default", draft_method), by_prompt_type=dict(routes),
             quantization=raw.get("quantization", cls.quantization), dtype=raw.get("dtype", cls.dtype),
             device=raw.get("device", cls.device), role=raw.get("role", cls.role),
@@ -227,6 +235,11 @@ class EngineConfig:
                                         ("speculation.tree.depth", self.tree_depth, 0, TREE_DEPTH_MAX)):
             if not low <= value <= high:
                 out.append(Problem(where, f"{where} must be between {low} and {high}, got {value}"))
+        low, high = SLOWDOWN_PERCENT
+        if self.max_slowdown is not None and not low <= round(self.max_slowdown * 100, 6) <= high:
+            where = "speculation.latencyGuard.maxSlowdownPercent"
+            out.append(Problem(where, f"{where} must be between {low} and {high} (absent: no guard), "
+                                      f"got {self.max_slowdown * 100:g}"))
         judge("quantization", self.quantization, QUANTIZATIONS, SERVED_QUANTIZATIONS)
         judge("dtype", self.dtype, DTYPES, SERVED_DTYPES)
         judge("device", self.device, DEVICES, SERVED_DEVICES)

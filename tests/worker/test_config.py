@@ -81,6 +81,43 @@ def test_tree_caps_are_served_for_every_method_that_drafts(method):
     assert (defaults.tree_branching, defaults.tree_depth, defaults.device) == (enums.DEFAULT_TREE_BRANCHING, 0, "auto")
 
 
+@pytest.mark.parametrize("guard, slowdown", [({"maxSlowdownPercent": 2}, 0.02), ({"maxSlowdownPercent": 1}, 0.01),
+                                             ({"maxSlowdownPercent": 100}, 1.0), ({}, None), (None, None)])
+def test_the_latency_guard_is_a_percentage_and_absent_means_off(guard, slowdown):
+    raw = contract_example()
+    raw["speculation"] = {k: v for k, v in raw["speculation"].items() if k != "latencyGuard"}
+    if guard is not None:
+        raw["speculation"]["latencyGuard"] = guard
+    cfg = EngineConfig.from_dict(raw)
+    assert cfg.max_slowdown == slowdown and cfg.problems() == []
+
+
+@pytest.mark.parametrize("guard, words", [
+    ({"maxSlowdownPercent": 0}, "speculation.latencyGuard.maxSlowdownPercent must be between 1 and 100 (absent: "
+                                "no guard), got 0"),
+    ({"maxSlowdownPercent": 101}, "speculation.latencyGuard.maxSlowdownPercent must be between 1 and 100 (absent: "
+                                  "no guard), got 101"),
+    ({"maxSlowdownPercent": "5"}, "speculation.latencyGuard.maxSlowdownPercent must be an integer, got '5'"),
+    ({"maxSlowdownPercent": True}, "speculation.latencyGuard.maxSlowdownPercent must be an integer, got True"),
+    ({"maxSlowdownPercent": 2.5}, "speculation.latencyGuard.maxSlowdownPercent must be an integer, got 2.5"),
+    (5, "speculation.latencyGuard must be an object, got 5"),
+])
+def test_a_bad_latency_guard_is_refused_naming_the_key(guard, words):
+    raw = contract_example()
+    raw["speculation"] = raw["speculation"] | {"latencyGuard": guard}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        EngineConfig.from_dict(raw)
+
+
+def test_the_latency_guards_unknown_keys_are_warned_about_and_its_own_are_not(caplog):
+    raw = contract_example()
+    raw["speculation"] = raw["speculation"] | {"latencyGuard": {"maxSlowdownPercent": 2, "p99": 1}}
+    with caplog.at_level(logging.WARNING, logger="specfleet.api"):
+        assert EngineConfig.from_dict(raw).max_slowdown == 0.02
+    assert "speculation.latencyGuard.p99" in caplog.text and "'speculation.latencyGuard'" not in caplog.text
+    assert "maxSlowdownPercent" not in caplog.text
+
+
 @pytest.mark.parametrize("patch, field, value, served", [
     ({"draft": {"method": "eagle", "uri": "/m/eagle"}}, "draft.method", "eagle", enums.SERVED_METHODS),
     ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "draft.method", "medusa", enums.SERVED_METHODS),
@@ -271,9 +308,11 @@ def test_the_calibration_sizes_docstring_holds():
 def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_drafts():
     from specfleet_worker.main import build_engine
 
-    engine = build_engine(EngineConfig(model_name="tiny-random", tree_branching=3, tree_depth=5), max_kv_tokens=2048,
-                          max_batch_size=2)
+    raw = {"model": {"name": "tiny-random"}, "speculation": {"tree": {"branching": 3, "depth": 5},
+                                                             "latencyGuard": {"maxSlowdownPercent": 3}}}
+    engine = build_engine(EngineConfig.from_dict(raw), max_kv_tokens=2048, max_batch_size=2)
     assert engine.k_policy.name == "adaptive"
+    assert engine.k_policy.max_slowdown == 0.03  # engine.json's latency guard reaches the policy
     assert (engine.tree_branching, engine.tree_depth) == (3, 5)  # the caps reach the engine
     assert max(engine.costs.seconds) == 2 * (8 + 1)  # max batch x (K_max + 1) rows
     values = [engine.costs.seconds[r] for r in sorted(engine.costs.seconds)]

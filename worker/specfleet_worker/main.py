@@ -134,7 +134,8 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     """The engine for engine.json, built from the engine's own factory, its step costs calibrated.
 
     The engine's K policy (`speculation.kPolicy`) chooses each request's K within the live bounds
-    that the scheduler applies; `adaptive` prices drafts with the calibrated step costs."""
+    that the scheduler applies; `adaptive` prices drafts with the calibrated step costs, under the
+    latency guard when `speculation.latencyGuard` sets one."""
     import torch
 
     from specfleet_engine.engine import Engine
@@ -153,7 +154,7 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
                                                          device=cfg.device)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
-                    tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth)
+                    tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, max_slowdown=cfg.max_slowdown)
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})
