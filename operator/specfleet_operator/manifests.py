@@ -211,13 +211,15 @@ def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetStat
     spec = effective_spec(spec, role, state)
     model, draft, k = spec["model"], spec["draft"], spec["speculation"]
     routing = spec.get("routing") or {}
+    speculation = {"kMin": k["kMin"], "kMax": k["kMax"], "kInitial": k["kInitial"], "kPolicy": k["kPolicy"],
+                   "tree": {"branching": k["tree"]["branching"], "depth": k["tree"]["depth"]}}
+    guard = (k.get("latencyGuard") or {}).get("maxSlowdownPercent")
+    if guard is not None:  # absent: off, and the file (its hash, the pods) as before the field existed
+        speculation["latencyGuard"] = {"maxSlowdownPercent": guard}
     return {
         "model": {"name": model["name"], "uri": model["uri"], "tokenizer": model.get("tokenizer")},
         "draft": {"method": draft["method"], "uri": draft.get("uri")},
-        "speculation": {
-            "kMin": k["kMin"], "kMax": k["kMax"], "kInitial": k["kInitial"], "kPolicy": k["kPolicy"],
-            "tree": {"branching": k["tree"]["branching"], "depth": k["tree"]["depth"]},
-        },
+        "speculation": speculation,
         "routing": {"default": routing.get("default", draft["method"]),
                     "byPromptType": dict(routing.get("byPromptType", {}))},
         "quantization": spec["quantization"],

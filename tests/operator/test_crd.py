@@ -344,6 +344,62 @@ def test_trees_are_served_for_every_method_up_to_the_caps(method, branching):
             validate_openapi(_with({"draft": draft, "speculation": {"tree": {**tree, **over}}}))
 
 
+@pytest.mark.parametrize("where", ["spec.speculation.latencyGuard", "spec.canary.overrides.speculation.latencyGuard"])
+def test_the_latency_guard_is_a_percentage_with_no_default(where):
+    """engine.json's bounds, and no default anywhere: absent means the guard is off."""
+    from specfleet_api.engine_config import SLOWDOWN_PERCENT
+
+    guard = _node(where)
+    percent = guard["properties"]["maxSlowdownPercent"]
+    assert (percent["type"], percent["minimum"], percent["maximum"]) == ("integer", *SLOWDOWN_PERCENT)
+    assert "default" not in guard and "default" not in percent
+    assert "latencyGuard" not in defaulted(GOOD)["spec"]["speculation"]
+    if where == "spec.speculation.latencyGuard":  # says what it trades, and that absent is off
+        assert "Absent (the default): no guard" in guard["description"] and "tail latency" in guard["description"]
+
+
+@pytest.mark.parametrize("percent", [1, 2, 100])
+def test_a_latency_guard_within_bounds_passes_schema_cel_and_operator(percent):
+    doc = _with({"speculation": {"latencyGuard": {"maxSlowdownPercent": percent}},
+                 "canary": {"overrides": {"speculation": {"latencyGuard": {"maxSlowdownPercent": percent}}}}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+
+
+@pytest.mark.parametrize("value", [0, 101, -1, "5", True, 2.5, None])
+@pytest.mark.parametrize("where", ["spec", "canary"])
+def test_the_schema_rejects_a_latency_guard_out_of_bounds_or_not_an_integer(value, where):
+    guard = {"latencyGuard": {"maxSlowdownPercent": value}}
+    over = {"speculation": guard} if where == "spec" else {"canary": {"overrides": {"speculation": guard}}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(_with(over))
+
+
+def test_the_operator_names_a_latency_guard_out_of_bounds_that_got_past_the_schema():
+    (problem,) = specs.problems(_with({"speculation": {"latencyGuard": {"maxSlowdownPercent": 0}}})["spec"])
+    assert problem.field == "spec.speculation.latencyGuard.maxSlowdownPercent" and "between 1 and 100" in problem.message
+    (problem,) = specs.problems(_with({"canary": {"overrides": {"speculation": {"latencyGuard": {
+        "maxSlowdownPercent": 101}}}}})["spec"])
+    assert problem.field == "spec.canary.overrides.speculation.latencyGuard.maxSlowdownPercent"
+
+
+def _schema_leaves(node, path=()):
+    props = node.get("properties")
+    if not props:
+        return {path}
+    return set().union(*(_schema_leaves(sub, path + (key,)) for key, sub in props.items()))
+
+
+def test_every_canary_override_has_a_home_in_the_promotion_record():
+    """The API server prunes what a structural schema does not list: a promoted override with no
+    field in status.canary.promoted would be dropped, and stable would lose it."""
+    overrides = _schema_leaves(_node("spec.canary.overrides"))
+    promoted = SCHEMA["properties"]["status"]["properties"]["canary"]["properties"]["promoted"]["properties"]
+    assert ("speculation", "latencyGuard", "maxSlowdownPercent") in overrides
+    assert _schema_leaves(promoted["overrides"]) == overrides
+    assert _schema_leaves(promoted["base"]) == overrides
+
+
 def test_device_defaults_to_auto_and_every_device_is_served():
     assert defaulted(GOOD)["spec"]["device"] == enums.Device.AUTO
     doc = _with({"device": "cuda"})

@@ -59,6 +59,33 @@ def test_engine_json_follows_the_worker_contract():
     assert json.loads(cm["data"]["control.json"]) == {"speculate": True, "kMin": 0, "kMax": 8}
 
 
+def test_the_latency_guard_reaches_engine_json_only_when_set():
+    from specfleet_api.engine_config import EngineConfig
+
+    guarded = spec(speculation={"latencyGuard": {"maxSlowdownPercent": 2}})
+    raw = m.engine_config(guarded, "stable")
+    assert raw["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 2}
+    assert EngineConfig.from_dict(raw).max_slowdown == 0.02  # the worker reads what the operator wrote
+    # absent: off, and engine.json (its hash: the pods) exactly as before the field existed
+    assert "latencyGuard" not in m.engine_config(spec(), "stable")["speculation"]
+    assert "latencyGuard" not in m.engine_config(spec(speculation={"latencyGuard": {}}), "stable")["speculation"]
+
+    def pod_hash(s):
+        return m.deployment(SDD, s, "stable", m.Settings())["spec"]["template"]["metadata"]["annotations"][
+            m.ANNOTATION_CONFIG_HASH]
+    assert pod_hash(guarded) != pod_hash(spec()) == pod_hash(spec(speculation={"latencyGuard": {}}))
+
+
+def test_a_canary_may_try_the_latency_guard_and_a_promotion_keeps_it():
+    over = {"speculation": {"latencyGuard": {"maxSlowdownPercent": 3}}}
+    s = spec(canary={"weight": 1, "overrides": over})
+    cm = m.engine_configmap(SDD, s)["data"]
+    assert json.loads(cm["engine-canary.json"])["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
+    assert "latencyGuard" not in json.loads(cm["engine.json"])["speculation"]
+    promoted = m.FleetState(promoted={"overrides": over, "base": {}})
+    assert m.engine_config(spec(), "stable", promoted)["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
+
+
 def test_pods_meet_the_restricted_pod_security_standard():
     pod = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
