@@ -55,10 +55,16 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "children a node (in-process worker only); 0: chains only")
     p.add_argument("--repeats", type=int, default=1, help="rounds of every mode, interleaved")
     p.add_argument("--max-slowdown", type=float, default=None,
-                   help="the adaptive policy's latency guard for the in-process worker (default: the engine's)")
+                   help="the adaptive policy's latency guard for the in-process worker, a fraction (0.02: "
+                        "speculation.latencyGuard.maxSlowdownPercent 2; default: off)")
     args = p.parse_args(argv)
     if args.trees and args.target:
         p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
+    if args.max_slowdown is not None and args.target:
+        p.error("--max-slowdown sets the in-process worker's latency guard: a running worker takes it from its "
+                "engine.json (speculation.latencyGuard.maxSlowdownPercent)")
+    if args.max_slowdown is not None and args.max_slowdown < 0:
+        p.error(f"--max-slowdown is a fraction >= 0 (0.02: 2%), got {args.max_slowdown}")
     if args.trees == 1 or args.trees < 0 or args.repeats < 1:
         p.error("--trees must be 0 or >= 2 and --repeats >= 1")
     return args
@@ -149,7 +155,7 @@ def start_local_worker(args, max_batch: int):
     from specfleet_worker.config import EngineConfig
     from specfleet_worker.main import build_engine, make_worker
 
-    cfg = EngineConfig(model_name=args.model, k_max=args.k_max)
+    cfg = EngineConfig(model_name=args.model, k_max=args.k_max, max_slowdown=args.max_slowdown)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     engine = build_engine(cfg, threads=args.threads, max_batch_size=max_batch)
     server = WorkerServer("127.0.0.1", 0, 0, admin_port=0, max_workers=max_batch + 16).start()
@@ -185,8 +191,6 @@ def main(argv=None) -> int:
 
     modes = ["off", "on"] + (["tree"] if args.trees else [])
     engine = server.worker.scheduler.engine if server is not None else None
-    if engine is not None and args.max_slowdown is not None:
-        engine.k_policy.max_slowdown = args.max_slowdown
     rows = []
     try:
         for c in levels:
