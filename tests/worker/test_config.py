@@ -156,6 +156,12 @@ def test_check_config_says_ok_in_one_line_or_each_reason_and_exits_2(tmp_path, c
     out, err = capsys.readouterr()
     assert out == f"OK {good}: model t ({tmp_path / 'target.gguf'}), draft ngram, quantization none, dtype auto, " \
                   "kPolicy adaptive\n" and err == ""
+    guarded = tmp_path / "guarded.json"
+    raw = json.loads(good.read_text())
+    raw["speculation"] = raw["speculation"] | {"latencyGuard": {"maxSlowdownPercent": 2}}
+    guarded.write_text(json.dumps(raw))
+    assert serve_main(["--check-config", str(guarded), "--skip-files"]) == 0
+    assert capsys.readouterr().out.endswith("kPolicy adaptive, latency guard 2%\n")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(contract_example() | {"quantization": "fp8", "dtype": "float16"}))
     assert serve_main(["--check-config", str(bad), "--skip-files"]) == 2

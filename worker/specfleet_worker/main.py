@@ -94,8 +94,9 @@ def check_config(path: str, *, files: bool = True) -> int:
     if problems:
         return 2
     weights = cfg.target_weights(model_cache()) if files else "weights not checked: --skip-files"
+    guard = f", latency guard {cfg.max_slowdown * 100:g}%" if cfg.max_slowdown is not None else ""
     print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}, "
-          f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}")
+          f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}{guard}")
     return 0
 
 
