@@ -28,6 +28,7 @@ import torch
 from specfleet_bench.questions import default_questions, load_questions
 from specfleet_engine.engine import Engine
 from specfleet_engine.model import ModelArgs
+from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.sampling import SamplingParams
 
 
@@ -74,13 +75,15 @@ def record(args) -> int:
 
 
 def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size: int = 49152,
-           max_tokens: int = 128, branching: int = 1) -> dict:
+           max_tokens: int = 128, branching: int = 1, corpus_tokens: int = 0) -> dict:
     """{category: (tokens, modelled spec cost, modelled plain cost, steps)}; cost in units of one plain step.
 
     max_tokens: the recording's. An output shorter than that ended at EOS, which took a step too.
-    branching: the engine's tree cap (1: chains)."""
+    branching: the engine's tree cap (1: chains). corpus_tokens: the n-gram proposer's corpus of
+    earlier requests (the records replay in order, each once)."""
     oracle = Oracle(vocab_size)
-    engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1], tree_branching=branching)
+    engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1], tree_branching=branching,
+                    proposers={"ngram": NgramProposer(corpus_tokens=corpus_tokens)})
     engine.costs.set_curve(costs)
     engine.costs.observe = lambda rows, seconds: None  # the oracle's steps take no real time
     by_cat: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
@@ -108,13 +111,15 @@ def budget_costs(budget: int) -> dict[int, float]:
     return {**{r: 1.0 for r in range(1, budget + 2)}, budget + 2: 1e6}
 
 
-def budgets(records: list[dict], budget_list: list[int], branching: int, k: int, max_tokens: int) -> dict:
+def budgets(records: list[dict], budget_list: list[int], branching: int, k: int, max_tokens: int,
+            corpus_tokens: int = 0) -> dict:
     """{budget: {"chain" | "tree": {category: tau}}}: tokens per target forward at each budget."""
     out = {}
     for budget in budget_list:
         row = {}
         for name, width in (("chain", 1), ("tree", branching)):
-            res = replay(records, budget_costs(budget), max(k, 1), max_tokens=max_tokens, branching=width)
+            res = replay(records, budget_costs(budget), max(k, 1), max_tokens=max_tokens, branching=width,
+                         corpus_tokens=corpus_tokens)
             taus = {cat: round(n / steps, 3) for cat, (n, _, _, steps) in sorted(res.items())}
             total_n, total_steps = sum(v[0] for v in res.values()), sum(v[3] for v in res.values())
             taus["overall"] = round(total_n / total_steps, 3)
@@ -150,6 +155,9 @@ def main(argv=None) -> int:
     b.add_argument("--out", type=Path, default=None, help="JSON results")
     b.add_argument("--per-category", type=int, default=0,
                    help="only the questions a Spec-Bench run with this many per category takes (0: all recorded)")
+    for sp in (s, b):
+        sp.add_argument("--corpus-tokens", type=int, default=0,
+                        help="the n-gram proposer also searches this many tokens of the earlier questions (0: none)")
     args = p.parse_args(argv)
     if args.cmd == "record":
         return record(args)
@@ -164,7 +172,7 @@ def main(argv=None) -> int:
         if args.per_category:
             ids = {q["question_id"] for q in load_questions(default_questions(), args.per_category)}
             records = [r for r in records if r["question_id"] in ids]
-        res = budgets(records, budget_list, args.branching, args.k, args.max_tokens)
+        res = budgets(records, budget_list, args.branching, args.k, args.max_tokens, args.corpus_tokens)
         cats = list(next(iter(res.values()))["chain"])
         print("| budget (nodes) | " + " | ".join(f"{c} chain / tree" for c in cats) + " |")
         print("|---" * (len(cats) + 1) + "|")
@@ -181,7 +189,8 @@ def main(argv=None) -> int:
     if not args.path.exists():
         p.error(f"{args.path}: no such file (run `record` first)")
     records = [json.loads(line) for line in args.path.read_text().splitlines() if line.strip()]
-    res = replay(records, costs, args.k, max_tokens=args.max_tokens, branching=args.branching)
+    res = replay(records, costs, args.k, max_tokens=args.max_tokens, branching=args.branching,
+                 corpus_tokens=args.corpus_tokens)
     total = [0, 0.0, 0.0, 0]
     for cat, (n, spec, plain, steps) in sorted(res.items()):
         print(f"{cat:15s} {n:6d} tokens  tau {n / steps:.2f}  modelled decode speedup {plain / spec:.2f}x")

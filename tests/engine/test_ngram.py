@@ -44,3 +44,80 @@ def test_adaptive_k_keeps_separate_acceptance_per_match_length():
     by_key = seq.kstate.by_key  # the adaptive policy's acceptance, per kind of draft
     assert by_key and all(k >= 0 for k in by_key)
     assert any(k > 0 for k in by_key), "drafts from matches were tracked under their match length"
+
+
+class Finished:
+    """A finished request as the proposer's release() sees it."""
+
+    def __init__(self, tokens):
+        self.tokens = list(tokens)
+
+    def token_array(self):
+        return np.asarray(self.tokens, dtype=np.int64)
+
+
+def test_the_corpus_drafts_what_an_earlier_request_continued_with():
+    alone, shared = ngram.NgramProposer(), ngram.NgramProposer(corpus_tokens=64)
+    for p in (alone, shared):
+        p.release(Finished([1, 2, 3, 4, 5, 6]))
+    seq = Finished([9, 2, 3])
+    assert alone.propose([seq], [3])[0].draft_tokens == []
+    assert shared.propose([seq], [3])[0].draft_tokens == [4, 5, 6]
+    tree = shared.propose([seq], [3], branching=[2])[0]
+    assert tree.draft_tokens == [4, 5, 6] and tree.key == 2
+
+
+def test_a_corpus_continuation_never_crosses_into_the_next_request():
+    p = ngram.NgramProposer(corpus_tokens=64)
+    p.release(Finished([5, 1, 2]))  # "1 2" ends this request: it continues nowhere
+    p.release(Finished([3, 4, 1]))  # "1" continues nowhere either
+    seq = Finished([9, 1, 2])
+    assert p.propose([seq], [4])[0].draft_tokens == []
+    assert p.propose([seq], [4], branching=[4])[0].draft_tokens == []
+    p.release(Finished([7, 2, 6, 6]))
+    assert p.propose([seq], [4])[0].draft_tokens == [6, 6]  # cut where that request ended
+    assert p.propose([Finished([8, 2])], [4], branching=[3])[0].draft_tokens == [6, 6]
+
+
+def test_the_context_counts_as_later_than_the_corpus():
+    p = ngram.NgramProposer(corpus_tokens=64)
+    p.release(Finished([1, 2, 7, 7]))
+    seq = Finished([1, 2, 8, 4, 1, 2])  # "1 2" went on with 7 in the corpus, 8 here: a tie
+    assert p.propose([seq], [1])[0].draft_tokens == [8]
+    tree = p.propose([seq], [2], branching=[2])[0]
+    assert tree.draft_tokens[0] == 8 and 7 in tree.draft_tokens  # both, the context's first
+
+
+def test_the_oldest_requests_leave_the_corpus_first():
+    p = ngram.NgramProposer(corpus_tokens=8)
+    for doc in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
+        p.release(Finished(doc))  # each takes 5 with its end marker
+    assert p.corpus.tolist() == [9, 10, 11, 12, -1]
+    p.release(Finished(range(100, 120)))  # longer than the corpus: its tail
+    assert p.corpus.tolist() == [*range(113, 120), -1]
+    off = ngram.NgramProposer()
+    off.release(Finished([1, 2, 3]))
+    assert off.corpus.size == 0
+
+
+def test_a_corpus_speeds_up_a_repeated_request_and_changes_no_token():
+    """Lossless with the corpus (chains and trees): a request repeating an earlier one drafts
+    from that one's output, and the greedy output is plain decoding's."""
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.sampling import SamplingParams
+    from specfleet_engine.testing import tiny_model
+
+    model = tiny_model(seed=3, scale=4.0)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    prompt = [11, 3, 27, 8, 40, 2, 19]
+    plain = Engine(model).generate(prompt, params, "none").output
+    for branching in (1, 3):
+        accepted = {}
+        for corpus in (0, 4096):
+            engine = Engine(model, proposers={"ngram": ngram.NgramProposer(corpus_tokens=corpus)}, k_policy="fixed",
+                            tree_branching=branching)
+            first = engine.generate(prompt, params, "ngram", 4)
+            again = engine.generate(prompt, params, "ngram", 4)  # a retry: every token is in the corpus
+            assert first.output == plain and again.output == plain, (branching, corpus)
+            accepted[corpus] = again.stats.num_accepted_tokens
+        assert accepted[4096] >= 24 > accepted[0], (branching, accepted)

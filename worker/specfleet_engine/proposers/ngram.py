@@ -1,13 +1,32 @@
 """N-gram (prompt lookup) proposer: drafts the continuation of the latest earlier occurrence of
-the context's last n tokens. No parameters, no model; q is one-hot on each draft token."""
+the context's last n tokens. No parameters, no model; q is one-hot on each draft token.
+
+With a corpus (`corpus_tokens` > 0) the search also covers the recent requests this proposer
+finished, prompt and output (SGLang's n-gram trie and suffix decoding do the same): a small model
+answers alike across requests ("Here is a", its list layout, its closing lines), which a request's
+own context cannot offer early on. The corpus is searched as text before the context, so the
+context's own matches count as the latest; a continuation never crosses from one request into the
+next. Lossless either way; a shared corpus lets one request's speed depend on another's text (as a
+shared prefix cache does), so it is a per-deployment choice.
+"""
 
 from __future__ import annotations
+
+from collections import deque
 
 import numpy as np
 
 from specfleet_api.enums import Method
 
 from .base import Proposal, SequenceView
+
+
+SEP = -1  # ends each request in a corpus; never a token, so no match spans it
+
+
+def _until_sep(segment: np.ndarray) -> np.ndarray:
+    cut = np.flatnonzero(segment < 0)
+    return segment[:cut[0]] if cut.size else segment
 
 
 def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
@@ -18,9 +37,10 @@ def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.
         # candidate starts i with i + n < L, so that a continuation exists
         windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
         hits = np.flatnonzero((windows == pattern).all(axis=1))
+        hits = hits[tokens[hits + n] >= 0]  # a match at a corpus request's end continues nowhere
         if hits.size == 1:
             start = int(hits[0]) + n
-            return tokens[start:start + k].astype(np.int64), n
+            return _until_sep(tokens[start:start + k]).astype(np.int64), n
         if hits.size:
             return _vote(tokens, hits + n, k), n
     return np.empty(0, dtype=np.int64), 0
@@ -35,11 +55,12 @@ def _vote(tokens: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     draft = []
     for j in range(k):
         starts = starts[starts + j < L]
+        starts = starts[tokens[starts + j] >= 0]
         if starts.size == 0:
             break
         nxt = tokens[starts + j]
         if starts.size == 1:
-            draft.extend(tokens[starts[0] + j:starts[0] + k].tolist())
+            draft.extend(_until_sep(tokens[starts[0] + j:starts[0] + k]).tolist())
             break
         values, counts = np.unique(nxt, return_counts=True)
         best = values[counts == counts.max()]
@@ -81,6 +102,8 @@ def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int, branching: in
     for start, n in starts:
         node = 0
         for tok in tokens[start:start + k].tolist():
+            if tok < 0:  # a corpus request's end
+                break
             nxt = children[node].get(tok)
             if nxt is None:
                 nxt = children[node][tok] = len(children)
@@ -127,8 +150,15 @@ class NgramProposer:
     cheap = True
     trees = True  # propose() takes branching: distinct continuations become a tree
 
-    def __init__(self, min_n: int = 1, max_n: int = 4):
-        self.min_n, self.max_n = min_n, max_n
+    def __init__(self, min_n: int = 1, max_n: int = 4, corpus_tokens: int = 0):
+        """corpus_tokens: how many tokens of recently finished requests to search besides each
+        request's own context (0: none, the classic prompt lookup)."""
+        if corpus_tokens < 0:
+            raise ValueError(f"corpus_tokens must be >= 0, got {corpus_tokens}")
+        self.min_n, self.max_n, self.corpus_tokens = min_n, max_n, corpus_tokens
+        self._docs: deque[np.ndarray] = deque()  # each request's tokens, then SEP; oldest first
+        self._held = 0
+        self.corpus = np.empty(0, dtype=np.int64)
 
     def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
         out = []
@@ -136,16 +166,29 @@ class NgramProposer:
             width = branching[i] if branching is not None else 1
             if k <= 0:
                 out.append(Proposal([], None))
-            elif width > 1:
-                tokens, parents, n = ngram_tree(seq.token_array(), self.min_n, self.max_n, k, width)
-                out.append(Proposal(tokens, None, key=n, parents=parents))
+                continue
+            tokens = seq.token_array()
+            if self.corpus.size:
+                tokens = np.concatenate([self.corpus, tokens])
+            if width > 1:
+                draft, parents, n = ngram_tree(tokens, self.min_n, self.max_n, k, width)
+                out.append(Proposal(draft, None, key=n, parents=parents))
             else:
-                draft, n = ngram_match(seq.token_array(), self.min_n, self.max_n, k)
-                out.append(Proposal(draft.tolist(), None, key=n))  # longer matches draft better
+                chain, n = ngram_match(tokens, self.min_n, self.max_n, k)
+                out.append(Proposal(chain.tolist(), None, key=n))  # longer matches draft better
         return out
 
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
         pass
 
     def release(self, seq: SequenceView) -> None:
-        pass
+        """A finished (or aborted) request joins the corpus; the oldest leave it past corpus_tokens."""
+        if not self.corpus_tokens:
+            return
+        tokens = seq.token_array()
+        doc = np.append(tokens[max(0, tokens.size - self.corpus_tokens + 1):], SEP).astype(np.int64)
+        self._docs.append(doc)
+        self._held += doc.size
+        while self._held > self.corpus_tokens:
+            self._held -= self._docs.popleft().size
+        self.corpus = np.concatenate(self._docs) if self._docs else np.empty(0, dtype=np.int64)
