@@ -307,6 +307,17 @@ def test_dispatcher_uses_the_reference_off_cuda(monkeypatch):
     assert as_lists(a) == as_lists(b)
 
 
+def two_rejections_case(n):
+    """n sequences of a root and two children whose tokens (0, 1) have target probability 0, so both are
+    rejected whatever the uniforms. The residual after the first, normalised, is [0, 0, 0, 1]; minus q2 it
+    leaves token 3 alone. Left unnormalised ([0, 0, 0, 0.5]) it would leave nothing, and the fallback to
+    the target row would emit token 2 half the time."""
+    p = torch.tensor([0.0, 0.0, 0.5, 0.5])
+    q = torch.tensor([[0.0, 0.0, 0.0, 0.0], [0.5, 0.0, 0.5, 0.0], [0.0, 0.4, 0.0, 0.6]])  # root (unused), q1, q2
+    tp, dp = torch.stack([p, p, p]).repeat(n, 1), q.repeat(n, 1)
+    return tp, dp, make_batch([([-1, 0, 0], [-1, 0, 1], [False, True, True])] * n, [False] * n)
+
+
 def compare_triton(device: str, n_sampled: int, n_ref: int) -> dict:
     """Greedy: Triton equals the reference exactly (several vocabulary chunks); sampling: Triton lossless,
     and num_accepted and next_token distributed as the reference's. Returns what the tests assert on."""
@@ -318,6 +329,10 @@ def compare_triton(device: str, n_sampled: int, n_ref: int) -> dict:
         got = as_lists(rk.rejection_sample_triton(logits.to(device), None, batch, gens))
         out["greedy_equal"].append(ref == got)
         out["accepted"] += sum(ref["num_accepted"])
+    tp, dp, batch = two_rejections_case(64)
+    out["two_rejections"] = {name: as_lists(fn(tp.to(dev), dp.to(dev), batch, [torch.Generator().manual_seed(16)] * 64))
+                             for name, fn, dev in (("ref", rk.rejection_sample_ref, "cpu"),
+                                                   ("triton", rk.rejection_sample_triton, device))}
     for mode in ("onehot", "q"):
         tp, dp, batch, tokens = sampling_case(n_sampled, mode, seed=11)
         batch.has_q.view(n_sampled, -1)[1::2] = False  # q given but one-hot for every other sequence: still lossless
@@ -353,6 +368,8 @@ def interpreted():
 
 def check_comparison(out):
     assert out["greedy_equal"] == [True, True] and out["accepted"] > 20
+    for name, r in out["two_rejections"].items():  # the residual renormalised between siblings
+        assert r["num_accepted"] == [0] * 64 and r["next_token"] == [3] * 64 and not any(r["bonus"]), (name, r)
     for mode in ("onehot", "q"):
         for what in ("lossless", "accepted", "next_token"):
             stat, bound = out[mode][what]
