@@ -36,6 +36,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=None, help="fixed draft length (default: the engine's adaptive K)")
     p.add_argument("--tree-branching", type=int, default=4, help="children a node may have in METHOD-tree configs")
+    p.add_argument("--corpus-tokens", type=int, default=16384,
+                   help="the n-gram corpus of METHOD-corpus configs: tokens of the earlier questions each such "
+                        "config searches (its own: never another config's answer to the same question)")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
@@ -73,9 +76,10 @@ class Run:
 PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + tuple(
     q for q in SERVED_QUANTIZATIONS if q != Quantization.NONE)
 #: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model);
-#: METHOD + TREE drafts trees (up to --tree-branching children a node), the rest chains
+#: METHOD + TREE drafts trees (up to --tree-branching children a node), the rest chains;
+#: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens)
 METHODS = (Method.NONE.value, Method.NGRAM.value)
-TREE = "-tree"
+TREE, CORPUS = "-tree", "-corpus"
 HF_METHODS = ("plain", "lookup")
 BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
 
@@ -92,12 +96,14 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
     out = []
     for item in spec.split(","):
         prec, _, method = item.strip().partition("/")
-        base = method.removesuffix(TREE)
-        ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)) or (
+        chain = method.removesuffix(TREE)
+        base = chain.removesuffix(CORPUS)
+        ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)
+              and (chain == base or base == Method.NGRAM.value)) or (
             prec == "hf" and method in HF_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
-                             f"{'|'.join(METHODS)}[{TREE}], or hf/{'|hf/'.join(HF_METHODS)})")
+                             f"{'|'.join(METHODS)}[{CORPUS}][{TREE}], or hf/{'|hf/'.join(HF_METHODS)})")
         out.append((prec, method))
     if BASELINE not in out:
         out.insert(0, BASELINE)
@@ -108,7 +114,7 @@ class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
-                 tree_branching: int = 4):
+                 tree_branching: int = 4, corpus_tokens: int = 16384):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -116,7 +122,8 @@ class Runner:
         from specfleet_engine.loader import load_tokenizer
 
         self.tokenizer = load_tokenizer(model_name)
-        self.max_tokens, self.k, self.tree_branching = max_tokens, k, tree_branching
+        self.max_tokens, self.k, self.tree_branching, self.corpus_tokens = max_tokens, k, tree_branching, corpus_tokens
+        self.proposers: dict[tuple[str, str], object] = {}  # (precision, method): its own n-gram proposer
         self.engines = {}
         for prec in sorted(precisions):
             dtype, quant = precision_parts(prec)
@@ -150,9 +157,14 @@ class Runner:
             while toks and toks[-1] in self.tokenizer.eos_token_ids:
                 toks.pop()  # our engine does not count the EOS token either
             return toks, dt, len(toks), 0, 0
+        from specfleet_engine.proposers import NgramProposer
+
         engine = self.engines[prec]
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
-        method = method.removesuffix(TREE)
+        corpus = method.removesuffix(TREE).endswith(CORPUS)
+        engine.proposers[Method.NGRAM.value] = self.proposers.setdefault(
+            (prec, method), NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0))
+        method = method.removesuffix(TREE).removesuffix(CORPUS)
         params = SamplingParams(max_tokens=self.max_tokens)
         k = self.k if self.k is not None else engine.default_k
         t = time.perf_counter()
@@ -295,7 +307,7 @@ def run_bench(args) -> int:
                   f"max {args.max_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
     with console.status("loading models"):
         runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
-                        getattr(args, "tree_branching", 4))
+                        getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", 16384))
         bandwidth = memory_bandwidth_gbs()
     # warm-up: first calls pay for allocation and kernel selection
     warm = runner.tokenizer.chat("Say hello.")

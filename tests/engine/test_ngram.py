@@ -92,12 +92,12 @@ def test_the_oldest_requests_leave_the_corpus_first():
     p = ngram.NgramProposer(corpus_tokens=8)
     for doc in ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 12]):
         p.release(Finished(doc))  # each takes 5 with its end marker
-    assert p.corpus.tolist() == [9, 10, 11, 12, -1]
+    assert p.corpus.tokens.tolist() == [9, 10, 11, 12, -1]
     p.release(Finished(range(100, 120)))  # longer than the corpus: its tail
-    assert p.corpus.tolist() == [*range(113, 120), -1]
+    assert p.corpus.tokens.tolist() == [*range(113, 120), -1]
     off = ngram.NgramProposer()
     off.release(Finished([1, 2, 3]))
-    assert off.corpus.size == 0
+    assert off.corpus is None
 
 
 def test_a_corpus_speeds_up_a_repeated_request_and_changes_no_token():
@@ -121,3 +121,20 @@ def test_a_corpus_speeds_up_a_repeated_request_and_changes_no_token():
             assert first.output == plain and again.output == plain, (branching, corpus)
             accepted[corpus] = again.stats.num_accepted_tokens
         assert accepted[4096] >= 24 > accepted[0], (branching, accepted)
+
+
+def test_the_corpus_index_finds_what_a_scan_finds():
+    """Corpus.find (a hash index) against a brute-force scan of corpus + context, on a small
+    vocabulary so that most n-grams repeat; the eviction path rebuilds the index."""
+    rng = np.random.default_rng(7)
+    corpus = ngram.Corpus(300, 1, 4)
+    for _ in range(12):
+        corpus.add(rng.integers(0, 5, rng.integers(1, 60)))
+        context = rng.integers(0, 5, rng.integers(1, 30))
+        tokens = np.concatenate([corpus.tokens, context])
+        L = tokens.size
+        for n in range(1, min(4, context.size) + 1):
+            pattern = tokens[L - n:]
+            scan = [i for i in range(L - n) if (tokens[i:i + n] == pattern).all() and tokens[i + n] >= 0
+                    and (i >= corpus.size or (tokens[i:i + n] >= 0).all())]
+            assert ngram._hits(tokens, n, corpus).tolist() == scan, n

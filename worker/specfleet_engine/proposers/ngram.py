@@ -22,6 +22,60 @@ from .base import Proposal, SequenceView
 
 
 SEP = -1  # ends each request in a corpus; never a token, so no match spans it
+_MULT = np.random.default_rng(0x5eed).integers(1, 2**62, 64, dtype=np.uint64) | np.uint64(1)  # n-gram hash
+
+
+def _hash(windows: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of token n-grams (wrapping arithmetic; collisions are checked)."""
+    return (windows.astype(np.uint64) * _MULT[:windows.shape[-1]]).sum(axis=-1, dtype=np.uint64)
+
+
+class Corpus:
+    """The tokens of recent requests, each followed by SEP, oldest first, at most `capacity`;
+    every n-gram that has a continuation is indexed by hash, so a lookup costs a binary search,
+    not a scan (a scan of 16k tokens costs about 1 ms a sequence a step on this CPU)."""
+
+    def __init__(self, capacity: int, min_n: int, max_n: int):
+        self.capacity, self.ns = capacity, range(min_n, max_n + 1)
+        self._docs: deque[np.ndarray] = deque()
+        self._held = 0
+        self.tokens = np.empty(0, dtype=np.int64)
+        self._index: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    @property
+    def size(self) -> int:
+        return self.tokens.size
+
+    def add(self, tokens: np.ndarray) -> None:
+        doc = np.append(tokens[max(0, tokens.size - self.capacity + 1):], SEP).astype(np.int64)
+        self._docs.append(doc)
+        self._held += doc.size
+        while self._held > self.capacity:
+            self._held -= self._docs.popleft().size
+        self.tokens = np.concatenate(self._docs) if self._docs else np.empty(0, dtype=np.int64)
+        self._index = {}
+        t = self.tokens
+        for n in self.ns:
+            if t.size <= n:
+                continue
+            windows = np.lib.stride_tricks.sliding_window_view(t[:-1], n)
+            ok = np.flatnonzero((windows >= 0).all(axis=1) & (t[n:] >= 0))  # no SEP in it or right after
+            keys = _hash(windows[ok])
+            order = np.argsort(keys, kind="stable")  # equal keys keep their positions ascending
+            self._index[n] = keys[order], ok[order]
+
+    def find(self, pattern: np.ndarray) -> np.ndarray:
+        """Ascending starts of `pattern` in the corpus (each with a token after it)."""
+        found = self._index.get(pattern.size)
+        if found is None:
+            return np.empty(0, dtype=np.int64)
+        keys, starts = found
+        h = _hash(pattern[None])[0]
+        starts = starts[np.searchsorted(keys, h, "left"):np.searchsorted(keys, h, "right")]
+        if starts.size:
+            same = (self.tokens[starts[:, None] + np.arange(pattern.size)] == pattern).all(axis=1)
+            starts = starts[same]
+        return starts
 
 
 def _until_sep(segment: np.ndarray) -> np.ndarray:
@@ -29,15 +83,32 @@ def _until_sep(segment: np.ndarray) -> np.ndarray:
     return segment[:cut[0]] if cut.size else segment
 
 
-def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> tuple[np.ndarray, int]:
-    """`ngram_propose`'s draft and the length n of the match it came from (0: none)."""
-    L = tokens.shape[0]
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        pattern = tokens[L - n:]
-        # candidate starts i with i + n < L, so that a continuation exists
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
-        hits = np.flatnonzero((windows == pattern).all(axis=1))
-        hits = hits[tokens[hits + n] >= 0]  # a match at a corpus request's end continues nowhere
+def _longest(tokens: np.ndarray, max_n: int, corpus: Corpus | None) -> int:
+    """The longest n worth trying: an earlier occurrence needs the context to hold n + 1 tokens;
+    a corpus occurrence only n."""
+    own = tokens.shape[0] - (corpus.size if corpus else 0)
+    return min(max_n, own if corpus and corpus.size else own - 1)
+
+
+def _hits(tokens: np.ndarray, n: int, corpus: Corpus | None) -> np.ndarray:
+    """Ascending starts of the earlier occurrences of the last n tokens that have a continuation:
+    in the corpus (when `tokens` is the corpus's tokens, then the context), then the context."""
+    L, base = tokens.shape[0], corpus.size if corpus else 0
+    pattern = tokens[L - n:]
+    if L - 1 - base >= n:
+        windows = np.lib.stride_tricks.sliding_window_view(tokens[base:L - 1], n)
+        own = np.flatnonzero((windows == pattern).all(axis=1)) + base
+    else:
+        own = np.empty(0, dtype=np.int64)
+    return np.concatenate([corpus.find(pattern), own]) if base else own
+
+
+def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int,
+                corpus: Corpus | None = None) -> tuple[np.ndarray, int]:
+    """`ngram_propose`'s draft and the length n of the match it came from (0: none). With a
+    corpus, `tokens` is the corpus's tokens followed by the context."""
+    for n in range(_longest(tokens, max_n, corpus), min_n - 1, -1):
+        hits = _hits(tokens, n, corpus)
         if hits.size == 1:
             start = int(hits[0]) + n
             return _until_sep(tokens[start:start + k]).astype(np.int64), n
@@ -71,7 +142,8 @@ def _vote(tokens: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
 
 
 def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int, branching: int,
-               max_nodes: int = 64, max_matches: int = 32) -> tuple[list[int], list[int], int]:
+               max_nodes: int = 64, max_matches: int = 32,
+               corpus: Corpus | None = None) -> tuple[list[int], list[int], int]:
     """A draft tree from the distinct continuations of every earlier match of the context's tail.
 
     Matches of the longest n come first, then those of shorter n (each n's latest `max_matches`);
@@ -84,12 +156,10 @@ def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int, branching: in
     >>> ngram_tree(np.array([1, 2, 8, 3, 1, 2, 9, 4, 1, 2]), 1, 2, k=2, branching=2)
     ([9, 4, 8, 3], [-1, 0, -1, 2], 2)
     """
-    L = tokens.shape[0]
     starts: list[tuple[int, int]] = []  # (start of a continuation, n of its match)
     best_n = 0
-    for n in range(min(max_n, L - 1), min_n - 1, -1):
-        windows = np.lib.stride_tricks.sliding_window_view(tokens[:L - 1], n)
-        hits = np.flatnonzero((windows == tokens[L - n:]).all(axis=1))[-max_matches:]
+    for n in range(_longest(tokens, max_n, corpus), min_n - 1, -1):
+        hits = _hits(tokens, n, corpus)[-max_matches:]
         if hits.size:
             best_n = best_n or n
             starts += [(int(h) + n, n) for h in hits]
@@ -155,10 +225,8 @@ class NgramProposer:
         request's own context (0: none, the classic prompt lookup)."""
         if corpus_tokens < 0:
             raise ValueError(f"corpus_tokens must be >= 0, got {corpus_tokens}")
-        self.min_n, self.max_n, self.corpus_tokens = min_n, max_n, corpus_tokens
-        self._docs: deque[np.ndarray] = deque()  # each request's tokens, then SEP; oldest first
-        self._held = 0
-        self.corpus = np.empty(0, dtype=np.int64)
+        self.min_n, self.max_n = min_n, max_n
+        self.corpus = Corpus(corpus_tokens, min_n, max_n) if corpus_tokens else None
 
     def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
         out = []
@@ -167,14 +235,14 @@ class NgramProposer:
             if k <= 0:
                 out.append(Proposal([], None))
                 continue
-            tokens = seq.token_array()
-            if self.corpus.size:
-                tokens = np.concatenate([self.corpus, tokens])
+            tokens, corpus = seq.token_array(), self.corpus
+            if corpus is not None and corpus.size:
+                tokens = np.concatenate([corpus.tokens, tokens])
             if width > 1:
-                draft, parents, n = ngram_tree(tokens, self.min_n, self.max_n, k, width)
+                draft, parents, n = ngram_tree(tokens, self.min_n, self.max_n, k, width, corpus=corpus)
                 out.append(Proposal(draft, None, key=n, parents=parents))
             else:
-                chain, n = ngram_match(tokens, self.min_n, self.max_n, k)
+                chain, n = ngram_match(tokens, self.min_n, self.max_n, k, corpus)
                 out.append(Proposal(chain.tolist(), None, key=n))  # longer matches draft better
         return out
 
@@ -183,12 +251,5 @@ class NgramProposer:
 
     def release(self, seq: SequenceView) -> None:
         """A finished (or aborted) request joins the corpus; the oldest leave it past corpus_tokens."""
-        if not self.corpus_tokens:
-            return
-        tokens = seq.token_array()
-        doc = np.append(tokens[max(0, tokens.size - self.corpus_tokens + 1):], SEP).astype(np.int64)
-        self._docs.append(doc)
-        self._held += doc.size
-        while self._held > self.corpus_tokens:
-            self._held -= self._docs.popleft().size
-        self.corpus = np.concatenate(self._docs) if self._docs else np.empty(0, dtype=np.int64)
+        if self.corpus is not None:
+            self.corpus.add(seq.token_array())
