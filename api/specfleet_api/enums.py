@@ -106,6 +106,10 @@ DTYPE_CHOICES: tuple[str, ...] = SERVED_DTYPES + tuple(a for a, d in DTYPE_ALIAS
 TREE_BRANCHING_MAX, TREE_DEPTH_MAX = 8, 16
 #: The branching cap when the spec sets none (the CRD's default, checked by a test).
 DEFAULT_TREE_BRANCHING = 1
+#: draft.ngram.corpusTokens: tokens of recently finished requests the n-gram drafter also searches
+#: (0: only the request's own context); the CRD's bounds and default, checked by a test.
+NGRAM_CORPUS_TOKENS_MAX = 262144
+DEFAULT_NGRAM_CORPUS_TOKENS = 0
 
 
 def not_served(kind: str, value: object, served: tuple[object, ...]) -> str:

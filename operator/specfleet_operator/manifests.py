@@ -216,9 +216,13 @@ def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetStat
     guard = (k.get("latencyGuard") or {}).get("maxSlowdownPercent")
     if guard is not None:  # absent: off, and the file (its hash, the pods) as before the field existed
         speculation["latencyGuard"] = {"maxSlowdownPercent": guard}
+    draft_json = {"method": draft["method"], "uri": draft.get("uri")}
+    corpus = (draft.get("ngram") or {}).get("corpusTokens") or 0
+    if corpus:  # 0: the context only, and the file (its hash, the pods) as before the field existed
+        draft_json["ngram"] = {"corpusTokens": corpus}
     return {
         "model": {"name": model["name"], "uri": model["uri"], "tokenizer": model.get("tokenizer")},
-        "draft": {"method": draft["method"], "uri": draft.get("uri")},
+        "draft": draft_json,
         "speculation": speculation,
         "routing": {"default": routing.get("default", draft["method"]),
                     "byPromptType": dict(routing.get("byPromptType", {}))},

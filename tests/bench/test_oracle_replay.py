@@ -29,10 +29,12 @@ def test_replay_reproduces_the_recording_and_counts_steps(replay_mod):
     assert n == sum(len(r["output"]) - 1 for r in recs[:2])  # both ran to max_tokens
     assert n / steps > 1.5, "extraction copies its prompt: drafts must be accepted"
     assert plain / spec > 1.3
-    # drafts that cost as much as the tokens they could yield are never verified: plain decoding
+    # drafts that cost as much as the tokens they could yield are not verified: plain decoding,
+    # but for the K policy's probes (one draft token every probe_every idle steps, so alpha can recover)
     costly = {i + 1: float(i + 1) for i in range(12)}
     n, spec, plain, steps = replay_mod.replay(recs, costly)["extraction"]
-    assert steps == n and spec == plain
+    probes = n // 32 + 2
+    assert n - probes <= steps <= n and plain <= spec <= plain + probes
 
 
 def test_replay_cli_names_a_missing_file(replay_mod, capsys):

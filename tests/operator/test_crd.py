@@ -383,6 +383,34 @@ def test_the_operator_names_a_latency_guard_out_of_bounds_that_got_past_the_sche
     assert problem.field == "spec.canary.overrides.speculation.latencyGuard.maxSlowdownPercent"
 
 
+@pytest.mark.parametrize("where", ["spec.draft.ngram", "spec.canary.overrides.draft.ngram"])
+def test_the_ngram_corpus_is_specfleet_apis_bounds_and_default(where):
+    tokens = _node(where)["properties"]["corpusTokens"]
+    assert (tokens["type"], tokens["minimum"], tokens["maximum"]) == ("integer", 0, enums.NGRAM_CORPUS_TOKENS_MAX)
+    if where == "spec.draft.ngram":  # overrides have no defaults: unset means stable's
+        assert tokens["default"] == enums.DEFAULT_NGRAM_CORPUS_TOKENS
+        assert "ngram" not in defaulted(GOOD)["spec"]["draft"]  # stored objects stay as they were
+    else:
+        assert "default" not in tokens
+
+
+@pytest.mark.parametrize("value", [-1, enums.NGRAM_CORPUS_TOKENS_MAX + 1, "16k", True, 1.5])
+@pytest.mark.parametrize("where", ["spec", "canary"])
+def test_the_schema_rejects_an_ngram_corpus_out_of_bounds_or_not_an_integer(value, where):
+    draft = {"draft": {"method": "ngram", "ngram": {"corpusTokens": value}}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(_with(draft if where == "spec" else {"canary": {"overrides": draft}}))
+    good = {"draft": {"method": "ngram", "ngram": {"corpusTokens": 16384}}}
+    validate_openapi(_with(good if where == "spec" else {"canary": {"overrides": good}}))
+
+
+def test_the_operator_names_an_ngram_corpus_out_of_bounds_that_got_past_the_schema():
+    (problem,) = specs.problems(_with({"draft": {"method": "ngram", "ngram": {"corpusTokens": -1}}})["spec"])
+    assert problem.field == "spec.draft.ngram.corpusTokens" and "between 0 and" in problem.message
+    (problem,) = specs.problems(_with({"canary": {"overrides": {"draft": {"ngram": {"corpusTokens": 10**7}}}}})["spec"])
+    assert problem.field == "spec.canary.overrides.draft.ngram.corpusTokens"
+
+
 def _schema_leaves(node, path=()):
     props = node.get("properties")
     if not props:

@@ -86,6 +86,24 @@ def test_a_canary_may_try_the_latency_guard_and_a_promotion_keeps_it():
     assert m.engine_config(spec(), "stable", promoted)["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
 
 
+def test_the_ngram_corpus_reaches_engine_json_only_when_set_and_a_canary_may_try_it():
+    from specfleet_api.engine_config import EngineConfig
+
+    with_corpus = spec(draft={"method": "ngram", "ngram": {"corpusTokens": 16384}})
+    raw = m.engine_config(with_corpus, "stable")
+    assert raw["draft"] == {"method": "ngram", "uri": None, "ngram": {"corpusTokens": 16384}}
+    assert EngineConfig.from_dict(raw).ngram_corpus_tokens == 16384  # the worker reads what the operator wrote
+    # 0 (the CRD's default): engine.json, its hash and the pods exactly as before the field existed
+    assert m.engine_config(spec(draft={"method": "ngram", "ngram": {"corpusTokens": 0}}), "stable")["draft"] == \
+        m.engine_config(spec(), "stable")["draft"] == {"method": "ngram", "uri": None}
+    over = {"draft": {"ngram": {"corpusTokens": 8192}}}
+    cm = m.engine_configmap(SDD, spec(canary={"weight": 1, "overrides": over}))["data"]
+    assert json.loads(cm["engine-canary.json"])["draft"]["ngram"] == {"corpusTokens": 8192}
+    assert "ngram" not in json.loads(cm["engine.json"])["draft"]
+    promoted = m.FleetState(promoted={"overrides": over, "base": {}})
+    assert m.engine_config(spec(), "stable", promoted)["draft"]["ngram"] == {"corpusTokens": 8192}
+
+
 def test_pods_meet_the_restricted_pod_security_standard():
     pod = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True

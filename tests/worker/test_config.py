@@ -109,6 +109,31 @@ def test_a_bad_latency_guard_is_refused_naming_the_key(guard, words):
         EngineConfig.from_dict(raw)
 
 
+@pytest.mark.parametrize("ngram, tokens", [({"corpusTokens": 16384}, 16384), ({"corpusTokens": 0}, 0), ({}, 0),
+                                           (None, 0), ({"corpusTokens": enums.NGRAM_CORPUS_TOKENS_MAX},
+                                                       enums.NGRAM_CORPUS_TOKENS_MAX)])
+def test_the_ngram_corpus_is_a_token_count_and_absent_means_none(ngram, tokens):
+    raw = contract_example()
+    raw["draft"] = {"method": "ngram"} | ({"ngram": ngram} if ngram is not None else {})
+    cfg = EngineConfig.from_dict(raw)
+    assert cfg.ngram_corpus_tokens == tokens and cfg.problems() == []
+    assert enums.DEFAULT_NGRAM_CORPUS_TOKENS == EngineConfig.ngram_corpus_tokens
+
+
+@pytest.mark.parametrize("ngram, words", [
+    ({"corpusTokens": -1}, f"draft.ngram.corpusTokens must be between 0 and {enums.NGRAM_CORPUS_TOKENS_MAX}, got -1"),
+    ({"corpusTokens": enums.NGRAM_CORPUS_TOKENS_MAX + 1}, "draft.ngram.corpusTokens must be between 0 and"),
+    ({"corpusTokens": "16k"}, "draft.ngram.corpusTokens must be an integer, got '16k'"),
+    ({"corpusTokens": True}, "draft.ngram.corpusTokens must be an integer, got True"),
+    ([1], "draft.ngram must be an object, got [1]"),
+])
+def test_a_bad_ngram_corpus_is_refused_naming_the_key(ngram, words):
+    raw = contract_example()
+    raw["draft"] = {"method": "ngram", "ngram": ngram}
+    with pytest.raises(ValueError, match=re.escape(words)):
+        EngineConfig.from_dict(raw)
+
+
 def test_the_latency_guards_unknown_keys_are_warned_about_and_its_own_are_not(caplog):
     raw = contract_example()
     raw["speculation"] = raw["speculation"] | {"latencyGuard": {"maxSlowdownPercent": 2, "p99": 1}}
@@ -315,9 +340,11 @@ def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_draf
     from specfleet_worker.main import build_engine
 
     raw = {"model": {"name": "tiny-random"}, "speculation": {"tree": {"branching": 3, "depth": 5},
-                                                             "latencyGuard": {"maxSlowdownPercent": 3}}}
+                                                             "latencyGuard": {"maxSlowdownPercent": 3}},
+           "draft": {"method": "ngram", "ngram": {"corpusTokens": 4096}}}
     engine = build_engine(EngineConfig.from_dict(raw), max_kv_tokens=2048, max_batch_size=2)
     assert engine.k_policy.name == "adaptive"
+    assert engine.proposers["ngram"].corpus.capacity == 4096  # the n-gram corpus reaches the proposer
     assert engine.k_policy.max_slowdown == 0.03  # engine.json's latency guard reaches the policy
     assert (engine.tree_branching, engine.tree_depth) == (3, 5)  # the caps reach the engine
     assert max(engine.costs.seconds) == 2 * (8 + 1)  # max batch x (K_max + 1) rows

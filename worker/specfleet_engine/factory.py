@@ -42,15 +42,16 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
 
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
-                       draft_model: str | None = None, threads: int | None = None, device: str = Device.CPU.value):
+                       draft_model: str | None = None, threads: int | None = None, device: str = Device.CPU.value,
+                       ngram_corpus_tokens: int = 0):
     """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`; `device`
-    as engine.json's (auto: cuda when torch sees a GPU)."""
+    and `ngram_corpus_tokens` as engine.json's (device auto: cuda when torch sees a GPU)."""
     if threads:
         torch.set_num_threads(threads)
     device = device_of(device)
     model = prepare_model(model_name, dtype, quantization, device=device)
     tokenizer = load_tokenizer(model_name)
-    proposers = default_proposers()
+    proposers = default_proposers(ngram_corpus_tokens)
     if draft_model:
         draft_class = proposer_class(Method.DRAFT_MODEL)
         draft_class.check_tokenizers(tokenizer, load_tokenizer(draft_model))

@@ -147,13 +147,14 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     if TINY_MODEL in (cfg.model_name, cfg.model_uri):
         from specfleet_engine.testing import CharTokenizer, tiny_model
 
-        model, tokenizer, proposers = tiny_model(seed=0, scale=4.0), CharTokenizer(), default_proposers()
+        model, tokenizer = tiny_model(seed=0, scale=4.0), CharTokenizer()
+        proposers = default_proposers(cfg.ngram_corpus_tokens)
     else:
         from specfleet_engine.factory import build_engine_parts
 
         draft = cfg.draft_uri if cfg.draft_method == Method.DRAFT_MODEL else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
-                                                         device=cfg.device)
+                                                         device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
                     tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, max_slowdown=cfg.max_slowdown)
     k_max = max(cfg.k_max, 8)

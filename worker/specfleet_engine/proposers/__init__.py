@@ -20,9 +20,10 @@ def proposer_class(method: str) -> type:
     raise ValueError(f"no proposer for draft method {method!r}; proposers exist for {', '.join(SPECULATIVE_METHODS)}")
 
 
-def default_proposers() -> dict[str, Proposer]:
-    """The proposers that need no model of their own (today: n-gram), keyed by method name."""
-    return {Method.NGRAM.value: NgramProposer()}
+def default_proposers(ngram_corpus_tokens: int = 0) -> dict[str, Proposer]:
+    """The proposers that need no model of their own (today: n-gram), keyed by method name;
+    ngram_corpus_tokens: engine.json's draft.ngram.corpusTokens."""
+    return {Method.NGRAM.value: NgramProposer(corpus_tokens=ngram_corpus_tokens)}
 
 
 __all__ = ["NgramProposer", "Proposal", "Proposer", "SequenceView", "default_proposers", "ngram_propose",
