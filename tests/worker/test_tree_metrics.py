@@ -8,6 +8,7 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specfleet_engine.proposers import default_proposers
 from specfleet_worker.testing import TINY, pb, running_worker, tiny_engine, wait_idle
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: n-gram drafts from the first steps
@@ -62,3 +63,14 @@ def test_the_gauge_reads_the_branching_verified_not_the_cap():
         serve()
         assert r.stats().num_drafts > drafts
         assert 1.0 < branch_factor(r) < 2.0
+
+
+def test_get_config_reports_the_latency_guard_the_corpus_and_the_device_the_engine_runs():
+    engine = tiny_engine(proposers=default_proposers(ngram_corpus_tokens=4096), k_policy="adaptive",
+                         max_slowdown=0.03)
+    with running_worker(engine) as r:
+        cfg = r.admin.GetConfig(pb.GetConfigRequest())
+        assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens, cfg.device) == (3, 4096, "cpu")
+    with running_worker() as r:  # the defaults: no guard, no corpus
+        cfg = r.admin.GetConfig(pb.GetConfigRequest())
+        assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens) == (0, 0)

@@ -337,13 +337,17 @@ class AdminServicer(pb_grpc.AdminServicer):
 
     def _config(self, w: Worker) -> pb.WorkerConfig:
         s = w.live.settings
+        guard = getattr(w.engine.k_policy, "max_slowdown", None)
+        corpus = getattr(w.engine.proposers.get(Method.NGRAM.value), "corpus", None)
         return pb.WorkerConfig(
             model=w.model_name, quantization=w.quantization, role=w.role, speculation_enabled=s.speculation_enabled,
             default_speculate=s.default_speculate,
             k_min=s.k_min, k_max=s.k_max, k_initial=s.k_initial, k_policy=s.k_policy, default_method=s.default_method,
             method_by_prompt_type=s.by_prompt_type, methods=w.live.methods,
             max_batch_size=w.scheduler.max_batch_size, max_queue=w.scheduler.max_queue,
-            max_tokens_limit=w.max_tokens_limit, context_length=w.engine.max_len, tree_branching=w.tree_branching)
+            max_tokens_limit=w.max_tokens_limit, context_length=w.engine.max_len, tree_branching=w.tree_branching,
+            latency_guard_percent=round(guard * 100) if guard else 0, ngram_corpus_tokens=corpus.capacity if corpus else 0,
+            device=str(w.engine.device))
 
     def GetConfig(self, request, context):
         return self._config(self._worker(context))
