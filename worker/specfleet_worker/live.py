@@ -131,13 +131,14 @@ class LiveStateFollower:
                 self.in_sync = False
                 self._report("live state: cannot apply it", raw, logging.ERROR, error=str(e))
                 return False
-            if state.version < self.version:
+            previous, self.version = self.version, state.version
+            self._synced()  # Redis's state is in force from here: staleness 0 as soon as it applies
+            if state.version < previous:
                 log.warning("live state: the version went back; applying it as Redis has it",
-                            extra={"key": self.key, "from": self.version, "to": state.version})
+                            extra={"key": self.key, "from": previous, "to": state.version})
             log.info("live state applied", extra={"key": self.key, "version": state.version, "arm": self.arm,
                                                   "speculate": state.speculate,
                                                   "k": str(state.k.get(self.arm, "unchanged"))})
-            self.version = state.version
         self._reported = None
         self._synced()
         return True
