@@ -36,7 +36,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=None, help="fixed draft length (default: the engine's adaptive K)")
     p.add_argument("--tree-branching", type=int, default=4, help="children a node may have in METHOD-tree configs")
-    p.add_argument("--corpus-tokens", type=int, default=16384,
+    p.add_argument("--corpus-tokens", type=int, default=CORPUS_TOKENS,
                    help="the n-gram corpus of METHOD-corpus configs: tokens of the earlier questions each such "
                         "config searches (its own: never another config's answer to the same question)")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
@@ -80,6 +80,7 @@ PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + 
 #: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens)
 METHODS = (Method.NONE.value, Method.NGRAM.value)
 TREE, CORPUS = "-tree", "-corpus"
+CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 HF_METHODS = ("plain", "lookup")
 BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
 
@@ -114,7 +115,7 @@ class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
-                 tree_branching: int = 4, corpus_tokens: int = 16384):
+                 tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -162,8 +163,9 @@ class Runner:
         engine = self.engines[prec]
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
         corpus = method.removesuffix(TREE).endswith(CORPUS)
-        engine.proposers[Method.NGRAM.value] = self.proposers.setdefault(
-            (prec, method), NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0))
+        if (prec, method) not in self.proposers:
+            self.proposers[prec, method] = NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0)
+        engine.proposers[Method.NGRAM.value] = self.proposers[prec, method]
         method = method.removesuffix(TREE).removesuffix(CORPUS)
         params = SamplingParams(max_tokens=self.max_tokens)
         k = self.k if self.k is not None else engine.default_k
@@ -307,7 +309,7 @@ def run_bench(args) -> int:
                   f"max {args.max_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
     with console.status("loading models"):
         runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
-                        getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", 16384))
+                        getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS))
         bandwidth = memory_bandwidth_gbs()
     # warm-up: first calls pay for allocation and kernel selection
     warm = runner.tokenizer.chat("Say hello.")

@@ -23,9 +23,11 @@ from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.sampling import SamplingParams
 
+from .spec_bench import CORPUS_TOKENS
+
 RECORDED = Path(__file__).resolve().parents[2] / "docs" / "bench" / "smollm2-dev-greedy-outputs.jsonl"
 #: name -> (tree branching cap, n-gram corpus tokens)
-CONFIGS = {"chain": (1, 0), "tree": (4, 0), "chain+corpus": (1, 16384), "tree+corpus": (4, 16384)}
+CONFIGS = {"chain": (1, 0), "tree": (4, 0), "chain+corpus": (1, CORPUS_TOKENS), "tree+corpus": (4, CORPUS_TOKENS)}
 
 
 def breakdown(engine: Engine, prompts: list[list[int]], max_tokens: int = 128, k: int = 8,

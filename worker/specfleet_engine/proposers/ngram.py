@@ -15,11 +15,9 @@ from __future__ import annotations
 from collections import deque
 
 import numpy as np
-
 from specfleet_api.enums import Method
 
 from .base import Proposal, SequenceView
-
 
 SEP = -1  # ends each request in a corpus; never a token, so no match spans it
 _MULT = np.random.default_rng(0x5eed).integers(1, 2**62, 64, dtype=np.uint64) | np.uint64(1)  # n-gram hash
@@ -103,10 +101,15 @@ def _hits(tokens: np.ndarray, n: int, corpus: Corpus | None) -> np.ndarray:
     return np.concatenate([corpus.find(pattern), own]) if base else own
 
 
-def ngram_match(tokens: np.ndarray, min_n: int, max_n: int, k: int,
+def _text(context: np.ndarray, corpus: Corpus | None) -> np.ndarray:
+    """What the matches are searched in: the corpus's tokens, then the context."""
+    return np.concatenate([corpus.tokens, context]) if corpus is not None and corpus.size else context
+
+
+def ngram_match(context: np.ndarray, min_n: int, max_n: int, k: int,
                 corpus: Corpus | None = None) -> tuple[np.ndarray, int]:
-    """`ngram_propose`'s draft and the length n of the match it came from (0: none). With a
-    corpus, `tokens` is the corpus's tokens followed by the context."""
+    """`ngram_propose`'s draft and the length n of the match it came from (0: none)."""
+    tokens = _text(context, corpus)
     for n in range(_longest(tokens, max_n, corpus), min_n - 1, -1):
         hits = _hits(tokens, n, corpus)
         if hits.size == 1:
@@ -141,7 +144,7 @@ def _vote(tokens: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(draft, dtype=np.int64)
 
 
-def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int, branching: int,
+def ngram_tree(context: np.ndarray, min_n: int, max_n: int, k: int, branching: int,
                max_nodes: int = 64, max_matches: int = 32,
                corpus: Corpus | None = None) -> tuple[list[int], list[int], int]:
     """A draft tree from the distinct continuations of every earlier match of the context's tail.
@@ -156,6 +159,7 @@ def ngram_tree(tokens: np.ndarray, min_n: int, max_n: int, k: int, branching: in
     >>> ngram_tree(np.array([1, 2, 8, 3, 1, 2, 9, 4, 1, 2]), 1, 2, k=2, branching=2)
     ([9, 4, 8, 3], [-1, 0, -1, 2], 2)
     """
+    tokens = _text(context, corpus)
     starts: list[tuple[int, int]] = []  # (start of a continuation, n of its match)
     best_n = 0
     for n in range(_longest(tokens, max_n, corpus), min_n - 1, -1):
@@ -235,14 +239,12 @@ class NgramProposer:
             if k <= 0:
                 out.append(Proposal([], None))
                 continue
-            tokens, corpus = seq.token_array(), self.corpus
-            if corpus is not None and corpus.size:
-                tokens = np.concatenate([corpus.tokens, tokens])
             if width > 1:
-                draft, parents, n = ngram_tree(tokens, self.min_n, self.max_n, k, width, corpus=corpus)
+                draft, parents, n = ngram_tree(seq.token_array(), self.min_n, self.max_n, k, width,
+                                               corpus=self.corpus)
                 out.append(Proposal(draft, None, key=n, parents=parents))
             else:
-                chain, n = ngram_match(tokens, self.min_n, self.max_n, k, corpus)
+                chain, n = ngram_match(seq.token_array(), self.min_n, self.max_n, k, self.corpus)
                 out.append(Proposal(chain.tolist(), None, key=n))  # longer matches draft better
         return out
 
