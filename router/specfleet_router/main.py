@@ -77,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"{cl.DEFAULT_MAX_CLUSTERS})")
     g.add_argument("--cluster-similarity", type=float,
                    default=os.environ.get("SPECFLEET_CLUSTER_SIMILARITY", str(cl.DEFAULT_THRESHOLD)),
-                   help="cosine similarity a prompt needs to join a cluster rather than open one while under "
+                   help="mean cosine similarity to a cluster's members a prompt needs to join it rather than open one while under "
                         f"--max-clusters (default $SPECFLEET_CLUSTER_SIMILARITY, else {cl.DEFAULT_THRESHOLD})")
     g.add_argument("--fleet-window-seconds", type=float,
                    default=os.environ.get("SPECFLEET_FLEET_WINDOW_S", str(cl.DEFAULT_WINDOW_S)),

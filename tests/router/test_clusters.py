@@ -76,3 +76,30 @@ def test_a_five_percent_probe_share_probes_five_percent_of_a_fallen_back_types_r
     mirror = [draw(f"req-{i}", "mirror") < 5.0 for i in range(n)]
     both = sum(m and probe for m, (_, probe) in zip(mirror, routes))
     assert both < 3 * n * p * p + 10  # independent draws: about 0.25% are both
+
+
+def test_a_grown_cluster_does_not_absorb_another_kind_sharing_its_template():
+    """Finnish requests to translate never join the German translation cluster, whatever the arrival
+    order, however large the German cluster grew first. (Judged by the cosine to the cluster's mean,
+    a big cluster scores everything higher: it absorbed the Finnish prompts in most orders, and the
+    alpha-collapse episode's Finnish cluster then never fell back.)"""
+    from specfleet_bench.alpha_collapse import ood_prompt
+    from specfleet_bench.questions import default_questions, load_questions
+    from specfleet_router.classify import classify
+
+    german = [q["turns"][0] for q in load_questions(default_questions())
+              if classify(q["turns"][0]).value == "translation" and "German" in q["turns"][0]]
+    assert len(german) >= 20
+    for seed in range(12):
+        rng = random.Random(seed)
+        clusters = Clusters("r0")
+        learned: dict[str, set[str]] = {"german": set(), "finnish": set()}
+        for _ in range(rng.randint(20, 80)):  # the type's usual traffic first
+            learned["german"].add(clusters.assign("translation", rng.choice(german)))
+        for _ in range(120):
+            if rng.random() < 0.3:
+                learned["finnish"].add(clusters.assign("translation", ood_prompt(rng)))
+            else:
+                learned["german"].add(clusters.assign("translation", rng.choice(german)))
+        assert not learned["german"] & learned["finnish"], (seed, learned)
+        assert len(learned["finnish"]) <= 2, (seed, learned)
