@@ -22,6 +22,7 @@ from .enums import (
     QUANTIZATIONS, SERVED_DEVICES, SERVED_DTYPES, SERVED_K_POLICIES, SERVED_METHODS, SERVED_QUANTIZATIONS,
     SERVED_URI_SCHEMES, TREE_BRANCHING_MAX, TREE_DEPTH_MAX, URI_SCHEMES, Device, Dtype, KPolicy, Method, Quantization, UriScheme, not_served,
 )
+from .tree_shape import Shape, shape_problems
 
 log = logging.getLogger("specfleet.api")
 
@@ -43,7 +44,7 @@ _KNOWN = {
     "draft": {"method", "uri", "ngram"},
     "draft.ngram": {"corpusTokens"},
     "speculation": {"kMin", "kMax", "kInitial", "kPolicy", "tree", "latencyGuard"},
-    "speculation.tree": {"branching", "depth"},
+    "speculation.tree": {"branching", "depth", "choices"},
     "speculation.latencyGuard": {"maxSlowdownPercent"},
     "routing": {"default", "byPromptType"},
 }
@@ -143,6 +144,7 @@ class EngineConfig:
     k_policy: str = KPolicy.ADAPTIVE.value
     tree_branching: int = DEFAULT_TREE_BRANCHING  # caps on each step's draft tree (enums)
     tree_depth: int = 0
+    tree_choices: Shape = ()  # a static tree shape under the caps (specfleet_api.tree_shape); (): none
     # the adaptive policy's latency guard: a sequence's expected seconds per token at most this
     # fraction above plain decoding's (maxSlowdownPercent / 100); None: off
     max_slowdown: float | None = None
@@ -185,7 +187,8 @@ class EngineConfig:
             k_initial=integer(spec, "kInitial", cls.k_initial, "speculation"),
             k_policy=spec.get("kPolicy", cls.k_policy),
             tree_branching=integer(tree, "branching", cls.tree_branching, "speculation.tree"),
-            tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"), max_slowdown=slowdown,
+            tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"), tree_choices=_choices(tree),
+            max_slowdown=slowdown,
             ngram_corpus_tokens=integer(ngram, "corpusTokens", cls.ngram_corpus_tokens, "draft.ngram"),
             default_method=routing.get("default", draft_method), by_prompt_type=dict(routes),
             quantization=raw.get("quantization", cls.quantization), dtype=raw.get("dtype", cls.dtype),
@@ -239,6 +242,8 @@ class EngineConfig:
                                         ("speculation.tree.depth", self.tree_depth, 0, TREE_DEPTH_MAX)):
             if not low <= value <= high:
                 out.append(Problem(where, f"{where} must be between {low} and {high}, got {value}"))
+        out += [Problem("speculation.tree.choices", p)
+                for p in shape_problems(self.tree_choices, self.tree_branching, self.tree_depth)]
         if not 0 <= self.ngram_corpus_tokens <= NGRAM_CORPUS_TOKENS_MAX:
             where = "draft.ngram.corpusTokens"
             out.append(Problem(where, f"{where} must be between 0 and {NGRAM_CORPUS_TOKENS_MAX}, "
@@ -290,6 +295,21 @@ class EngineConfig:
                 out.append(Problem("draft.uri", f"no weights here: no file at {uri_path(self.draft_uri)} (a draft "
                                                 "model is not looked up in the model cache)", MISSING))
         return out
+
+
+def _choices(tree: dict) -> Shape:
+    """speculation.tree.choices as a shape: a list of paths, each a list of integers; absent or
+    null is no shape. Its values are judged by `problems`."""
+    where = "engine.json: speculation.tree.choices"
+    raw = tree.get("choices")
+    if raw is None:
+        return ()
+    if not isinstance(raw, list):
+        raise ValueError(f"{where} must be a list of paths (lists of sibling ranks), got {raw!r}")
+    for i, path in enumerate(raw):
+        if not isinstance(path, list) or not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+            raise ValueError(f"{where}[{i}] must be a list of integers (sibling ranks), got {path!r}")
+    return tuple(tuple(path) for path in raw)
 
 
 def _candidates(uri: str, cache: Path | None) -> list[Path]:

@@ -4,7 +4,7 @@ import ast
 import doctest
 import pathlib
 
-from specfleet_api import engine_config, enums
+from specfleet_api import engine_config, enums, tree_shape
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 PACKAGES = ["api", "cli", "operator", "proto", "worker", "bench"]
@@ -16,7 +16,7 @@ KNOWN: set[str] = set()
 
 
 def test_the_docstrings_hold():
-    for module in (enums, engine_config):
+    for module in (enums, engine_config, tree_shape):
         assert doctest.testmod(module).failed == 0
 
 

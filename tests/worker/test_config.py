@@ -31,6 +31,7 @@ def test_the_contracts_example_parses():
     cfg = EngineConfig.from_dict(contract_example())
     assert (cfg.model_name, cfg.draft_method, cfg.k_min, cfg.k_max, cfg.k_initial) == ("smollm2-135m", "ngram", 0, 8, 4)
     assert cfg.by_prompt_type == {"code": "ngram", "chat": "draft-model"} and cfg.role == "stable"
+    assert (cfg.tree_branching, cfg.tree_choices) == (3, ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)))
 
 
 def test_the_operators_engine_json_parses():
@@ -143,6 +144,75 @@ def test_the_latency_guards_unknown_keys_are_warned_about_and_its_own_are_not(ca
     assert "maxSlowdownPercent" not in caplog.text
 
 
+MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def with_tree(tree: object) -> dict:
+    raw = contract_example()
+    raw["speculation"] = raw["speculation"] | {"tree": tree}
+    return raw
+
+
+@pytest.mark.parametrize("tree, shape", [
+    ({"branching": 3, "choices": MEDUSA}, tuple(map(tuple, MEDUSA))),
+    ({"branching": 1, "depth": 2, "choices": [[0], [0, 0]]}, ((0,), (0, 0))),
+    ({"branching": 3, "choices": []}, ()), ({"branching": 3, "choices": None}, ()), ({"branching": 3}, ()),
+])
+def test_tree_choices_are_a_tuple_of_paths_and_absent_means_no_shape(tree, shape):
+    cfg = EngineConfig.from_dict(with_tree(tree))
+    assert cfg.tree_choices == shape and cfg.problems() == []
+    assert EngineConfig.tree_choices == ()
+
+
+@pytest.mark.parametrize("choices, words", [
+    ([[0], [1, 0]], "speculation.tree.choices[1] [1, 0]: its prefix [1] is not listed"),
+    ([[0], [2]], "speculation.tree.choices[1] [2]: its sibling [1] is not listed"),
+    ([[0], [1], [2], [3]], "speculation.tree.choices[3] [3]: rank 3 is not below speculation.tree.branching (3)"),
+    ([[0], [0, 0], [0, 0, 0]], "speculation.tree.choices[2] [0, 0, 0]: 3 ranks, longer than speculation.tree.depth (2)"),
+    ([[0], [0]], "speculation.tree.choices[1] [0]: listed twice (first as speculation.tree.choices[0])"),
+    ([[0], [8]], "speculation.tree.choices[1] [8]: rank 8 is not between 0 and 7"),
+    ([[0], []], "speculation.tree.choices[1] []: a path holds 1 to 16 ranks, got 0"),
+    ([[0]] * 65, "speculation.tree.choices holds at most 64 paths, got 65"),
+])
+def test_a_bad_tree_shape_is_refused_naming_the_path(choices, words):
+    with pytest.raises(ValueError, match=re.escape(f"speculation.tree.choices: {words}")):
+        EngineConfig.from_dict(with_tree({"branching": 3, "depth": 2, "choices": choices}))
+    problems = EngineConfig.from_dict(with_tree({"branching": 3, "depth": 2, "choices": choices}), check=False).problems()
+    assert {p.field for p in problems} == {"speculation.tree.choices"} and {p.reason for p in problems} == {"InvalidSpec"}
+
+
+@pytest.mark.parametrize("choices, words", [
+    (5, "speculation.tree.choices must be a list of paths (lists of sibling ranks), got 5"),
+    ({"0": [0]}, "speculation.tree.choices must be a list of paths (lists of sibling ranks), got {'0': [0]}"),
+    ([[0], 1], "speculation.tree.choices[1] must be a list of integers (sibling ranks), got 1"),
+    ([[0], [0, "1"]], "speculation.tree.choices[1] must be a list of integers (sibling ranks), got [0, '1']"),
+    ([[True]], "speculation.tree.choices[0] must be a list of integers (sibling ranks), got [True]"),
+    ([[0.0]], "speculation.tree.choices[0] must be a list of integers (sibling ranks), got [0.0]"),
+])
+def test_tree_choices_of_the_wrong_type_are_refused_naming_the_field(choices, words):
+    with pytest.raises(ValueError, match=re.escape(f"engine.json: {words}")):
+        EngineConfig.from_dict(with_tree({"branching": 3, "choices": choices}), check=False)
+
+
+def test_tree_choices_are_known_keys(caplog):
+    with caplog.at_level(logging.WARNING, logger="specfleet.api"):
+        EngineConfig.from_dict(with_tree({"branching": 3, "choices": MEDUSA}))
+    assert "choices" not in caplog.text
+
+
+def test_check_config_refuses_a_bad_tree_shape_and_names_a_good_one(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(with_tree({"branching": 3, "choices": [[0], [1, 0]]})))
+    assert serve_main(["--check-config", str(bad), "--skip-files"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.splitlines() == [
+        f"{bad}: speculation.tree.choices: speculation.tree.choices[1] [1, 0]: its prefix [1] is not listed"]
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(with_tree({"branching": 3, "choices": MEDUSA})))
+    assert serve_main(["--check-config", str(good), "--skip-files"]) == 0
+    assert capsys.readouterr().out.endswith("kPolicy adaptive, tree choices 7 nodes\n")
+
+
 @pytest.mark.parametrize("patch, field, value, served", [
     ({"draft": {"method": "eagle", "uri": "/m/eagle"}}, "draft.method", "eagle", enums.SERVED_METHODS),
     ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "draft.method", "medusa", enums.SERVED_METHODS),
@@ -180,13 +250,13 @@ def test_check_config_says_ok_in_one_line_or_each_reason_and_exits_2(tmp_path, c
     assert serve_main(["--check-config", str(good)]) == 0
     out, err = capsys.readouterr()
     assert out == f"OK {good}: model t ({tmp_path / 'target.gguf'}), draft ngram, quantization none, dtype auto, " \
-                  "kPolicy adaptive\n" and err == ""
+                  "kPolicy adaptive, tree choices 7 nodes\n" and err == ""
     guarded = tmp_path / "guarded.json"
     raw = json.loads(good.read_text())
     raw["speculation"] = raw["speculation"] | {"latencyGuard": {"maxSlowdownPercent": 2}}
     guarded.write_text(json.dumps(raw))
     assert serve_main(["--check-config", str(guarded), "--skip-files"]) == 0
-    assert capsys.readouterr().out.endswith("kPolicy adaptive, latency guard 2%\n")
+    assert capsys.readouterr().out.endswith("kPolicy adaptive, latency guard 2%, tree choices 7 nodes\n")
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps(contract_example() | {"quantization": "fp8", "dtype": "float16"}))
     assert serve_main(["--check-config", str(bad), "--skip-files"]) == 2

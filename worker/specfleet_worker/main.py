@@ -95,8 +95,9 @@ def check_config(path: str, *, files: bool = True) -> int:
         return 2
     weights = cfg.target_weights(model_cache()) if files else "weights not checked: --skip-files"
     guard = f", latency guard {cfg.max_slowdown * 100:g}%" if cfg.max_slowdown is not None else ""
+    shape = f", tree choices {len(cfg.tree_choices)} nodes" if cfg.tree_choices else ""
     print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}, "
-          f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}{guard}")
+          f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}{guard}{shape}")
     return 0
 
 
