@@ -213,6 +213,9 @@ def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetStat
     routing = spec.get("routing") or {}
     speculation = {"kMin": k["kMin"], "kMax": k["kMax"], "kInitial": k["kInitial"], "kPolicy": k["kPolicy"],
                    "tree": {"branching": k["tree"]["branching"], "depth": k["tree"]["depth"]}}
+    choices = k["tree"].get("choices")
+    if choices:  # absent or []: no static shape, and the file (its hash, the pods) as before the field existed
+        speculation["tree"]["choices"] = choices  # as the spec wrote it: engine.json's reader judges it
     guard = (k.get("latencyGuard") or {}).get("maxSlowdownPercent")
     if guard is not None:  # absent: off, and the file (its hash, the pods) as before the field existed
         speculation["latencyGuard"] = {"maxSlowdownPercent": guard}

@@ -177,6 +177,17 @@ BAD = {
                                               "rise above canary.weight"),
     "route for an unknown prompt type": ({"routing": {"byPromptType": {"poetry": "ngram"}}},
                                          "routing.byPromptType keys must be prompt types"),
+    "tree rank past branching": ({"speculation": {"tree": {"branching": 2, "choices": [[0], [1], [2]]}}},
+                                 "is not below speculation.tree.branching"),
+    "tree path past depth": ({"speculation": {"tree": {"branching": 2, "depth": 1, "choices": [[0], [0, 0]]}}},
+                             "longer than speculation.tree.depth"),
+    "tree path twice": ({"speculation": {"tree": {"branching": 2, "choices": [[0], [1], [0]]}}}, "listed twice"),
+    "canary tree rank past branching": ({"canary": {"overrides": {"speculation": {"tree": {
+        "branching": 1, "choices": [[0], [1]]}}}}}, "is not below speculation.tree.branching"),
+    "canary tree path past depth": ({"canary": {"overrides": {"speculation": {"tree": {
+        "depth": 2, "choices": [[0], [0, 0], [0, 0, 0]]}}}}}, "longer than speculation.tree.depth"),
+    "canary tree path twice": ({"canary": {"overrides": {"speculation": {"tree": {"choices": [[0], [0]]}}}}},
+                               "listed twice"),
 }
 
 
@@ -344,6 +355,90 @@ def test_trees_are_served_for_every_method_up_to_the_caps(method, branching):
             validate_openapi(_with({"draft": draft, "speculation": {"tree": {**tree, **over}}}))
 
 
+MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+@pytest.mark.parametrize("where", ["spec.speculation.tree", "spec.canary.overrides.speculation.tree"])
+def test_a_tree_shape_is_specfleet_apis_bounds_with_no_default(where):
+    from specfleet_api.tree_shape import TREE_CHOICE_LENGTH_MAX, TREE_CHOICE_RANK_MAX, TREE_CHOICES_MAX
+
+    choices = _node(where)["properties"]["choices"]
+    path, rank = choices["items"], choices["items"]["items"]
+    assert (choices["type"], choices["maxItems"], path["type"], path["minItems"], path["maxItems"]) == \
+        ("array", TREE_CHOICES_MAX, "array", 1, TREE_CHOICE_LENGTH_MAX)
+    assert (rank["type"], rank["minimum"], rank["maximum"]) == ("integer", 0, TREE_CHOICE_RANK_MAX)
+    assert "default" not in choices and "choices" not in defaulted(GOOD)["spec"]["speculation"]["tree"]
+    if where == "spec.speculation.tree":  # says what a path means, and that absent is today's adaptive tree
+        assert "[0, 2] the third child of" in choices["description"] and "Absent or empty" in choices["description"]
+
+
+@pytest.mark.parametrize("choices", [
+    [[0], [8]], [[0], [-1]], [[0], []], [[0] * 17], [[0]] * 65, [[0], ["1"]], [[0], [True]], [0], [[0.5]], "[[0]]"])
+@pytest.mark.parametrize("where", ["spec", "canary"])
+def test_the_schema_rejects_a_tree_shape_out_of_bounds_or_of_the_wrong_type(choices, where):
+    tree = {"speculation": {"tree": {"branching": 8, "choices": choices}}}
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(_with(tree if where == "spec" else {"canary": {"overrides": tree}}))
+
+
+def test_a_medusa_shape_passes_schema_cel_and_operator_in_the_spec_and_the_canary():
+    doc = _with({"speculation": {"tree": {"branching": 3, "depth": 3, "choices": MEDUSA}},
+                 "canary": {"overrides": {"speculation": {"tree": {"branching": 2, "choices": [[0], [1], [0, 0]]}}}}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    full = [[r] for r in range(8)] + [[p, r] for p in range(7) for r in range(8)]  # the most the schema allows
+    doc = _with({"speculation": {"tree": {"branching": 8, "choices": full}}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+
+
+@pytest.mark.parametrize("over, field, message", [
+    ({"speculation": {"tree": {"branching": 2, "choices": [[0], [1, 0]]}}}, "spec.speculation.tree.choices",
+     "speculation.tree.choices[1] [1, 0]: its prefix [1] is not listed"),
+    ({"speculation": {"tree": {"branching": 3, "choices": [[0], [2]]}}}, "spec.speculation.tree.choices",
+     "speculation.tree.choices[1] [2]: its sibling [1] is not listed (siblings are tried in rank order)"),
+    ({"canary": {"overrides": {"speculation": {"tree": {"branching": 2, "choices": [[0, 0]]}}}}},
+     "spec.canary.overrides.speculation.tree.choices", "speculation.tree.choices[0] [0, 0]: its prefix [0] is not listed"),
+    # stable's shape under a branching the canary lowers: only their combination is wrong
+    ({"speculation": {"tree": {"branching": 3, "choices": MEDUSA}},
+      "canary": {"overrides": {"speculation": {"tree": {"branching": 2}}}}}, "spec.canary.overrides",
+     "speculation.tree.choices[2] [2]: rank 2 is not below speculation.tree.branching (2) (with the overrides)"),
+    # the canary's shape under stable's branching, which CEL cannot see from the overrides
+    ({"canary": {"overrides": {"speculation": {"tree": {"choices": [[0], [1]]}}}}},
+     "spec.canary.overrides.speculation.tree.choices",
+     "speculation.tree.choices[1] [1]: rank 1 is not below speculation.tree.branching (1)"),
+])
+def test_the_operator_names_a_tree_shape_that_cel_cannot_judge(over, field, message):
+    """Prefix-closed and sibling-contiguous are engine_config's to judge (and a shape under the
+    caps the canary inherits): the API server takes it, the operator holds it at Ready=False."""
+    doc = _with(over)
+    validate_openapi(doc)
+    assert cel_failures(doc) == []
+    assert specs.problems(doc["spec"]) == [specs.Problem(field, message)]
+
+
+def _closed(paths):
+    """`paths` with every proper prefix and every lower sibling added: a valid shape's nodes."""
+    out = set()
+    for path in paths:
+        for n in range(1, len(path) + 1):
+            out |= {tuple(path[:n - 1]) + (r,) for r in range(path[n - 1] + 1)}
+    return [list(p) for p in sorted(out, key=lambda p: (len(p), p))]
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.lists(st.integers(0, 4), min_size=1, max_size=4), min_size=1, max_size=5),
+       st.integers(1, 5), st.integers(0, 4), st.booleans(), st.booleans())
+def test_cel_and_the_operator_agree_on_a_closed_tree_shape(drawn, branching, depth, twice, canary):
+    """A prefix-closed, sibling-contiguous shape breaks only the rules CEL checks (ranks, depth,
+    a path twice): CEL and the operator then refuse exactly the same shapes."""
+    choices = _closed(drawn) + drawn[:1] * twice
+    tree = {"speculation": {"tree": {"branching": branching, "depth": depth, "choices": choices}}}
+    doc = _with({"canary": {"overrides": tree}} if canary else tree)
+    validate_openapi(doc)
+    assert (cel_failures(doc) == []) == (specs.problems(doc["spec"]) == [])
+
+
 @pytest.mark.parametrize("where", ["spec.speculation.latencyGuard", "spec.canary.overrides.speculation.latencyGuard"])
 def test_the_latency_guard_is_a_percentage_with_no_default(where):
     """engine.json's bounds, and no default anywhere: absent means the guard is off."""
@@ -424,6 +519,7 @@ def test_every_canary_override_has_a_home_in_the_promotion_record():
     overrides = _schema_leaves(_node("spec.canary.overrides"))
     promoted = SCHEMA["properties"]["status"]["properties"]["canary"]["properties"]["promoted"]["properties"]
     assert ("speculation", "latencyGuard", "maxSlowdownPercent") in overrides
+    assert ("speculation", "tree", "choices") in overrides
     assert _schema_leaves(promoted["overrides"]) == overrides
     assert _schema_leaves(promoted["base"]) == overrides
 

@@ -86,6 +86,49 @@ def test_a_canary_may_try_the_latency_guard_and_a_promotion_keeps_it():
     assert m.engine_config(spec(), "stable", promoted)["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
 
 
+MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+
+
+def test_a_tree_shape_reaches_engine_json_only_when_set():
+    from specfleet_api.engine_config import EngineConfig
+
+    shaped = spec(speculation={"tree": {"branching": 3, "choices": MEDUSA}})
+    raw = m.engine_config(shaped, "stable")
+    assert raw["speculation"]["tree"] == {"branching": 3, "depth": 0, "choices": MEDUSA}
+    assert EngineConfig.from_dict(raw).tree_choices == tuple(map(tuple, MEDUSA))  # the worker reads what was written
+    # absent or []: no shape, and engine.json (its hash: the pods) exactly as before the field existed
+    for unset in ({"branching": 3}, {"branching": 3, "choices": []}):
+        assert m.engine_config(spec(speculation={"tree": unset}), "stable")["speculation"]["tree"] == \
+            {"branching": 3, "depth": 0}
+
+    def pod_hash(s):
+        return m.deployment(SDD, s, "stable", m.Settings())["spec"]["template"]["metadata"]["annotations"][
+            m.ANNOTATION_CONFIG_HASH]
+    assert pod_hash(shaped) != pod_hash(spec(speculation={"tree": {"branching": 3}})) == \
+        pod_hash(spec(speculation={"tree": {"branching": 3, "choices": []}}))
+    assert pod_hash(spec()) == pod_hash(spec(speculation={"tree": {}}))
+
+
+def test_a_canary_may_try_a_tree_shape_or_drop_stables_and_a_promotion_keeps_it():
+    over = {"speculation": {"tree": {"branching": 3, "choices": MEDUSA}}}
+    cm = m.engine_configmap(SDD, spec(canary={"weight": 1, "overrides": over}))["data"]
+    assert json.loads(cm["engine-canary.json"])["speculation"]["tree"] == {"branching": 3, "depth": 0,
+                                                                          "choices": MEDUSA}
+    assert json.loads(cm["engine.json"])["speculation"]["tree"] == {"branching": 1, "depth": 0}
+    # stable's shape under the canary's other caps; [] turns the shape off for the canary alone
+    stable = {"tree": {"branching": 3, "depth": 3, "choices": MEDUSA}}
+    cm = m.engine_configmap(SDD, spec(speculation=stable, canary={"weight": 1, "overrides": {
+        "speculation": {"tree": {"depth": 4}}}}))["data"]
+    assert json.loads(cm["engine-canary.json"])["speculation"]["tree"] == {"branching": 3, "depth": 4,
+                                                                          "choices": MEDUSA}
+    cm = m.engine_configmap(SDD, spec(speculation=stable, canary={"weight": 1, "overrides": {
+        "speculation": {"tree": {"choices": []}}}}))["data"]
+    assert json.loads(cm["engine-canary.json"])["speculation"]["tree"] == {"branching": 3, "depth": 3}
+    assert json.loads(cm["engine.json"])["speculation"]["tree"]["choices"] == MEDUSA
+    promoted = m.FleetState(promoted={"overrides": over, "base": {}})
+    assert m.engine_config(spec(), "stable", promoted)["speculation"]["tree"]["choices"] == MEDUSA
+
+
 def test_the_ngram_corpus_reaches_engine_json_only_when_set_and_a_canary_may_try_it():
     from specfleet_api.engine_config import EngineConfig
 
