@@ -39,6 +39,7 @@ class Case(NamedTuple):
     params: dict
     branching: int = 1
     prompt: tuple = tuple(PROMPT)
+    choices: tuple = ()  # a static tree shape (paths of sibling ranks)
 
 
 CASES = [
@@ -49,6 +50,8 @@ CASES = [
     Case("draft model, T=0.7, top-p 0.9", "draft-model", 3, dict(temperature=0.7, top_p=0.9)),
     Case("ngram, T=1.5, top-k 3", "ngram", 2, dict(temperature=1.5, top_k=3)),
     Case("draft model tree, T=1.5, top-k 3", "draft-model", 2, dict(temperature=1.5, top_k=3), 2),
+    Case("draft model, a static shape", "draft-model", 3, dict(temperature=1.0), 3,
+         choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
 ]
 MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
 
@@ -117,7 +120,7 @@ def sample_speculatively(models, case: Case) -> Sampled:
     target, draft = models
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft)}
     engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
-                    tree_branching=case.branching)
+                    tree_branching=case.branching, tree_choices=case.choices)
     # max_tokens leaves room for K drafts in every step that makes a scored token
     params = SamplingParams(max_tokens=DEPTH + case.k, ignore_eos=True, **case.params)
     counts = torch.zeros(VOCAB ** DEPTH, dtype=torch.float64)

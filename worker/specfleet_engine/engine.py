@@ -22,7 +22,7 @@ from .k_policies import KPolicy, make_policy
 from .kernels.rejection import TreeVerifyBatch, rejection_sample
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
 from .model import Transformer
-from .proposers import Proposal, Proposer, default_proposers
+from .proposers import Proposal, Proposer, TreeShape, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
 
 NO_SPECULATION = Method.NONE.value
@@ -172,6 +172,7 @@ class Engine:
         k_policy: str | KPolicy = "adaptive",
         tree_branching: int = 1,
         tree_depth: int = 0,
+        tree_choices=None,
         max_slowdown: float | None = None,
     ):
         self.model = model
@@ -193,6 +194,8 @@ class Engine:
         self.last_timing = StepTiming()
         # caps on the adaptive draft tree: children per node (1: chains) and depth (0: K's bound)
         self.tree_branching, self.tree_depth = tree_branching, tree_depth
+        # a static shape under the caps (paths of sibling ranks), or None: ValueError naming a bad path
+        self.tree_shape = TreeShape.of(tree_choices, tree_branching, tree_depth)
 
     def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5) -> dict[int, float]:
         """Measures the target forward's cost by number of new-token rows and sets the cost curve.
@@ -313,16 +316,21 @@ class Engine:
             # never draft past the context or past max_tokens
             room = [max(0, min(self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
                     for s in group]
-            if self.tree_depth:
-                room = [min(r, self.tree_depth) for r in room]
+            shape = self.tree_shape
+            depth = shape.depth if shape is not None else self.tree_depth
+            if depth:
+                room = [min(r, depth) for r in room]
             ks = self.k_policy.draft_lengths(group, room, cost, cheap, len(seqs))
             results = [Proposal([], None) for _ in group]
             if any(ks):
+                branching = shape.branching if shape is not None else self.tree_branching
                 try:
-                    if self.tree_branching > 1 and getattr(proposer, "trees", False):
-                        results = proposer.propose(group, ks, [self.tree_branching] * len(group))
+                    if branching > 1 and getattr(proposer, "trees", False):
+                        extra = {"shape": shape} if shape is not None and getattr(proposer, "shapes", False) else {}
+                        results = proposer.propose(group, ks, [branching] * len(group), **extra)
                     else:
                         results = proposer.propose(group, ks)
+                    results = [p.within(shape) for p in results]
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1

@@ -157,7 +157,8 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
                                                          device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
-                    tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, max_slowdown=cfg.max_slowdown)
+                    tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, tree_choices=cfg.tree_choices,
+                    max_slowdown=cfg.max_slowdown)
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})

@@ -9,6 +9,11 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from specfleet_api.enums import TREE_BRANCHING_MAX
+from specfleet_api.tree_shape import shape_problems
+
+from ..k_policies.base import sibling_ranks
+
 
 @dataclass
 class Proposal:
@@ -48,12 +53,68 @@ class Proposal:
         return Proposal([self.draft_tokens[i] for i in keep], probs, self.key,
                         [-1 if parents[i] < 0 else new[parents[i]] for i in keep])
 
+    def rank_paths(self) -> list[tuple[int, ...]]:
+        """Each node's sibling ranks from the root: (0,) the root's first child, (0, 2) the third
+        child of that; a static tree shape lists such paths."""
+        out: list[tuple[int, ...]] = []
+        for p, r in zip(self.parent_list(), sibling_ranks(self.parent_list())):
+            out.append((out[p] if p >= 0 else ()) + (r,))
+        return out
+
+    def within(self, shape: "TreeShape | None") -> "Proposal":
+        """The nodes a static shape lists (all of them without one). A shape is prefix-closed and
+        its sibling ranks contiguous, so what is kept is a tree whose ranks are unchanged."""
+        if shape is None:
+            return self
+        keep = [i for i, path in enumerate(self.rank_paths()) if path in shape.paths]
+        return self if len(keep) == len(self.draft_tokens) else self.subset(keep)
+
     def depths(self) -> list[int]:
         """Each node's depth (a child of the root: 1)."""
         out: list[int] = []
         for p in self.parent_list():
             out.append(1 if p < 0 else out[p] + 1)
         return out
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    """A static draft tree (Medusa's and EAGLE's "choices", vLLM's speculative_token_tree): the
+    paths of sibling ranks a step may verify, at most. The cost-aware policy still picks a budget
+    below it.
+
+    >>> s = TreeShape.of([[0], [1], [0, 0], [0, 1], [0, 0, 0]])
+    >>> s.branching, s.depth, s.children((0,)), s.children((1,)), s.children(())
+    (2, 3, 2, 0, 2)
+    """
+
+    paths: frozenset[tuple[int, ...]]
+
+    @classmethod
+    def of(cls, choices, branching: int = TREE_BRANCHING_MAX, depth: int = 0) -> "TreeShape | None":
+        """The shape of a list of paths (None for none) under the caps (depth 0: none); ValueError
+        naming a bad path."""
+        if not choices:
+            return None
+        found = shape_problems(choices, branching, depth)
+        if found:
+            raise ValueError("tree choices: " + "; ".join(found))
+        return cls(frozenset(tuple(c) for c in choices))
+
+    @property
+    def branching(self) -> int:
+        return 1 + max(r for path in self.paths for r in path)
+
+    @property
+    def depth(self) -> int:
+        return max(map(len, self.paths))
+
+    def children(self, path: tuple[int, ...]) -> int:
+        """How many children the node at `path` has in the shape (ranks are contiguous)."""
+        n = 0
+        while path + (n,) in self.paths:
+            n += 1
+        return n
 
 
 class SequenceView(Protocol):

@@ -10,7 +10,7 @@ from specfleet_api.enums import Method
 from ..kv_cache import BlockTable, PagedKVCache, batch_metadata
 from ..model import Transformer
 from ..sampling import logits_to_probs, sample_from
-from .base import Proposal, SequenceView
+from .base import Proposal, SequenceView, TreeShape
 
 
 class TokenizerMismatch(ValueError):
@@ -21,6 +21,7 @@ class DraftModelProposer:
     name = Method.DRAFT_MODEL.value
     cheap = False
     trees = True  # propose() takes branching: the top tokens (or draws) at each level
+    shapes = True  # and a static TreeShape: the children it lists at each node
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):
         self.model = model
@@ -56,9 +57,10 @@ class DraftModelProposer:
                 probs.append(q)
         return tokens, probs
 
-    def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
+    def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None,
+                shape: TreeShape | None = None) -> list[Proposal]:
         if branching is not None and any(b > 1 for b, k in zip(branching, ks) if k > 0):
-            return self._propose_trees(seqs, ks, branching)
+            return self._propose_trees(seqs, ks, branching, shape)
         active = [(s, k) for s, k in zip(seqs, ks) if k > 0]
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         qs: dict[int, list] = {s.seq_id: [] for s in seqs}
@@ -112,33 +114,42 @@ class DraftModelProposer:
             left[t] = 0.0
         return out
 
-    def _propose_trees(self, seqs: list[SequenceView], ks: list[int], branching: list[int]) -> list[Proposal]:
+    def _propose_trees(self, seqs: list[SequenceView], ks: list[int], branching: list[int],
+                       shape: TreeShape | None = None) -> list[Proposal]:
         """Trees level by level: every node kept at a level gets `branching` children; the
         `branching` best of them by their path's draft log-prob are expanded at the next level
-        (one draft forward per level, their K/V under a tree mask). Which children exist never
-        depends on their own sampled values, so rejection sampling stays exact."""
+        (one draft forward per level, their K/V under a tree mask). With a static shape, a node
+        gets the children the shape lists and those with children in it are expanded. Which
+        children exist never depends on their own sampled values, so rejection sampling stays exact."""
         trees = {s.seq_id: ([], [], []) for s in seqs}  # tokens, parents, q rows
         active = [(s, k, b) for s, k, b in zip(seqs, ks, branching) if k > 0]
         if active:
             group = [s for s, _, _ in active]
             rows = self._catch_up(group)
-            frontier = {s.seq_id: [(-1, 0.0, rows[i])] for i, s in enumerate(group)}  # (node, score, logits)
+            # (node, score, logits, rank path)
+            frontier = {s.seq_id: [(-1, 0.0, rows[i], ())] for i, s in enumerate(group)}
             depth = 0
             want = {s.seq_id: (k, b) for s, k, b in active}
             while group:
                 depth += 1
-                expand: dict[int, list[tuple[int, float]]] = {}
+                expand: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
                 for s in group:
                     tokens, parents, qrows = trees[s.seq_id]
                     k, width = want[s.seq_id]
                     born = []
-                    for node, score, row in frontier[s.seq_id]:
-                        for tok, q, logq in self._children(s, row, width):
+                    for node, score, row, path in frontier[s.seq_id]:
+                        n = width if shape is None else shape.children(path)
+                        for r, (tok, q, logq) in enumerate(self._children(s, row, n) if n else []):
                             tokens.append(tok)
                             parents.append(node)
                             qrows.append(q)
-                            born.append((len(tokens) - 1, score + logq))
-                    expand[s.seq_id] = sorted(born, key=lambda x: -x[1])[:width] if depth < k else []
+                            born.append((len(tokens) - 1, score + logq, path + (r,)))
+                    if depth >= k:
+                        expand[s.seq_id] = []
+                    elif shape is None:
+                        expand[s.seq_id] = sorted(born, key=lambda x: -x[1])[:width]
+                    else:
+                        expand[s.seq_id] = [b for b in born if shape.children(b[2])]
                 group = [s for s in group if expand[s.seq_id]]
                 if not group:
                     break
@@ -146,7 +157,7 @@ class DraftModelProposer:
                 at = 0
                 for s in group:
                     nodes = expand[s.seq_id]
-                    frontier[s.seq_id] = [(n, sc, logits[at + i]) for i, (n, sc) in enumerate(nodes)]
+                    frontier[s.seq_id] = [(n, sc, logits[at + i], path) for i, (n, sc, path) in enumerate(nodes)]
                     at += len(nodes)
         out = []
         for s in seqs:
@@ -155,14 +166,15 @@ class DraftModelProposer:
             out.append(Proposal(tokens, probs, parents=parents) if tokens else Proposal([], None))
         return out
 
-    def _forward_tree(self, group: list[SequenceView], expand: list[list[tuple[int, float]]], trees) -> torch.Tensor:
+    def _forward_tree(self, group: list[SequenceView], expand: list[list[tuple[int, float, tuple[int, ...]]]],
+                      trees) -> torch.Tensor:
         """One draft forward over the nodes to expand; each sees the prefix, its ancestors
         (written at earlier levels) and itself. Returns their logits in order."""
         tables = [self.tables[s.seq_id] for s in group]
-        inputs = [[trees[s.seq_id][0][n] for n, _ in nodes] for s, nodes in zip(group, expand)]
+        inputs = [[trees[s.seq_id][0][n] for n, *_ in nodes] for s, nodes in zip(group, expand)]
         for s, nodes in zip(group, expand):  # where each node's K/V lands: the next free slot
             slot_of = self.slots.setdefault(s.seq_id, {})
-            for i, (n, _) in enumerate(nodes):
+            for i, (n, *_) in enumerate(nodes):
                 slot_of[n] = self.tables[s.seq_id].num_tokens + i
         tokens, meta, _ = batch_metadata(tables, inputs)
         for b, (s, nodes) in enumerate(zip(group, expand)):
@@ -171,7 +183,7 @@ class DraftModelProposer:
             mask = torch.zeros(len(nodes), S, dtype=torch.bool)
             mask[:, :base] = True
             pos = []
-            for i, (n, _) in enumerate(nodes):
+            for i, (n, *_) in enumerate(nodes):
                 depth, a = 0, n
                 while a >= 0:
                     mask[i, slot_of[a]] = True
