@@ -23,3 +23,14 @@ def test_bad_arguments_exit_2_naming_them(capsys):
     with pytest.raises(SystemExit) as e:
         step_breakdown.main(["--questions", "0"])
     assert e.value.code == 2 and "--questions" in capsys.readouterr().err
+
+
+def test_the_refinement_check_runs_both_modes_and_restores_the_curve():
+    engine = tiny_engine(k_policy="adaptive")
+    engine.calibrate(sizes=[1, 2, 4, 8, 16, 32], reps=1)
+    before = dict(engine.costs.seconds)
+    res = step_breakdown.refinement(engine, [[11, 3, 27, 8, 40, 2, 19]] * 3, max_tokens=48, rounds=2)
+    assert set(res) == {"off", "on"}
+    for mode, r in res.items():
+        assert r["tok_s"] > 0 and r["forward_over_predicted_by_rows"].get(1) == 1.0, (mode, r)
+    assert engine.costs.seconds == before and engine.costs.refine_every == 256

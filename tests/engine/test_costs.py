@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import doctest
+import math
+import random
 
 import pytest
 
@@ -41,3 +43,39 @@ def test_calibration_keeps_the_shape_non_decreasing():
     values = [c(r) for r in range(1, 5)]
     assert values == sorted(values)
     assert values[1] == values[2] == pytest.approx(1.15)
+
+
+def live_steps(c: StepCostModel, true: dict[int, float], n: int, seed: int, burst=lambda i: 1.0) -> None:
+    """n steps of mixed sizes at their true cost, times a load that drifts (common to all sizes),
+    times 5% noise per step."""
+    rng = random.Random(seed)
+    load = 1.0
+    sizes = sorted(true)
+    for i in range(n):
+        load = min(max(load * math.exp(rng.gauss(0, 0.02)), 0.5), 2.0)
+        rows = rng.choice(sizes)
+        c.observe(rows, true[rows] * load * burst(i) * math.exp(rng.gauss(0, 0.05)))
+
+
+def test_live_steps_correct_a_shape_the_calibration_got_wrong():
+    """Calibrated with a short dummy context, rows looked cheaper than they are at real contexts:
+    live steps of mixed sizes bring the shape to what they cost, whatever the load did."""
+    true = {1: 1.0, 4: 1.08, 6: 1.11, 8: 1.16, 16: 1.45}
+    c = StepCostModel()
+    c.set_curve({1: 1.0, 4: 1.02, 6: 1.04, 8: 1.06, 16: 1.30})
+    live_steps(c, true, 6000, seed=1)
+    for r, cost in true.items():
+        assert c(r) / c(1) == pytest.approx(cost, rel=0.02), (r, c.relative())
+
+
+def test_contention_leaves_a_right_shape_alone():
+    true = {1: 1.0, 4: 1.08, 8: 1.16, 16: 1.45}
+    c = StepCostModel()
+    c.set_curve(true)
+    live_steps(c, true, 6000, seed=2, burst=lambda i: 2.0 if (i // 500) % 2 else 1.0)  # bursts of 500 steps
+    for r, cost in true.items():
+        assert c(r) / c(1) == pytest.approx(cost, rel=0.03), (r, c.relative())
+    # a long stretch of one size only (one sequence at a fixed K), twice as slow: nothing to compare it with
+    c.set_curve(true)
+    live_steps(c, {4: 2 * true[4]}, 3000, seed=3)
+    assert c.relative() == {r: round(v, 3) for r, v in true.items()}

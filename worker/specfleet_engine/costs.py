@@ -8,15 +8,25 @@ with it, and the worker prices its speedup gauge with it (what plain decoding wo
 
 from __future__ import annotations
 
+import math
+
+RESIDUAL_CLIP = 0.25  # a live step's log(observed / predicted), clipped: one slow step moves little
+REFINE_RATE = 0.5  # the share of a size's mean residual a refinement round applies
+REFINE_STEP = math.log(1.1)  # and at most this much, either way
+
 
 class StepCostModel:
     """Seconds of one target forward by its number of new-token rows: a shape times a level.
 
     The shape, cost(rows) / cost(1), is measured by `Engine.calibrate` with every size timed in
     turn, so that a change in the machine's load hits all sizes alike, and is made non-decreasing
-    (isotonic). Online observations move only the level: on a shared machine, steps that ran during
-    a burst of contention would otherwise bend the shape, and with it every choice of K (only the
-    shape matters to `choose_ks`; the level is for reporting seconds). Unmeasured sizes are
+    (isotonic). Each live step moves the level (an exponential average). The shape is refined from
+    live steps too, but only by how sizes differ from each other: every `refine_every` steps, each
+    size seen at least `min_samples` times since its last refinement gets its mean log residual
+    (observed over predicted) minus the mean of all those sizes, half of it, at most 10% a round. A burst of contention slows
+    whatever sizes ran then alike, so it leaves the shape; a shape the calibration got wrong (its
+    dummy context is shorter than real ones, and attention grows with rows times context) converges
+    to what live steps cost. Sizes only ever seen alone teach nothing. Unmeasured sizes are
     interpolated linearly and extrapolated with the last slope.
 
     >>> c = StepCostModel(); c.set_curve({1: 1.0, 2: 0.9, 4: 1.3}); c.relative()   # 2 rows: noise
@@ -25,19 +35,45 @@ class StepCostModel:
     1.368
     """
 
-    def __init__(self, smoothing: float = 0.1, clip: float = 3.0):
+    def __init__(self, smoothing: float = 0.1, clip: float = 3.0, refine_every: int = 256, min_samples: int = 16):
         self.smoothing, self.clip = smoothing, clip
-        self.seconds: dict[int, float] = {}  # the calibrated curve
+        self.refine_every, self.min_samples = refine_every, min_samples
+        self.seconds: dict[int, float] = {}  # the calibrated curve, refined by live steps
         self.level = 1.0  # observed / calibrated seconds, tracked online
+        self._residuals: dict[int, list[float]] = {}  # rows -> [steps, sum of log residuals] this round
+        self._since = 0
 
     def set_curve(self, seconds: dict[int, float]) -> None:
         rows = sorted(seconds)
         self.seconds = dict(zip(rows, isotonic([seconds[r] for r in rows])))
         self.level = 1.0
+        self._residuals, self._since = {}, 0
 
     def observe(self, rows: int, seconds: float) -> None:
         ratio = min(max(seconds / self._curve(rows) / self.level, 1 / self.clip), self.clip)
         self.level *= ratio ** self.smoothing  # an exponential average of log(level)
+        if not self.seconds or self.refine_every <= 0:
+            return
+        acc = self._residuals.setdefault(rows, [0, 0.0])
+        acc[0] += 1
+        acc[1] += min(max(math.log(ratio), -RESIDUAL_CLIP), RESIDUAL_CLIP)  # one outlier step moves little
+        self._since += 1
+        if self._since >= self.refine_every:
+            self._refine()
+
+    def _refine(self) -> None:
+        seen = {r: (n, total / n) for r, (n, total) in self._residuals.items() if n >= self.min_samples}
+        self._since = 0
+        if len(seen) < 2:
+            return
+        for r in seen:  # a rarer size keeps gathering: its residuals are relative to the level, not a round
+            del self._residuals[r]
+        mean = sum(n * m for n, m in seen.values()) / sum(n for n, _ in seen.values())
+        moved = {r: self._curve(r) * math.exp(min(max(REFINE_RATE * (m - mean), -REFINE_STEP), REFINE_STEP))
+                 for r, (_, m) in seen.items()}
+        curve = {**self.seconds, **moved}
+        rows = sorted(curve)
+        self.seconds = dict(zip(rows, isotonic([curve[r] for r in rows])))
 
     def __call__(self, rows: int) -> float:
         return self.level * self._curve(rows)
