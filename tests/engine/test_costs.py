@@ -1,4 +1,4 @@
-"""The one step-cost model: a calibrated shape, a live level."""
+"""The one step-cost model: a calibrated shape refined by live steps, a live level."""
 from __future__ import annotations
 
 import doctest
