@@ -79,3 +79,15 @@ def test_contention_leaves_a_right_shape_alone():
     c.set_curve(true)
     live_steps(c, {4: 2 * true[4]}, 3000, seed=3)
     assert c.relative() == {r: round(v, 3) for r, v in true.items()}
+
+
+def test_sizes_between_the_timed_ones_teach_the_points_they_are_priced_from():
+    """A busy batch's rows spread over many sizes, few of them timed: each residual counts toward
+    the calibrated neighbours its price came from."""
+    true = {r: 1.0 + 0.03 * (r - 1) for r in range(1, 33)}  # rows cost 3% each; calibrated as 1.5%
+    c = StepCostModel()
+    c.set_curve({r: 1.0 + 0.015 * (r - 1) for r in (1, 8, 16, 32)})
+    live_steps(c, {r: true[r] for r in [1, *range(9, 32, 2)]}, 3000, seed=4)  # never 8, 16 or 32 itself
+    for r in (16, 24, 31):
+        assert c(r) / c(1) == pytest.approx(true[r], rel=0.04), (r, c.relative())
+    assert sorted(c.seconds) == [1, 8, 16, 32]  # the curve keeps its points

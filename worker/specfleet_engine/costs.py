@@ -21,9 +21,11 @@ class StepCostModel:
     The shape, cost(rows) / cost(1), is measured by `Engine.calibrate` with every size timed in
     turn, so that a change in the machine's load hits all sizes alike, and is made non-decreasing
     (isotonic). Each live step moves the level (an exponential average). The shape is refined from
-    live steps too, but only by how sizes differ from each other: every `refine_every` steps, each
-    size seen at least `min_samples` times since its last refinement gets its mean log residual
-    (observed over predicted) minus the mean of all those sizes, half of it, at most 10% a round. A burst of contention slows
+    live steps too, but only by how sizes differ from each other: a step's log residual (observed
+    over predicted) counts toward the calibrated sizes its price was interpolated from, by their
+    weights; every `refine_every` steps, each calibrated size with `min_samples` of weight since its
+    last refinement gets its mean residual minus the mean of all those sizes, half of it, at most
+    10% a round. A burst of contention slows
     whatever sizes ran then alike, so it leaves the shape; a shape the calibration got wrong (its
     dummy context is shorter than real ones, and attention grows with rows times context) converges
     to what live steps cost. Sizes only ever seen alone teach nothing. Unmeasured sizes are
@@ -40,7 +42,7 @@ class StepCostModel:
         self.refine_every, self.min_samples = refine_every, min_samples
         self.seconds: dict[int, float] = {}  # the calibrated curve, refined by live steps
         self.level = 1.0  # observed / calibrated seconds, tracked online
-        self._residuals: dict[int, list[float]] = {}  # rows -> [steps, sum of log residuals] this round
+        self._residuals: dict[int, list[float]] = {}  # calibrated rows -> [weight, weighted sum of log residuals]
         self._since = 0
 
     def set_curve(self, seconds: dict[int, float]) -> None:
@@ -54,9 +56,11 @@ class StepCostModel:
         self.level *= ratio ** self.smoothing  # an exponential average of log(level)
         if not self.seconds or self.refine_every <= 0:
             return
-        acc = self._residuals.setdefault(rows, [0, 0.0])
-        acc[0] += 1
-        acc[1] += min(max(math.log(ratio), -RESIDUAL_CLIP), RESIDUAL_CLIP)  # one outlier step moves little
+        residual = min(max(math.log(ratio), -RESIDUAL_CLIP), RESIDUAL_CLIP)  # one outlier step moves little
+        for point, weight in self._points(rows):
+            acc = self._residuals.setdefault(point, [0.0, 0.0])
+            acc[0] += weight
+            acc[1] += weight * residual
         self._since += 1
         if self._since >= self.refine_every:
             self._refine()
@@ -74,6 +78,20 @@ class StepCostModel:
         curve = {**self.seconds, **moved}
         rows = sorted(curve)
         self.seconds = dict(zip(rows, isotonic([curve[r] for r in rows])))
+
+    def _points(self, rows: int) -> list[tuple[int, float]]:
+        """The calibrated sizes a step of `rows` is priced from, with their interpolation weights
+        (what a residual there teaches each): busy batches spread over many sizes, few of which
+        were timed."""
+        if rows in self.seconds:
+            return [(rows, 1.0)]
+        known = sorted(self.seconds)
+        lo = max((r for r in known if r < rows), default=None)
+        hi = min((r for r in known if r > rows), default=None)
+        if lo is None or hi is None:  # outside the calibration: its nearest end
+            return [(hi if lo is None else lo, 1.0)]
+        w = (rows - lo) / (hi - lo)
+        return [(lo, 1.0 - w), (hi, w)]
 
     def __call__(self, rows: int) -> float:
         return self.level * self._curve(rows)
