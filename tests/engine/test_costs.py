@@ -91,3 +91,16 @@ def test_sizes_between_the_timed_ones_teach_the_points_they_are_priced_from():
     for r in (16, 24, 31):
         assert c(r) / c(1) == pytest.approx(true[r], rel=0.04), (r, c.relative())
     assert sorted(c.seconds) == [1, 8, 16, 32]  # the curve keeps its points
+
+
+def test_only_single_sequence_steps_refine_the_shape():
+    """A batch's cost depends on its sequences' contexts, not its rows alone: batches move the
+    level only."""
+    c = StepCostModel()
+    c.set_curve({1: 1.0, 4: 1.02, 8: 1.06, 16: 1.30})
+    before = c.relative()
+    rng = random.Random(5)
+    for _ in range(3000):
+        rows = rng.choice([4, 8, 16])
+        c.observe(rows, {4: 1.5, 8: 1.6, 16: 1.7}[rows], seqs=4)
+    assert c.relative() == before and c.level > 1.2

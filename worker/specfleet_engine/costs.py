@@ -28,7 +28,11 @@ class StepCostModel:
     10% a round. A burst of contention slows
     whatever sizes ran then alike, so it leaves the shape; a shape the calibration got wrong (its
     dummy context is shorter than real ones, and attention grows with rows times context) converges
-    to what live steps cost. Sizes only ever seen alone teach nothing. Unmeasured sizes are
+    to what live steps cost. Sizes only ever seen alone teach nothing. Only single-sequence steps
+    refine the shape, as the calibration times one sequence: a batch's cost grows with its
+    sequences' contexts, not its rows alone, and its plain steps (one row a sequence, every context
+    read) made the rows a draft adds look cheap (16 clients, measured: 0.95x plain throughput and
+    P99 1.41x with batches refining, 1.04x and 1.26x without; docs/trees.md). Unmeasured sizes are
     interpolated linearly and extrapolated with the last slope.
 
     >>> c = StepCostModel(); c.set_curve({1: 1.0, 2: 0.9, 4: 1.3}); c.relative()   # 2 rows: noise
@@ -51,10 +55,11 @@ class StepCostModel:
         self.level = 1.0
         self._residuals, self._since = {}, 0
 
-    def observe(self, rows: int, seconds: float) -> None:
+    def observe(self, rows: int, seconds: float, seqs: int = 1) -> None:
+        """A live forward of `rows` new-token rows over `seqs` sequences took `seconds`."""
         ratio = min(max(seconds / self._curve(rows) / self.level, 1 / self.clip), self.clip)
         self.level *= ratio ** self.smoothing  # an exponential average of log(level)
-        if not self.seconds or self.refine_every <= 0:
+        if not self.seconds or self.refine_every <= 0 or seqs != 1:
             return
         residual = min(max(math.log(ratio), -RESIDUAL_CLIP), RESIDUAL_CLIP)  # one outlier step moves little
         for point, weight in self._points(rows):

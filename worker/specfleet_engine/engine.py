@@ -354,7 +354,7 @@ class Engine:
         logits = self._forward(seqs, inputs, "all", trees if any(x is not None for x in trees) else None)
         timing.forward = time.perf_counter() - t  # logits: [sum(1 + n_i), V]
         timing.decode_rows, timing.decode_seqs = rows_total, len(seqs)
-        self.costs.observe(rows_total, timing.forward)
+        self.costs.observe(rows_total, timing.forward, len(seqs))
         cu = [0, *itertools.accumulate(map(len, inputs))]
         result = self._verify(seqs, proposals, row_parents, logits, cu)
         outs = []
