@@ -155,6 +155,15 @@ async def test_invalid_spec_gets_a_condition_and_event_not_a_crash(cluster, kube
         assert cond["status"] == "False" and "spec.speculation" in cond["message"]
         await wait_for(lambda: events(cluster, "InvalidSpec"), 10, "InvalidSpec event")
         assert children_of(cluster, "bad") == {}
+        # a tree shape CEL cannot judge (not prefix-closed): engine_config's words reach the condition and an event
+        await kube.create(sdd_body("bad-tree", speculation={"tree": {"branching": 2, "choices": [[0], [1, 0]]}}))
+        words = "spec.speculation.tree.choices: speculation.tree.choices[1] [1, 0]: its prefix [1] is not listed"
+        cond = await wait_for(lambda: conditions(cluster, "bad-tree").get("Ready", {}).get("reason") == "InvalidSpec"
+                              and conditions(cluster, "bad-tree")["Ready"], 20, "bad-tree InvalidSpec")
+        assert cond["status"] == "False" and words in cond["message"]
+        await wait_for(lambda: [e for e in events(cluster, "InvalidSpec") if words in e.get("message", "")], 10,
+                       "bad-tree InvalidSpec event")
+        assert children_of(cluster, "bad-tree") == {}
         await kube.create(sdd_body("good"))  # the operator keeps working
         await wait_for(lambda: ready(cluster, "good"), 20, "good Ready")
     finally:
