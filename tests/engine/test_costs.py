@@ -8,7 +8,7 @@ import random
 import pytest
 
 from specfleet_engine import costs
-from specfleet_engine.costs import StepCostModel, batch_features
+from specfleet_engine.costs import StepCostModel
 from specfleet_engine.k_policies import choose_ks
 
 
@@ -104,38 +104,3 @@ def test_only_single_sequence_steps_refine_the_shape():
         rows = rng.choice([4, 8, 16])
         c.observe(rows, {4: 1.5, 8: 1.6, 16: 1.7}[rows], seqs=4)
     assert c.relative() == before and c.level > 1.2
-
-
-def test_a_batch_is_priced_by_its_sequences_and_contexts_too():
-    c = StepCostModel()
-    c.set_curve({1: 1.0, 16: 1.3, 48: 2.0})
-    assert c(16, 16, None) == c(16)  # without a context: the rows alone, as before
-    c.set_batch(per_seq=0.05, per_context=1e-4, per_row_context=1e-5, base_context=128)
-    assert c(1, 1, 128) == c(1) == 1.0  # the calibration's own shape
-    assert c(16, 16, 16 * 512) == pytest.approx(1.3 + 0.05 * 15 + 1e-4 * (16 * 512 - 128) + 1e-5 * 16 * (512 - 128))
-    # the rows drafts add are priced at the batch's mean context
-    assert c(48, 16, 16 * 512) - c(16, 16, 16 * 512) == pytest.approx(0.7 + 1e-5 * 32 * (512 - 128))
-    c.observe(16, 2 * c(16, 16, 16 * 512), 16, 16 * 512)  # the level follows the full price
-    assert c.level == pytest.approx(2 ** c.smoothing)
-
-
-def test_calibration_fits_the_batch_terms_a_known_cost_law_would_have(monkeypatch):
-    """The engine's forwards replaced by a clock that a known law moves: rows, plus 2 ms a
-    sequence beyond one, 1 us a context token, 3 us a row-context token. The fit finds them."""
-    from specfleet_engine import engine as engine_module
-    from specfleet_worker.testing import tiny_engine
-
-    engine = tiny_engine(max_kv_tokens=16384)
-    now = [0.0]
-    law = (2e-3, 1e-6, 3e-6)
-
-    def forward(seqs, inputs, logits_rows, trees=None):
-        rows, context = sum(map(len, inputs)), sum(s.block_table.num_tokens for s in seqs)
-        now[0] += 0.010 + 0.001 * rows + sum(w * x for w, x in zip(law, batch_features(rows, len(seqs), context, 128)))
-        for s, new in zip(seqs, inputs):
-            s.block_table.append_slots(len(new))
-
-    monkeypatch.setattr(engine, "_forward", forward)
-    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: now[0])
-    engine.calibrate(sizes=[1, 2, 4, 8, 16, 32, 48], context=128, reps=3)
-    assert engine.costs.batch_weights() == pytest.approx(law, rel=0.02)

@@ -309,26 +309,3 @@ def test_the_latency_guard_reaches_the_adaptive_policy_by_name():
     assert make_policy("fixed", costs, max_slowdown=0.02).name == "fixed"  # a fixed K has no budget to guard
     with pytest.raises(ValueError, match="max_slowdown must be a fraction >= 0"):
         make_policy("adaptive", costs, max_slowdown=-0.1)
-
-
-def test_a_batch_drafts_when_its_sequences_and_contexts_make_a_row_a_small_share_of_its_step():
-    """Rows at 20% of a one-row step each: for a batch of 8, priced by its rows alone, a draft
-    row is 8% of the step, more than a coin-flip draft (1/16 of its tokens) gains; priced with
-    the 8 sequences' own cost it is 2%, and the batch drafts."""
-    from specfleet_engine.engine import Engine
-    from specfleet_engine.proposers import NgramProposer
-    from specfleet_engine.sampling import SamplingParams
-    from specfleet_engine.testing import repeating_prompts, tiny_model
-
-    def drafted(per_seq: float) -> int:
-        engine = Engine(tiny_model(seed=1, scale=4.0), proposers={"ngram": NgramProposer()})
-        engine.costs.set_curve({r: 1.0 + 0.2 * (r - 1) for r in range(1, 80)})
-        engine.costs.set_batch(per_seq, 0.0, 0.0, 128)
-        params = SamplingParams(max_tokens=16, ignore_eos=True)
-        seqs = [engine.add(p, params, "ngram", 4, prior=0.5, batch=8) for p in repeating_prompts(8, seed=3)]
-        while not all(s.finished for s in seqs):
-            engine.step()
-        return sum(s.stats.num_draft_tokens for s in seqs)
-
-    assert drafted(per_seq=0.0) == 0
-    assert drafted(per_seq=1.0) > 8

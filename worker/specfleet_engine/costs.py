@@ -35,14 +35,6 @@ class StepCostModel:
     P99 1.41x with batches refining, 1.04x and 1.26x without; docs/trees.md). Unmeasured sizes are
     interpolated linearly and extrapolated with the last slope.
 
-    A batch costs more than its rows say: every sequence's context is read in attention and each
-    sequence has its own work around it. `set_batch` adds seconds per sequence beyond the
-    calibration's one, per context token beyond its `base_context`, and per row for each context
-    token it attends to beyond base_context (`batch_features`; fitted by `Engine.calibrate` from
-    timed batches); a price asked with `seqs` and `context` (the batch's total) includes them. Measured on the 2-core CPU: 16 sequences of 1 row cost 2.8x (128-token
-    contexts) to 4x (512) one row, where 16 rows of one sequence cost 1.34x, so the rows drafts add
-    to a batch are a smaller share of its step than the rows alone say.
-
     >>> c = StepCostModel(); c.set_curve({1: 1.0, 2: 0.9, 4: 1.3}); c.relative()   # 2 rows: noise
     {1: 1.0, 2: 1.0, 4: 1.368}
     >>> c.observe(4, 13.0); round(c(4) / c(1), 3)       # a slow step moves the level, not the shape
@@ -56,14 +48,6 @@ class StepCostModel:
         self.level = 1.0  # observed / calibrated seconds, tracked online
         self._residuals: dict[int, list[float]] = {}  # calibrated rows -> [weight, weighted sum of log residuals]
         self._since = 0
-        # a batch's extra seconds: per sequence beyond one, per context token beyond base_context
-        # each, per row for each context token it attends to beyond base_context
-        self.per_seq = self.per_context = self.per_row_context = 0.0
-        self.base_context = 0
-
-    def set_batch(self, per_seq: float, per_context: float, per_row_context: float, base_context: int) -> None:
-        self.per_seq, self.per_context = max(per_seq, 0.0), max(per_context, 0.0)
-        self.per_row_context, self.base_context = max(per_row_context, 0.0), base_context
 
     def set_curve(self, seconds: dict[int, float]) -> None:
         rows = sorted(seconds)
@@ -71,10 +55,9 @@ class StepCostModel:
         self.level = 1.0
         self._residuals, self._since = {}, 0
 
-    def observe(self, rows: int, seconds: float, seqs: int = 1, context: int | None = None) -> None:
-        """A live forward of `rows` new-token rows over `seqs` sequences of `context` tokens in all
-        took `seconds`."""
-        ratio = min(max(seconds / self._price(rows, seqs, context) / self.level, 1 / self.clip), self.clip)
+    def observe(self, rows: int, seconds: float, seqs: int = 1) -> None:
+        """A live forward of `rows` new-token rows over `seqs` sequences took `seconds`."""
+        ratio = min(max(seconds / self._curve(rows) / self.level, 1 / self.clip), self.clip)
         self.level *= ratio ** self.smoothing  # an exponential average of log(level)
         if not self.seconds or self.refine_every <= 0 or seqs != 1:
             return
@@ -115,20 +98,8 @@ class StepCostModel:
         w = (rows - lo) / (hi - lo)
         return [(lo, 1.0 - w), (hi, w)]
 
-    def __call__(self, rows: int, seqs: int = 1, context: int | None = None) -> float:
-        """Seconds of a forward of `rows` rows; with `context` (the batch's total tokens), over
-        `seqs` sequences of it."""
-        return self.level * self._price(rows, seqs, context)
-
-    def _price(self, rows: int, seqs: int, context: int | None) -> float:
-        if context is None or seqs < 1:
-            return self._curve(rows)
-        return self._curve(rows) + max(sum(w * x for w, x in zip(self.batch_weights(), batch_features(
-            rows, seqs, context, self.base_context))), 0.0)
-
-    def batch_weights(self) -> tuple[float, float, float]:
-        return self.per_seq, self.per_context, self.per_row_context
-
+    def __call__(self, rows: int) -> float:
+        return self.level * self._curve(rows)
 
     def _curve(self, rows: int) -> float:
         if rows in self.seconds:
@@ -155,18 +126,6 @@ class StepCostModel:
         return {r: round(s / base, 3) for r, s in sorted(self.seconds.items())} if base else {}
 
 
-def batch_features(rows: int, seqs: int, context: int, base_context: int) -> tuple[float, float, float]:
-    """What a batch adds to the curve's price of its rows (one sequence at base_context), as the
-    terms `StepCostModel.set_batch` weighs: sequences beyond one, context tokens beyond one
-    base_context, and row-context products beyond the calibration's (a row attends to its
-    sequence's context; rows are taken at the batch's mean context).
-
-    >>> batch_features(48, 16, 16 * 512, 128)        # 16 sequences of 512 tokens, 2 drafts each
-    (15, 8064, 18432.0)
-    """
-    return seqs - 1, context - base_context, rows * (context / seqs - base_context)
-
-
 def isotonic(ys: list[float]) -> list[float]:
     """The non-decreasing sequence closest to ys in least squares (pool adjacent violators).
 
@@ -181,46 +140,3 @@ def isotonic(ys: list[float]) -> list[float]:
             blocks[-1][0] += s
             blocks[-1][1] += n
     return [round(s / n, 12) for s, n in blocks for _ in range(int(n))]
-
-
-def nonnegative_least_squares(rows: list[tuple[tuple[float, ...], float]]) -> tuple[float, ...]:
-    """The weights w >= 0 minimising sum (w . x - y)^2 over rows (x, y), for a handful of
-    features: every subset of them solved by its normal equations, the best with no weight below 0.
-
-    >>> [round(w, 6) for w in nonnegative_least_squares([((1, 0), 2.0), ((0, 1), 3.0), ((1, 1), 5.0)])]
-    [2.0, 3.0]
-    >>> nonnegative_least_squares([((1, 0), -2.0), ((0, 1), 3.0)])   # the first would be negative: 0
-    (0.0, 3.0)
-    """
-    n = len(rows[0][0]) if rows else 0
-    best, best_err = (0.0,) * n, sum(y * y for _, y in rows)
-    for mask in range(1, 1 << n):
-        idx = [i for i in range(n) if mask >> i & 1]
-        a = [[sum(x[i] * x[j] for x, _ in rows) for j in idx] for i in idx]
-        b = [sum(x[i] * y for x, y in rows) for i in idx]
-        w = _solve(a, b)
-        if w is None or min(w) < 0:
-            continue
-        full = [0.0] * n
-        for i, v in zip(idx, w):
-            full[i] = v
-        err = sum((sum(f * v for f, v in zip(full, x)) - y) ** 2 for x, y in rows)
-        if err < best_err:
-            best, best_err = tuple(full), err
-    return best
-
-
-def _solve(a: list[list[float]], b: list[float]) -> list[float] | None:
-    """a w = b by Gaussian elimination with partial pivoting; None when a is singular."""
-    n = len(b)
-    m = [row[:] + [v] for row, v in zip(a, b)]
-    for c in range(n):
-        p = max(range(c, n), key=lambda r: abs(m[r][c]))
-        if abs(m[p][c]) < 1e-12 * max(1.0, max(abs(v) for row in m for v in row[:n])):
-            return None
-        m[c], m[p] = m[p], m[c]
-        for r in range(n):
-            if r != c:
-                f = m[r][c] / m[c][c]
-                m[r] = [x - f * y for x, y in zip(m[r], m[c])]
-    return [m[i][n] / m[i][i] for i in range(n)]

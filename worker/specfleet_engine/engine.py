@@ -17,7 +17,7 @@ import torch
 from specfleet_api.enums import Method
 from torch import Tensor
 
-from .costs import StepCostModel, batch_features, nonnegative_least_squares
+from .costs import StepCostModel
 from .k_policies import KPolicy, make_policy
 from .kernels.rejection import TreeVerifyBatch, rejection_sample
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
@@ -138,7 +138,6 @@ class StepTiming:
     propose: float = 0.0  # of which proposing
     decode_rows: int = 0  # rows in that forward
     decode_seqs: int = 0  # sequences in it
-    decode_context: int = 0  # their tokens before the step (what the cost model prices a batch by)
     emitted: int = 0  # tokens the decoding part appended
 
 
@@ -217,41 +216,7 @@ class Engine:
                 seq.block_table.truncate(context)
         seq.block_table.free()
         self.costs.set_curve({r: sorted(ts)[len(ts) // 2] for r, ts in times.items()})
-        self._calibrate_batch(max(sizes), context, reps)
         return self.costs.relative()
-
-    def _calibrate_batch(self, max_seqs: int, context: int, reps: int) -> None:
-        """Fits the cost model's batch terms (`costs.batch_features`): steps of B sequences (4,
-        and 16 or what the cache and `max_seqs` allow) at `context` and 3x `context` tokens, one
-        row each and three, timed in turn like the curve; what each costs beyond the curve's price
-        of its rows is fitted by least squares, no weight below 0."""
-        room = self.cache.allocator.num_free * self.cache.block_size // 2
-        long = 3 * context
-        big = min(16, max_seqs, room // (long + context + 8))
-        if big < 2:
-            return
-        seqs = {ctx: [Sequence([0] * ctx, SamplingParams(max_tokens=1), NO_SPECULATION, 0, BlockTable(self.cache))
-                      for _ in range(big)] for ctx in (context, long)}
-        for group in seqs.values():  # contexts reserved, not computed: what they hold does not change the time
-            for s in group:
-                s.block_table.append_slots(len(s.tokens))
-        shapes = sorted({(n, ctx, r) for n in (min(4, big), big) for ctx in (context, long) for r in (1, 3)})
-        times: dict[tuple[int, int, int], list[float]] = {sh: [] for sh in shapes}
-        for rnd in range(reps + 1):  # round 0 warms up
-            for n, ctx, r in (shapes if rnd % 2 else shapes[::-1]):
-                group = seqs[ctx][:n]
-                t = time.perf_counter()
-                self._forward(group, [[0] * r] * n, "all")
-                if rnd:
-                    times[n, ctx, r].append(time.perf_counter() - t)
-                for s in group:
-                    s.block_table.truncate(ctx)
-        for group in seqs.values():
-            for s in group:
-                s.block_table.free()
-        rows = [(batch_features(n * r, n, n * ctx, context), sorted(ts)[len(ts) // 2] - self.costs(n * r))
-                for (n, ctx, r), ts in times.items()]
-        self.costs.set_batch(*nonnegative_least_squares(rows), context)
 
     # -- requests -----------------------------------------------------------------------------
 
@@ -334,7 +299,6 @@ class Engine:
         """Each sequence's draft chain or tree, as much as its K policy has it verify (possibly none)."""
         proposals: dict[int, Proposal] = {}
         by_method: dict[str, list[Sequence]] = {}
-        context = sum(len(s.tokens) for s in seqs)  # the batch's, priced with its rows
         for seq in seqs:
             by_method.setdefault(seq.method, []).append(seq)
         for method, group in by_method.items():
@@ -347,7 +311,7 @@ class Engine:
             others = len(seqs) - len(group)  # rows the rest of the batch adds
 
             def cost(rows):
-                return self.costs(rows + others, len(seqs), context)
+                return self.costs(rows + others)
 
             # never draft past the context or past max_tokens
             room = [max(0, min(self.max_len - len(s.tokens) - 1, s.params.max_tokens - len(s.output) - 1))
@@ -390,8 +354,7 @@ class Engine:
         logits = self._forward(seqs, inputs, "all", trees if any(x is not None for x in trees) else None)
         timing.forward = time.perf_counter() - t  # logits: [sum(1 + n_i), V]
         timing.decode_rows, timing.decode_seqs = rows_total, len(seqs)
-        timing.decode_context = sum(len(s.tokens) for s in seqs)
-        self.costs.observe(rows_total, timing.forward, len(seqs), timing.decode_context)
+        self.costs.observe(rows_total, timing.forward, len(seqs))
         cu = [0, *itertools.accumulate(map(len, inputs))]
         result = self._verify(seqs, proposals, row_parents, logits, cu)
         outs = []

@@ -65,9 +65,7 @@ class AdaptivePolicy:
             seq.k = best_k(prior, batch, seq.k_min, seq.k_max, self.costs)[0]
             seq.kstate = AdaptiveState(self._window(prior))
 
-    def ceiling(self, seq, batch: int, cost: Cost | None = None) -> int:
-        """cost: seconds of the whole step's forward by its rows (the engine prices the batch's
-        sequences and contexts in it); default the rows alone."""
+    def ceiling(self, seq, batch: int) -> int:
         st: AdaptiveState = seq.kstate
         k_min, k_max = seq.k_min, seq.k_max
         if seq.k < k_min or seq.k > k_max:  # the bounds moved: obey at once
@@ -75,7 +73,7 @@ class AdaptivePolicy:
             return seq.k
         if st.since_change < self.hold:
             return seq.k
-        target, rates = best_k(st.window.alpha, batch, k_min, k_max, cost or self.costs)
+        target, rates = best_k(st.window.alpha, batch, k_min, k_max, self.costs)
         now = rates[seq.k - k_min]
         step = (target > seq.k) - (target < seq.k)
         if step and rates[target - k_min] > now * (1 + self.margin):
@@ -93,12 +91,7 @@ class AdaptivePolicy:
         return max(seq.k_min, int(seq.kstate.probing))
 
     def draft_lengths(self, seqs: list, room: list[int], cost: Cost, cheap: bool, batch: int) -> list[int]:
-        others = batch - len(seqs)  # `cost` prices these sequences' rows, the rest's one each added
-
-        def whole(rows: int) -> float:
-            return cost(rows - others)
-
-        caps = [min(self.ceiling(s, batch, whole), r) for s, r in zip(seqs, room)]
+        caps = [min(self.ceiling(s, batch), r) for s, r in zip(seqs, room)]
         if cheap or not any(caps):
             return caps
         chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
