@@ -85,7 +85,7 @@ def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size:
     engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1], tree_branching=branching,
                     proposers={"ngram": NgramProposer(corpus_tokens=corpus_tokens)})
     engine.costs.set_curve(costs)
-    engine.costs.observe = lambda rows, seconds: None  # the oracle's steps take no real time
+    engine.costs.observe = lambda *step: None  # the oracle's steps take no real time
     by_cat: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
     for r in records:
         oracle.full = r["prompt"] + r["output"] + [vocab_size - 1]
