@@ -20,20 +20,18 @@ class StepCostModel:
 
     The shape, cost(rows) / cost(1), is measured by `Engine.calibrate` with every size timed in
     turn, so that a change in the machine's load hits all sizes alike, and is made non-decreasing
-    (isotonic). Each live step moves the level (an exponential average). The shape is refined from
-    live steps too, but only by how sizes differ from each other: a step's log residual (observed
-    over predicted) counts toward the calibrated sizes its price was interpolated from, by their
-    weights; every `refine_every` steps, each calibrated size with `min_samples` of weight since its
-    last refinement gets its mean residual minus the mean of all those sizes, half of it, at most
-    10% a round. A burst of contention slows
-    whatever sizes ran then alike, so it leaves the shape; a shape the calibration got wrong (its
-    dummy context is shorter than real ones, and attention grows with rows times context) converges
-    to what live steps cost. Sizes only ever seen alone teach nothing. Only single-sequence steps
-    refine the shape, as the calibration times one sequence: a batch's cost grows with its
-    sequences' contexts, not its rows alone, and its plain steps (one row a sequence, every context
-    read) made the rows a draft adds look cheap (16 clients, measured: 0.95x plain throughput and
-    P99 1.41x with batches refining, 1.04x and 1.26x without; docs/trees.md). Unmeasured sizes are
-    interpolated linearly and extrapolated with the last slope.
+    (isotonic). Each live step moves the level (an exponential average). Single-sequence steps
+    also refine the shape, but only by how sizes differ from each other: a step's log residual
+    (observed over predicted) counts toward the calibrated sizes its price was interpolated from;
+    every `refine_every` steps, each size with `min_samples` of weight since its last refinement
+    moves by half its mean residual less the mean of all such sizes, at most 10% a round. A burst
+    of contention slows the sizes that ran then alike and leaves the shape; a size seen alone
+    teaches nothing; a shape the calibration got wrong (its dummy context is shorter than real
+    ones) converges to what live steps cost. Batches refine nothing: the calibration times one
+    sequence, and a batch's cost grows with its sequences' contexts, not its rows alone (refining
+    from batches made the rows drafts add look cheap: 16 clients 0.95x plain throughput and P99
+    1.41x, against 1.04x and 1.26x without; docs/trees.md). Unmeasured sizes are interpolated
+    linearly and extrapolated with the last slope.
 
     >>> c = StepCostModel(); c.set_curve({1: 1.0, 2: 0.9, 4: 1.3}); c.relative()   # 2 rows: noise
     {1: 1.0, 2: 1.0, 4: 1.368}
@@ -86,8 +84,7 @@ class StepCostModel:
 
     def _points(self, rows: int) -> list[tuple[int, float]]:
         """The calibrated sizes a step of `rows` is priced from, with their interpolation weights
-        (what a residual there teaches each): busy batches spread over many sizes, few of which
-        were timed."""
+        (what a residual there teaches each)."""
         if rows in self.seconds:
             return [(rows, 1.0)]
         known = sorted(self.seconds)
