@@ -146,10 +146,12 @@ def run_demo(fleet, stop: threading.Event) -> int:
         if seen >= answered or time.monotonic() > end or stop.wait(0.5):
             break
     console.print(summary(results, windows, wall, args.demo_clients))
+    held = (f"they hold {seen} of the {answered} requests" if seen <= answered else
+            f"they hold the {answered} requests and {seen - answered} copies of them that the router's canary "
+            f"drift check mirrored")
     console.print("tok/s: completion tokens / request time as the client saw it (prefill and queueing included). "
                   f"alpha, tau, speedup: the workers' windows for that arm and prompt type (the last "
-                  f"{fleet.window_s:g} s, spec.slo.window; they "
-                  f"hold {seen} of the {answered} requests). Routes: the router's x-specfleet-* headers.")
+                  f"{fleet.window_s:g} s, spec.slo.window; {held}). Routes: the router's x-specfleet-* headers.")
     for r in results:
         if r.error:
             console.print(f"[red]{escape(r.category)}: {escape(r.error)}[/red]")
