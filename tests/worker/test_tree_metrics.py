@@ -65,12 +65,13 @@ def test_the_gauge_reads_the_branching_verified_not_the_cap():
         assert 1.0 < branch_factor(r) < 2.0
 
 
-def test_get_config_reports_the_latency_guard_the_corpus_and_the_device_the_engine_runs():
+def test_get_config_reports_the_latency_guard_the_corpus_the_shape_and_the_device_the_engine_runs():
     engine = tiny_engine(proposers=default_proposers(ngram_corpus_tokens=4096), k_policy="adaptive",
-                         max_slowdown=0.03)
+                         max_slowdown=0.03, tree_branching=2, tree_choices=[[0, 0], [1], [0]])
     with running_worker(engine) as r:
         cfg = r.admin.GetConfig(pb.GetConfigRequest())
         assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens, cfg.device) == (3, 4096, "cpu")
-    with running_worker() as r:  # the defaults: no guard, no corpus
+        assert [list(p.ranks) for p in cfg.tree_choices] == [[0], [1], [0, 0]]  # by depth, then rank
+    with running_worker() as r:  # the defaults: no guard, no corpus, no shape
         cfg = r.admin.GetConfig(pb.GetConfigRequest())
-        assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens) == (0, 0)
+        assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens, len(cfg.tree_choices)) == (0, 0, 0)

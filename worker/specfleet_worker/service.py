@@ -339,6 +339,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         s = w.live.settings
         guard = getattr(w.engine.k_policy, "max_slowdown", None)
         corpus = getattr(w.engine.proposers.get(Method.NGRAM.value), "corpus", None)
+        shape = w.engine.tree_shape
+        paths = sorted(shape.paths, key=lambda p: (len(p), p)) if shape is not None else []
         return pb.WorkerConfig(
             model=w.model_name, quantization=w.quantization, role=w.role, speculation_enabled=s.speculation_enabled,
             default_speculate=s.default_speculate,
@@ -347,7 +349,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             max_batch_size=w.scheduler.max_batch_size, max_queue=w.scheduler.max_queue,
             max_tokens_limit=w.max_tokens_limit, context_length=w.engine.max_len, tree_branching=w.tree_branching,
             latency_guard_percent=round(guard * 100) if guard else 0, ngram_corpus_tokens=corpus.capacity if corpus else 0,
-            device=str(w.engine.device))
+            device=str(w.engine.device), tree_choices=[pb.TreePath(ranks=p) for p in paths])
 
     def GetConfig(self, request, context):
         return self._config(self._worker(context))
