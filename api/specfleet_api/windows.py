@@ -94,6 +94,11 @@ class TypeCounts:
     spec_requests: int = 0  # finished requests that ran a draft method
     spec_plain_seconds: float = 0.0
     spec_busy_seconds: float = 0.0
+    # one speedup per speculating request (its plain-equivalent / busy seconds), as log sums: the
+    # spread of requests' speedups says how sure a window's speedup is (specfleet_control.loop)
+    spec_speedups: int = 0
+    spec_log_speedup_sum: float = 0.0
+    spec_log_speedup_sq: float = 0.0
     ttft_hist: tuple[int, ...] = _zeros(TTFT_BUCKETS)  # counts per TTFT_BUCKETS bucket
     tpot_hist: tuple[int, ...] = _zeros(TPOT_BUCKETS)
 

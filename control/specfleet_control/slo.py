@@ -80,6 +80,9 @@ class Sample:
     # where alpha is judged by its confidence interval (a cluster: a few requests), its bounds: a
     # miss needs the upper bound under the line, a recovery the lower bound over it
     alpha_bounds: tuple[float, float] | None = None
+    # the speedup's interval over the requests' own speedups, where they were counted: a speedup
+    # under the line enters fallback only when its upper bound is under it too
+    speedup_bounds: tuple[float, float] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,6 +99,9 @@ class Evidence:
     busy_s: float = 0.0
     seen: int = 0
     windows: int = 0
+    speedups: int = 0  # requests with a speedup of their own, and the sums of its log
+    log_speedup: float = 0.0
+    log_speedup_sq: float = 0.0
 
     def plus(self, other: Evidence) -> Evidence:
         return Evidence(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -185,8 +191,16 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
     # a few percent of the truth cannot make a type that gains about nothing flap
     speed_line = policy.speedup_floor * ((1 + margin) if margin else (1 - policy.hysteresis))
     enough_speedup = sample.speedup is not None and sample.requests >= policy.min_requests
+    unclear = ""
     if enough_speedup and sample.speedup < speed_line:
-        return MISSED, f"speedup {sample.speedup:.2f} under {speed_line:.2f}"
+        if margin or sample.speedup_bounds is None or sample.speedup_bounds[1] < speed_line:
+            shown = "" if sample.speedup_bounds is None else \
+                " (interval [{:.2f}, {:.2f}])".format(*sample.speedup_bounds)
+            return MISSED, f"speedup {sample.speedup:.2f}{shown} under {speed_line:.2f}"
+        # in speculation, a few requests' speedup under the line is not yet a miss: requests'
+        # speedups spread with their prompts, and the window adds to the next one until it is clear
+        unclear = "speedup {:.2f} (interval [{:.2f}, {:.2f}]) not yet clearly under {:.2f}".format(
+            sample.speedup, *sample.speedup_bounds, speed_line)
     if sample.alpha_bounds is not None and sample.alpha is not None and sample.draft_tokens:
         verdict, why = _judge_bounds(sample, state, policy, margin)
     elif sample.alpha is not None and sample.draft_tokens >= policy.min_draft_tokens:
@@ -195,6 +209,8 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
         verdict, why = UNKNOWN, f"{sample.draft_tokens} drafted tokens (need {policy.min_draft_tokens})"
     if verdict == MISSED:
         return MISSED, why
+    if unclear:
+        return UNKNOWN, unclear
     if verdict == HEALTHY or enough_speedup:
         alpha = f"alpha {sample.alpha:.3f}" if sample.alpha is not None else "alpha -"
         speedup = f"speedup {sample.speedup:.2f}" if sample.speedup is not None else "speedup -"

@@ -189,3 +189,51 @@ def test_half_way_between_judgements_a_window_that_misses_on_its_own_falls_back(
     assert modes(ticks, type_key("code")) == [SPECULATIVE] * 3 + [FALLBACK] * 3
     assert ticks[3].memory.judged_at == 1010.0 and ticks[3].memory.early_at == 1015.0
     assert ticks[2].memory.keys[type_key("code")].baseline == ticks[1].memory.keys[type_key("code")].baseline
+
+
+def spread_window(speedups: list[float], alpha: float = 0.6, drafted: int = 1000) -> Window:
+    """A window whose requests each ran at their own speedup (1 s of plain-equivalent time each)."""
+    import math
+    busy = [1.0 / s for s in speedups]
+    logs = [math.log(s) for s in speedups]
+    return Window(TypeCounts(requests=len(speedups), draft_tokens=drafted, accepted_tokens=int(alpha * drafted),
+                             spec_requests=len(speedups), spec_plain_seconds=float(len(speedups)),
+                             spec_busy_seconds=sum(busy), spec_speedups=len(speedups),
+                             spec_log_speedup_sum=sum(logs), spec_log_speedup_sq=sum(x * x for x in logs)), 1, 10.0)
+
+
+def test_a_speedup_under_the_line_enters_fallback_only_when_its_requests_say_so_clearly():
+    # requests spread 0.75-1.05 (a prompt with long n-gram runs, most without) around 0.84: a
+    # window of four says nothing clear, and adds to the next until the interval is under 0.9;
+    # four requests alike are clear at once
+    spread = spread_window([0.75, 0.8, 1.05, 0.8])
+    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=spread)])
+    state = ticks[-1].memory.keys[type_key("code")]
+    assert state.mode == SPECULATIVE and "not yet clearly under" in state.reason, state
+    assert ticks[-1].memory.evidence[type_key("code")].speedups == 4  # kept for the next window
+    ticks = run([obs(code=spread)] * 8, memory=ticks[-1].memory, start=1030.0)
+    entered = modes(ticks, type_key("code")).index(FALLBACK)  # the interval narrows as windows add up
+    assert 2 <= entered < 8, [t.memory.keys[type_key("code")].reason for t in ticks]
+    assert "interval" in ticks[entered].events[0][1]
+    # requests alike: one window of four is clear
+    alike = spread_window([0.84, 0.86, 0.85, 0.85])
+    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=alike)])
+    assert modes(ticks, type_key("code"))[-1] == FALLBACK
+
+
+@pytest.mark.parametrize("bounds, margin, verdict", [
+    ((0.70, 1.03), 0.0, "unknown"),  # 0.85 with requests spread wide: not yet a miss
+    ((0.80, 0.89), 0.0, "missed"),  # the whole interval under 0.9
+    ((0.70, 1.03), 0.1, "missed"),  # a probe in fallback must clear 1.1 by its value
+])
+def test_judge_a_speedup_by_its_interval_when_entering(bounds, margin, verdict):
+    sample = Sample(alpha=0.5, speedup=0.85, draft_tokens=500, requests=5, speedup_bounds=bounds)
+    assert judge(sample, KeyState(), P, margin=margin)[0] == verdict
+
+
+def test_doctests():
+    import doctest
+
+    import specfleet_control.loop as loop
+    import specfleet_control.slo as slo
+    assert doctest.testmod(loop).failed == 0 and doctest.testmod(slo).failed == 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import doctest
 import json
+import math
 import time
 
 import pytest
@@ -157,6 +158,10 @@ def test_in_fallback_the_spec_fields_hold_the_probes_alone(redis_server):
         assert c.busy_seconds > after_probe.busy_seconds  # the plain request's steps count in the whole
         assert c.spec_busy_seconds == after_probe.busy_seconds == after_probe.spec_busy_seconds
         assert c.spec_plain_seconds == after_probe.plain_seconds
+        # one speedup per speculating request: the probe's own, the plain request's none
+        assert c.spec_speedups == 1 and c.spec_log_speedup_sum == pytest.approx(
+            math.log(after_probe.plain_seconds / after_probe.busy_seconds))
+        assert c.spec_log_speedup_sq == pytest.approx(c.spec_log_speedup_sum ** 2)
         assert pub.publish_once()
         w = parse_window(redis_server.client().hget("specfleet:v1:default/demo:window:stable:pod-a", "code"))
         assert w.counts.spec_requests == 1
@@ -166,6 +171,7 @@ def test_in_fallback_the_spec_fields_hold_the_probes_alone(redis_server):
         assert run(r, "code", "ngram", [7] * 10, 20, probe=True).speculation.method == "ngram"
         c2 = counts()["code"]
         assert (c2.requests, c2.spec_requests, c2.spec_busy_seconds) == (3, 1, c.spec_busy_seconds)
+        assert c2.spec_speedups == 1
 
 
 def test_latencies_count_in_the_windows_buckets():

@@ -11,6 +11,7 @@ latency histograms on the windows' own buckets (specfleet_api.windows).
 from __future__ import annotations
 
 import dataclasses
+import math
 import threading
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -163,9 +164,12 @@ class Metrics:
                 c.spec_busy_seconds += actual_s
 
     def finished(self, prompt_type: str, finish_reason: str, output_tokens: int, e2e_s: float,
-                 ttft_s: float | None, tpot_s: float | None, spec: bool = False) -> None:
+                 ttft_s: float | None, tpot_s: float | None, spec: bool = False,
+                 spec_seconds: tuple[float, float] = (0.0, 0.0)) -> None:
         """A request that ran to its end (stop, length or abort); TTFT is None when no token came,
-        TPOT when fewer than two did; `spec`: speculation was in effect for it (in some step)."""
+        TPOT when fewer than two did; `spec`: speculation was in effect for it (in some step);
+        `spec_seconds`: (plain-equivalent, actual) seconds of its speculating steps, whose ratio is
+        this request's own speedup (the spread of those is how sure a window's speedup is)."""
         m = self.model
         self.requests.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(e2e_s)
@@ -177,6 +181,12 @@ class Metrics:
             c = self._counts(prompt_type)
             c.requests += 1
             c.spec_requests += spec
+            plain_s, busy_s = spec_seconds
+            if spec and plain_s > 0 and busy_s > 0:
+                log_speedup = math.log(plain_s / busy_s)
+                c.spec_speedups += 1
+                c.spec_log_speedup_sum += log_speedup
+                c.spec_log_speedup_sq += log_speedup * log_speedup
             c.output_tokens += output_tokens
             if ttft_s is not None:
                 c.ttft_seconds_sum += ttft_s

@@ -83,6 +83,7 @@ class Request:
         self.seq: Sequence | None = None
         self.speculating = False  # speculation is in effect for its next step
         self.speculated = False  # it was for at least one step
+        self.spec_seconds = (0.0, 0.0)  # (plain-equivalent, actual) of its steps that speculated
         self.cancelled = False
         self.done = False
         self.reserved_blocks = 0
@@ -358,6 +359,8 @@ class Scheduler:
             if req is None:
                 continue
             self.metrics.cost(req.prompt_type, plain_s, actual_s, spec=req.speculating)
+            if req.speculating:
+                req.spec_seconds = (req.spec_seconds[0] + plain_s, req.spec_seconds[1] + actual_s)
             seq = out.seq
             if out.stats is None:  # the prefill's first token
                 req.first_token_at = now
@@ -398,7 +401,7 @@ class Scheduler:
                 if len(seq.output) > 1:
                     tpot = (req.finished_at - req.first_token_at) / (len(seq.output) - 1)
             self.metrics.finished(req.prompt_type, seq.finish_reason, len(seq.output), req.finished_at - req.arrival,
-                                  ttft, tpot, spec=req.speculated)
+                                  ttft, tpot, spec=req.speculated, spec_seconds=req.spec_seconds)
         elif error.kind in FAILURES:
             self.metrics.error(req.prompt_type)
         self._hook(req, error)
