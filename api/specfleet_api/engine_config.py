@@ -243,7 +243,7 @@ class EngineConfig:
             if not low <= value <= high:
                 out.append(Problem(where, f"{where} must be between {low} and {high}, got {value}"))
         out += [Problem("speculation.tree.choices", p)
-                for p in shape_problems(self.tree_choices, self.tree_branching, self.tree_depth)]
+                for p in shape_problems(self.tree_choices, self.tree_branching, self.tree_depth, k_max=self.k_max)]
         if not 0 <= self.ngram_corpus_tokens <= NGRAM_CORPUS_TOKENS_MAX:
             where = "draft.ngram.corpusTokens"
             out.append(Problem(where, f"{where} must be between 0 and {NGRAM_CORPUS_TOKENS_MAX}, "

@@ -24,10 +24,11 @@ Shape = tuple[tuple[int, ...], ...]
 
 
 def shape_problems(choices: Sequence[Sequence[int]], branching: int, depth: int,
-                   where: str = "speculation.tree.choices") -> list[str]:
+                   where: str = "speculation.tree.choices", k_max: int = 0) -> list[str]:
     """Every way `choices` is not a shape the engine may verify under the caps `branching`
-    (children per node) and `depth` (levels; 0: no cap), one message per path and rule, each
-    naming the path as `where[i] [ranks]`; [] when valid (an empty shape is: no static shape).
+    (children per node) and `depth` (levels; 0: no cap), and `k_max` (speculation.kMax, the most
+    levels a step drafts; 0: not checked), one message per path and rule, each naming the path as
+    `where[i] [ranks]`; [] when valid (an empty shape is: no static shape).
 
     >>> shape_problems([[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]], branching=3, depth=0)
     []
@@ -38,6 +39,8 @@ def shape_problems(choices: Sequence[Sequence[int]], branching: int, depth: int,
     speculation.tree.choices[3] [3]: rank 3 is not below speculation.tree.branching (3)
     speculation.tree.choices[3] [3]: its siblings [1], [2] are not listed (siblings are tried in rank order)
     speculation.tree.choices[4] [0]: listed twice (first as speculation.tree.choices[0])
+    >>> shape_problems([[0], [0, 0], [0, 0, 0]], branching=1, depth=0, k_max=2)
+    ['speculation.tree.choices[2] [0, 0, 0]: 3 ranks, deeper than speculation.kMax (2): a step drafts at most kMax levels, so its last node would never be drafted']
     """
     out = []
     if len(choices) > TREE_CHOICES_MAX:
@@ -58,6 +61,9 @@ def shape_problems(choices: Sequence[Sequence[int]], branching: int, depth: int,
             out.append(f"{name}: rank {over} is not below speculation.tree.branching ({branching})")
         if depth > 0 and len(path) > depth:
             out.append(f"{name}: {len(path)} ranks, longer than speculation.tree.depth ({depth})")
+        elif k_max > 0 and len(path) > k_max:
+            out.append(f"{name}: {len(path)} ranks, deeper than speculation.kMax ({k_max}): a step drafts at "
+                       f"most kMax levels, so its last node would never be drafted")
         if first[path] != i:
             out.append(f"{name}: listed twice (first as {where}[{first[path]}])")
             continue

@@ -182,6 +182,8 @@ BAD = {
     "tree path past depth": ({"speculation": {"tree": {"branching": 2, "depth": 1, "choices": [[0], [0, 0]]}}},
                              "longer than speculation.tree.depth"),
     "tree path twice": ({"speculation": {"tree": {"branching": 2, "choices": [[0], [1], [0]]}}}, "listed twice"),
+    "tree path deeper than kMax": ({"speculation": {"kInitial": 2, "kMax": 2, "tree": {
+        "branching": 1, "choices": [[0], [0, 0], [0, 0, 0]]}}}, "deeper than speculation.kMax"),
     "canary tree rank past branching": ({"canary": {"overrides": {"speculation": {"tree": {
         "branching": 1, "choices": [[0], [1]]}}}}}, "is not below speculation.tree.branching"),
     "canary tree path past depth": ({"canary": {"overrides": {"speculation": {"tree": {
@@ -675,3 +677,13 @@ def test_a_canary_status_section_validates():
     validate_openapi({**GOOD, "status": {"canary": state.to_status()}})
     with pytest.raises(jsonschema.ValidationError):
         validate_openapi({**GOOD, "status": {"canary": {"phase": "Rolling"}}})
+
+
+def test_a_canary_kmax_under_the_stable_shapes_depth_is_the_operators_to_reject():
+    # CEL sees the overrides alone; the operator judges the canary's engine.json, shape and kMax together
+    doc = _with({"speculation": {"tree": {"branching": 2, "choices": [[0], [1], [0, 0], [0, 0, 0]]}},
+                 "canary": {"weight": 1, "overrides": {"speculation": {"kMin": 0, "kInitial": 2, "kMax": 2}}}})
+    assert cel_failures(doc) == []
+    problems = specs.problems(doc["spec"])
+    assert [(p.field, "deeper than speculation.kMax (2)" in p.message, "(with the overrides)" in p.message)
+            for p in problems] == [("spec.canary.overrides", True, True)], problems
