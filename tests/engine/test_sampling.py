@@ -32,3 +32,60 @@ def test_top_k_and_top_p_keep_the_right_tokens():
 def test_validate_names_the_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs).validate()
+
+
+def test_sample_from_draws_each_row_from_its_distribution_and_never_a_zero():
+    # vocabulary 111 with a third of it masked (as top-k / top-p leave it); 20000 draws per row
+    g = torch.Generator().manual_seed(3)
+    p = torch.softmax(torch.randn(2, 111, generator=g) * 2, dim=-1)
+    p[0, ::3] = 0.0
+    p[1, 50:] = 0.0
+    p = p / p.sum(-1, keepdim=True)
+    draws = torch.stack([sampling.sample_from(p, g) for _ in range(20000)])
+    for row in range(2):
+        freq = torch.bincount(draws[:, row], minlength=111).double() / draws.shape[0]
+        assert float(freq[p[row] == 0].sum()) == 0.0
+        assert 0.5 * float((freq - p[row].double()).abs().sum()) < 0.03  # TV: ~0.018 expected by chance
+
+
+def test_a_draw_at_the_very_top_of_the_cdf_lands_on_the_last_token_with_mass(monkeypatch):
+    # a uniform whose product with the total rounds up to the total passes every cumulative sum
+    p = torch.tensor([[0.2, 0.8, 0.0, 0.0]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones(1, 1, dtype=torch.float64))
+    assert sampling.sample_from(p, None).tolist() == [1]
+
+
+def test_a_draw_of_zero_skips_the_leading_tokens_without_mass(monkeypatch):
+    p = torch.tensor([[0.0, 0.0, 0.3, 0.7]])
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.zeros(1, 1, dtype=torch.float64))
+    assert sampling.sample_from(p, None).tolist() == [2]
+
+
+def _top_p_by_full_sort(probs, top_p):
+    """The rule over every token, sorted: the reference the partial top-k must equal."""
+    sorted_probs, idx = torch.sort(probs, dim=-1, descending=True)
+    sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_probs)
+    return out / out.sum(-1, keepdim=True)
+
+
+@pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])  # 0.3: flat, the candidates hold too little mass
+@pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
+def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps(scale, top_p):
+    g = torch.Generator().manual_seed(int(scale * 10) + int(top_p * 100))
+    probs = torch.softmax(torch.randn(3, 5000, generator=g) * scale, dim=-1)
+    got, want = sampling.top_p_filter(probs, top_p), _top_p_by_full_sort(probs, top_p)
+    assert torch.equal(got > 0, want > 0)
+    assert torch.allclose(got, want, atol=1e-7)
+
+
+def test_top_p_falls_back_to_the_full_sort_where_the_candidates_fall_short(monkeypatch):
+    probs = torch.full((1, 3000), 1 / 3000)  # 1024 candidates hold a third of the mass
+    calls = []
+    real_sort = torch.sort
+    monkeypatch.setattr(torch, "sort", lambda *a, **k: calls.append(1) or real_sort(*a, **k))
+    got = sampling.top_p_filter(probs, 0.9)
+    assert calls == [1] and 2700 <= int((got > 0).sum()) <= 2701  # 0.9 of the mass, give or take rounding
+    calls.clear()
+    got = sampling.top_p_filter(probs, 0.3)
+    assert calls == [] and 900 <= int((got > 0).sum()) <= 901

@@ -102,7 +102,8 @@ def rejection_sample_ref(target_probs: Tensor, draft_probs: Tensor | None, batch
     """target_probs: [R, V] (greedy sequences: logits do as well); draft_probs: [R, V] or None (all one-hot).
 
     Randomness, per sampled sequence from its generator (None: torch's default): one uniform per child
-    tried, in the order tried, then one exponential race over V (sample_from) for the next token.
+    tried, in the order tried, then sample_from's draw (on the CPU one uniform, elsewhere an
+    exponential race over V) for the next token.
     Greedy sequences draw nothing.
 
     >>> t = torch.eye(4)[[1, 2, 3]]                  # target argmax after root: 1, after row 1: 2, after row 2: 3
