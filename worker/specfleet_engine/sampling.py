@@ -63,16 +63,18 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     """probs [N, V] cut to the smallest set of most likely tokens whose mass reaches top_p (the
     token that crosses it included), renormalised.
 
-    The set is found among the TOP_P_CANDIDATES most likely tokens (a partial top-k) when their
-    mass reaches top_p in every row, which is the usual case; else among all of them (a full sort,
-    ~4-8 ms a row at V 49152 on this CPU, where the partial one costs ~0.3 ms). The two find the
-    same set: past the candidates every token comes after the mass has reached top_p.
+    On the CPU the set is found among the TOP_P_CANDIDATES most likely tokens (a partial top-k)
+    when their mass reaches top_p in every row, which is the usual case; else among all of them (a
+    full sort, ~4-8 ms a row at V 49152 on this CPU, where the partial one costs ~0.3 ms). The two
+    find the same set: past the candidates every token comes after the mass has reached top_p.
+    Elsewhere always by the full sort, which a GPU does in microseconds without the host sync
+    the check would cost.
 
     >>> p = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
     >>> top_p_filter(p, 0.7)                      # 0.5 + 0.25 crosses 0.7
     tensor([[0.0000, 0.6667, 0.0000, 0.3333]])
     """
-    k = min(probs.shape[-1], TOP_P_CANDIDATES)
+    k = min(probs.shape[-1], TOP_P_CANDIDATES) if probs.device.type == "cpu" else probs.shape[-1]
     top, idx = torch.topk(probs, k, dim=-1) if k < probs.shape[-1] else torch.sort(probs, dim=-1, descending=True)
     mass = top.cumsum(-1)
     if k < probs.shape[-1] and not bool((mass[:, -1] >= top_p).all()):
