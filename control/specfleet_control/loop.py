@@ -35,6 +35,9 @@ DRAFT_CORRELATION = 2.0
 CLUSTER_Z = 1.96  # alpha's interval (a type's, a cluster's): 95%
 
 DEPLOYMENT = "deployment"
+# A key's evidence adds up over at most this many windows without a verdict (a speedup that stays
+# within its interval of the line, a quiet probe), then starts again from the current window.
+MAX_EVIDENCE_WINDOWS = 12
 
 
 def type_key(prompt_type: str) -> str:
@@ -190,6 +193,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         if not (due or alert):
             return
         pending = evidence.get(key, Evidence())
+        if pending.windows >= MAX_EVIDENCE_WINDOWS:  # what is older says little of now: start afresh
+            pending = Evidence()
         combined = pending.plus(window) if window is not None and not only_alert else pending
         state, event = step(sample(combined, alert) if not only_alert else Sample(alert=alert),
                             keys.get(key, KeyState()), policy, now)

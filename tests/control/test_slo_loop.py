@@ -237,3 +237,13 @@ def test_doctests():
     import specfleet_control.loop as loop
     import specfleet_control.slo as slo
     assert doctest.testmod(loop).failed == 0 and doctest.testmod(slo).failed == 0
+
+
+def test_evidence_without_a_verdict_adds_up_over_twelve_windows_at_most():
+    # a speedup that stays about its line (0.9) never becomes clear either way
+    about = spread_window([0.7, 1.1, 0.85, 0.95])  # 0.88, spread wide
+    ticks = run([obs(code=window(0.6))] * 2 + [obs(code=about)] * 30)
+    held = [t.memory.evidence.get(type_key("code")) for t in ticks[2:]]
+    assert all(e is not None for e in held)  # never a verdict
+    assert max(e.windows for e in held) == 12 and held[-1].windows < 12
+    assert modes(ticks, type_key("code")) == [SPECULATIVE] * 32
