@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 
 import torch
+from specfleet_api.enums import Method
 from specfleet_engine import sampling
 from specfleet_engine.engine import Engine
 from specfleet_engine.kernels import rejection
@@ -110,8 +111,8 @@ def main(argv=None) -> int:
     engine.calibrate()
     decode(engine, prompts[:1], "ngram", args.temperature, 8, 0)  # warm
     rates: dict[str, list[float]] = {}
-    configs = [(m, b, tp) for tp in top_ps for m in ("none", "ngram") for b in batches]
-    label = lambda m, b, tp: f"{'plain' if m == 'none' else m} x{b}" + (f" top-p {tp:g}" if tp < 1 else "")
+    configs = [(m, b, tp) for tp in top_ps for m in (Method.NONE.value, Method.NGRAM.value) for b in batches]
+    label = lambda m, b, tp: f"{'plain' if m == Method.NONE else m} x{b}" + (f" top-p {tp:g}" if tp < 1 else "")
     names = list(SAMPLERS)
     for r in range(args.rounds):
         for method, batch, top_p in configs:

@@ -108,9 +108,9 @@ class RouterServer:
         app = front.app()
         app.middlewares.append(self._refuse_while_draining)
         # a client that goes away cancels its handler, and with it the worker's request
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
         await self.runner.setup()
-        site = web.TCPSite(self.runner, cfg.host, cfg.http_port, shutdown_timeout=1.0)
+        site = web.TCPSite(self.runner, cfg.host, cfg.http_port)
         await site.start()
         self.http_port = self.runner.addresses[0][1]
 

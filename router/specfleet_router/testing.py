@@ -81,6 +81,10 @@ async def _async(fn):
     return fn()
 
 
+async def _all_tasks() -> list[asyncio.Task]:
+    return [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+
 @contextlib.contextmanager
 def running_router(cfg: RouterConfig | None = None, discovery=None, **kw):
     """A started router (ports picked free) for `cfg`, or for a RouterConfig built from `kw`;
@@ -96,6 +100,12 @@ def running_router(cfg: RouterConfig | None = None, discovery=None, **kw):
     finally:
         try:
             asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(15)
+        except TimeoutError:
+            # say what the stop waits on: the next such failure names its cause
+            for task in asyncio.run_coroutine_threadsafe(_all_tasks(), loop).result(5):
+                where = [f"{f.f_code.co_filename}:{f.f_lineno} {f.f_code.co_name}" for f in task.get_stack(limit=12)]
+                print(f"router task still running at stop: {task.get_name()}: {' <- '.join(where)}", file=sys.stderr)
+            raise
         finally:
             loop.call_soon_threadsafe(loop.stop)
             thread.join(15)
