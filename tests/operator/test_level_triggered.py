@@ -47,8 +47,13 @@ def full_fleet():
 async def test_every_deleted_child_is_recreated(cluster, kube):
     op = await started(cluster, kube, full_fleet())
     try:
+        # Ready, then the last child may land a moment later (CI once saw 16 of 17): wait, naming what is missing
+        try:
+            await wait_for(lambda: len(children(cluster, "smollm2-draft")) == 17, 10, "all 17 children")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; have {sorted(children(cluster, 'smollm2-draft'))}") from None
         kids = children(cluster, "smollm2-draft")
-        assert len(kids) == 17 and {k for k, _ in kids} == set(PLURALS)
+        assert {k for k, _ in kids} == set(PLURALS)
         for (kind, name), before in kids.items():
             api_version = before["apiVersion"]
             await kube.delete(api_version, kind, "default", name)
