@@ -2,7 +2,7 @@ import doctest
 
 import pytest
 import torch
-
+from specfleet_bench.sampler import full_sort_top_p
 from specfleet_engine import sampling
 from specfleet_engine.sampling import SamplingParams, logits_to_probs
 
@@ -61,20 +61,12 @@ def test_a_draw_of_zero_skips_the_leading_tokens_without_mass(monkeypatch):
     assert sampling.sample_from(p, None).tolist() == [2]
 
 
-def _top_p_by_full_sort(probs, top_p):
-    """The rule over every token, sorted: the reference the partial top-k must equal."""
-    sorted_probs, idx = torch.sort(probs, dim=-1, descending=True)
-    sorted_probs = sorted_probs.masked_fill(sorted_probs.cumsum(-1) - sorted_probs >= top_p, 0.0)
-    out = torch.zeros_like(probs).scatter_(-1, idx, sorted_probs)
-    return out / out.sum(-1, keepdim=True)
-
-
 @pytest.mark.parametrize("scale", [0.3, 1.0, 3.0, 8.0])  # 0.3: flat, the candidates hold too little mass
 @pytest.mark.parametrize("top_p", [0.05, 0.5, 0.9, 0.99])
 def test_top_p_among_the_candidates_keeps_what_a_full_sort_keeps(scale, top_p):
     g = torch.Generator().manual_seed(int(scale * 10) + int(top_p * 100))
     probs = torch.softmax(torch.randn(3, 5000, generator=g) * scale, dim=-1)
-    got, want = sampling.top_p_filter(probs, top_p), _top_p_by_full_sort(probs, top_p)
+    got, want = sampling.top_p_filter(probs, top_p), full_sort_top_p(probs, top_p)  # the rule over all, sorted
     assert torch.equal(got > 0, want > 0)
     assert torch.allclose(got, want, atol=1e-7)
 
