@@ -159,6 +159,9 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
                for ref in obj.get("metadata", {}).get("ownerReferences", []))
 
 
+SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations")  # created at startup: see there
+
+
 def reconcile_lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
     """Held by each reconcile of one resource, so that children are applied from one state at a time."""
     return memo.setdefault("reconcile_locks", {}).setdefault((namespace, name), asyncio.Lock())
@@ -188,12 +191,26 @@ async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = 
         await write_status(memo, ns, name, problems=problems)
         return
     results, errors = await _apply_children(body, spec, fleet_state(cstate, spec, memory), memo)
+    applied_generations(memo)[(ns, name)] = body.get("metadata", {}).get("generation")
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:
         _event(body, "Created", "created " + ", ".join(created))
     if errors:
         _event(body, "ApplyFailed", "; ".join(errors))
     await write_status(memo, ns, name, cstate=cstate, window=window, errors=errors, memory=memory)
+
+
+def applied_generations(memo: Any) -> dict[tuple[str, str], int | None]:
+    """(namespace, name) -> the generation whose children this operator last applied, every one
+    of them. Unknown (no entry) after a restart, until the resume handler's reconcile."""
+    return memo.setdefault("applied_generations", {})
+
+
+async def refresh_status(memo: Any, namespace: str, name: str, **kwargs: Any) -> dict[str, Any] | None:
+    """`write_status` from outside a reconcile: after the one in flight, if any, so that a status
+    is never computed from a fleet half applied (Ready with the last children still to come)."""
+    async with reconcile_lock(memo, namespace, name):
+        return await write_status(memo, namespace, name, **kwargs)
 
 
 def _lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
@@ -231,8 +248,9 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
             canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
                 if spec.get("canary") else None
             router = await kube.get("apps/v1", "Deployment", namespace, manifests.router_name(name))
-            new = _status(_observed(sdd, spec, cstate, stable, canary, list(errors), window, router, memory), sdd,
-                          memory)
+            applied = applied_generations(memo).get((namespace, name), sdd["metadata"].get("generation"))
+            observed = _observed(sdd, spec, cstate, stable, canary, list(errors), window, router, memory)
+            new = _status(dataclasses.replace(observed, applied_generation=applied), sdd, memory)
             if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
                 _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
         if _changed(prev, new):
@@ -299,6 +317,11 @@ async def startup(memo: Any, settings: kopf.OperatorSettings, logger: Any, **_: 
     memo.setdefault("loop_interval", 15.0)
     memo.setdefault("live_state", redis_state.LiveStateStore())
     memo.setdefault("windows", redis_state.WindowSource())
+    # kopf hands each object's handlers a shallow copy of this memo, made when the object is first
+    # seen: state shared between a resource's handlers and its children's events (the locks, what
+    # was applied) must be one object created here, or a child's event gets a lock of its own
+    for shared in SHARED_MEMO:
+        memo.setdefault(shared, {})
 
 
 @kopf.on.cleanup()
@@ -335,7 +358,7 @@ async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
               if ref.get("kind") == KIND]
     name = owners[0] if owners else body.get("metadata", {}).get("labels", {}).get(manifests.LABEL_SDD)
     if name:
-        await write_status(memo, body["metadata"]["namespace"], name)
+        await refresh_status(memo, body["metadata"]["namespace"], name)
 
 
 # A tick is idempotent, so a stopping daemon may be cancelled mid-tick after a second.
@@ -409,7 +432,7 @@ async def tick(body: Any, memo: Any) -> None:
     if fleet_state(decision.state, spec, slo.memory) != fleet_state(before, spec, memory):
         await reconcile(body, memo, decision.state, window, slo.memory)
     else:
-        await write_status(memo, ns, name, cstate=decision.state, window=window, memory=slo.memory)
+        await refresh_status(memo, ns, name, cstate=decision.state, window=window, memory=slo.memory)
 
 
 @kopf.on.delete(*SDD)

@@ -44,6 +44,9 @@ class Workers:
 class Observed:
     generation: int | None
     problems: tuple[Problem, ...] = ()
+    # the generation whose children were all applied (None: unknown, e.g. after a restart): under
+    # `generation`, the workers observed are an older spec's, not yet this one's
+    applied_generation: int | None = None
     apply_error: str | None = None
     stable: Workers | None = None
     canary: Workers | None = None
@@ -83,12 +86,16 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     invalid = "; ".join(str(p) for p in o.problems)
     rejected = rejection_reason(o.problems)  # InvalidSpec, or Unsupported: reserved, not served yet
 
+    pending = o.applied_generation is not None and gen is not None and o.applied_generation < gen
     if invalid:
         ready = (False, rejected, invalid)
     elif o.apply_error:
         ready = (False, "ApplyFailed", o.apply_error)
     elif stable is None:
         ready = (False, "Creating", "the stable workers are being created")
+    elif pending:
+        ready = (False, "Reconciling", f"generation {gen}'s children are being applied "
+                 f"(the last applied in full: {o.applied_generation})")
     elif stable.desired == 0:
         ready = (False, "ScaledToZero", "spec asks for 0 workers")
     elif not (stable.rolled_out and (canary is None or canary.rolled_out)):
@@ -101,8 +108,8 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
         ready = (True, "WorkersReady", f"{stable.ready}/{stable.desired} stable workers ready, "
                  f"{o.router.ready} router pods ready")
 
-    rolling = not invalid and stable is not None and not (
-        stable.rolled_out and (canary is None or canary.rolled_out) and (o.router is None or o.router.rolled_out))
+    rolling = not invalid and stable is not None and (pending or not (
+        stable.rolled_out and (canary is None or canary.rolled_out) and (o.router is None or o.router.rolled_out)))
     progressing = (True, "RollingOut", "workers are being rolled out") if rolling else \
         (False, "RolloutComplete" if not invalid else rejected, "no rollout in progress")
 

@@ -55,15 +55,28 @@ class Cluster(kmock.KubernetesEmulator):
     """What the plain emulator leaves to a real API server, done the way one does it."""
 
     ready_delay: float = 0.05  # how long the "Deployment controller" takes to report pods ready
+    # plural -> seconds a create of that kind waits before it is served (a slow admission webhook)
+    create_delays: dict = attrs.field(factory=dict)
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _controllers: set = attrs.field(factory=set, init=False)
+    _in_flight: set = attrs.field(factory=set, init=False)  # ids of the requests being served
     log: list = attrs.field(factory=list, init=False)  # (METHOD, path) of every request served
 
     async def _handle(self, request: Any) -> Any:
-        # kmock matches each request against its whole request history (quadratic in a long run);
-        # keep the history short and a light log for assertions instead.
+        self._in_flight.add(id(request))
+        try:
+            return await self._serve(request)
+        finally:
+            self._in_flight.discard(id(request))
+
+    async def _serve(self, request: Any) -> Any:
+        # kmock matches each request against its whole request history (quadratic in a long run):
+        # keep only the requests still being served (kmock finds each in the history to match it;
+        # one dropped while it waited was answered 500) and a light log for assertions instead.
+        self._requests[:] = [r for r in self._requests if id(r) in self._in_flight]
         self.log.append((str(request.method).upper().rsplit(".", 1)[-1], request.url.path))
-        del self._requests[:-1]
+        if request.action == enums.action.CREATE and request.resource is not None:
+            await asyncio.sleep(self.create_delays.get(request.resource.plural, 0.0))
         deployment_written = False
         if request.resource is not None and isinstance(request.data, dict):
             meta = request.data.setdefault("metadata", {}) if request.action in (

@@ -268,15 +268,17 @@ async def test_control_loop_falls_back_per_prompt_type_and_recovers_through_the_
                        "a baseline learned")
         publish_window(client, "default", "slo", "code", alpha=0.02, speedup=0.9)  # the SLO is missed
         await wait_for(lambda: sdd().get("fallback", {}).get("promptTypes") == ["code"], 10, "code in fallback")
-        state = stored(client, name="slo")
-        assert state.fallback == ("code",) and state.speculate and state.method_for("chat") == "ngram"
+        # the status is written first, then the live state (in the same status write): wait for both
+        state = await wait_for(lambda: (st := stored(client, name="slo")) is not None and st.fallback == ("code",) and st, 5,
+                               "code in the live state's fallback")
+        assert state.speculate and state.method_for("chat") == "ngram"
         assert state.route("code", draw=1.0) == ("ngram", True)  # the probe
         assert sdd()["mode"] == "speculative"  # the deployment as a whole still speculates
         assert pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")]) == hash_before
         await wait_for(lambda: events(cluster, "FallbackEntered"), 10, "FallbackEntered event")
         publish_window(client, "default", "slo", "code", alpha=0.6)  # the probe is healthy again
         await wait_for(lambda: sdd().get("fallback", {}).get("promptTypes") == [], 10, "code back")
-        assert stored(client, name="slo").fallback == ()
+        await wait_for(lambda: stored(client, name="slo").fallback == (), 5, "code out of the live state's fallback")
         await wait_for(lambda: events(cluster, "FallbackLeft"), 10, "FallbackLeft event")
     finally:
         await op.stop_and_join()

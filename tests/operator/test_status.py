@@ -27,6 +27,18 @@ def test_rolling_out_is_progressing_not_ready():
     assert condition(s, "Progressing")["reason"] == "RollingOut"
 
 
+def test_a_generation_whose_children_are_not_all_applied_is_not_ready():
+    """The workers observed are the last generation's while this one's children are applied."""
+    ready = Workers(desired=2, ready=2, updated=2)
+    s = compute(Observed(generation=4, applied_generation=3, stable=ready, router=ROUTER), None, T0)
+    assert (condition(s, "Ready")["status"], condition(s, "Ready")["reason"]) == ("False", "Reconciling")
+    assert "generation 4" in condition(s, "Ready")["message"]
+    assert condition(s, "Progressing")["status"] == "True"
+    for applied in (4, None):  # applied, or unknown (an operator just restarted): the workers decide
+        s = compute(Observed(generation=4, applied_generation=applied, stable=ready, router=ROUTER), None, T0)
+        assert condition(s, "Ready")["status"] == "True" and condition(s, "Progressing")["status"] == "False"
+
+
 def test_transition_time_kept_while_status_unchanged():
     first = compute(Observed(generation=1, stable=Workers(desired=1, ready=1, updated=1), router=ROUTER), None, T0)
     again = compute(Observed(generation=2, stable=Workers(desired=1, ready=1, updated=1), router=ROUTER), first, T1)
