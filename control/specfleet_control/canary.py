@@ -22,6 +22,7 @@ from typing import Any
 from specfleet_api.durations import parse_duration
 from specfleet_api.windows import DriftCounts, Window, sum_windows
 
+from .loop import mean_var, t95
 from .observe import Observation
 
 PHASES = ("Idle", "Waiting", "Progressing", "Paused", "Promoted", "Aborted")
@@ -454,6 +455,55 @@ def _compare(name: str, canary: float | None, stable: float | None, tol: float, 
     return None
 
 
+def _log_speedups(w: Window) -> tuple[float, float, int] | None:
+    """Mean and sample variance of a window's per-request log speedups, and their count; None
+    under two (workers that predate the per-request counts send none)."""
+    cn = w.counts
+    n = cn.spec_speedups
+    return (*mean_var(n, cn.spec_log_speedup_sum, cn.spec_log_speedup_sq), n) if n >= 2 else None
+
+
+def compare_speedup(canary: Window, stable: Window, tol: float) -> str | None:
+    """The speedup check. The canary's speedup over stable's (each plain / busy seconds summed
+    over its requests) must not be under 1 - tol; with each speculating request's own speedup
+    counted on both arms, it fails only when the ratio's 95% interval is wholly under that line
+    (Welch's t over the two arms' log speedups, around the ratio): requests' speedups spread with
+    their prompts, and at a 1% weight the canary serves few of them, so a ratio under the line by
+    chance is not a failure (as the SLO loop judges a speedup). A canary that is slower shows it
+    again in the next intervals, each failed one counted toward failureLimit. Without those counts:
+    by value.
+
+    >>> from specfleet_api.windows import TypeCounts
+    >>> def w(speedup, n, spread):
+    ...     return Window(TypeCounts(requests=n, plain_seconds=speedup * n, busy_seconds=n, spec_speedups=n,
+    ...                              spec_log_speedup_sum=n * math.log(speedup),
+    ...                              spec_log_speedup_sq=n * (math.log(speedup) ** 2 + spread ** 2)))
+    >>> compare_speedup(w(1.2, 20, 0.5), w(1.5, 400, 0.5), 0.1) is None     # 0.8x, 20 spread requests
+    True
+    >>> compare_speedup(w(1.2, 20, 0.05), w(1.5, 400, 0.05), 0.1)
+    'speedup 1.2 < stable 1.5 x (1 - 0.1) = 1.35; the ratio 0.8, 95% interval [0.7807, 0.8198] (Welch t over 20 and 400 requests)'
+    """
+    c, s = canary.speedup, stable.speedup
+    by_value = _compare("speedup", c, s, tol, True)
+    if by_value is None or not s:
+        return by_value
+    mc, ms = _log_speedups(canary), _log_speedups(stable)
+    if mc is None or ms is None:
+        return by_value
+    (_, v1, n1), (_, v2, n2) = mc, ms
+    se2 = v1 / n1 + v2 / n2
+    if se2 > 0:
+        df = se2 * se2 / ((v1 / n1) ** 2 / (n1 - 1) + (v2 / n2) ** 2 / (n2 - 1))
+        half = t95(max(1, int(df))) * math.sqrt(se2)
+    else:
+        half = 0.0
+    ratio = c / s
+    lo, hi = ratio * math.exp(-half), ratio * math.exp(half)
+    if hi >= 1 - tol:
+        return None
+    return f"{by_value}; the ratio {_fmt(ratio)}, 95% interval [{_fmt(lo)}, {_fmt(hi)}] (Welch t over {n1} and {n2} requests)"
+
+
 #: The canary's own figures that analysis.metrics may bound (the CRD's enum; p99LatencySeconds is
 #: the older name of ttftP99Seconds).
 METRICS = {
@@ -467,9 +517,7 @@ METRICS = {
 def _moments(d: DriftCounts) -> tuple[float, float, int]:
     """Mean, sample variance and count of the per-token log-prob differences."""
     n = d.logprob_tokens
-    mean = d.logprob_diff_sum / n
-    var = max(0.0, (d.logprob_diff_sq_sum - n * mean * mean) / (n - 1))
-    return mean, var, n
+    return (*mean_var(n, d.logprob_diff_sum, d.logprob_diff_sq_sum), n)
 
 
 def sampled_drift(canary: DriftCounts, control: DriftCounts | None, floor: float, min_pairs: int) -> str | None:
@@ -546,7 +594,7 @@ def analyse(obs: CanaryObservation, policy: CanaryPolicy) -> Analysis:
     found = [
         _compare("alpha", c.alpha, s.alpha, tol.alpha, True),
         _compare("tau", c.tau, s.tau, tol.tau, True),
-        _compare("speedup", c.speedup, s.speedup, tol.speedup, True),
+        compare_speedup(c, s, tol.speedup),
         _compare("TTFT P50", c.ttft_quantile(0.5), s.ttft_quantile(0.5), tol.ttft_p50, False),
         _compare("TTFT P99", c.ttft_quantile(0.99), s.ttft_quantile(0.99), tol.ttft_p99, False),
         _compare("TPOT P50", c.tpot_quantile(0.5), s.tpot_quantile(0.5), tol.tpot_p50, False),

@@ -127,6 +127,16 @@ def t95(df: int) -> float:
     return table[df - 1] if df <= len(table) else 1.96 + 2.4 / df
 
 
+def mean_var(n: int, total: float, squares: float) -> tuple[float, float]:
+    """Mean and sample variance of n values from their sum and the sum of their squares (n >= 2).
+
+    >>> mean_var(3, 6.0, 14.0)                            # 1, 2, 3
+    (2.0, 1.0)
+    """
+    mean = total / n
+    return mean, max(0.0, (squares - n * mean * mean) / (n - 1))
+
+
 def speedup_bounds(e: Evidence) -> tuple[float, float] | None:
     """The speedup's 95% interval: around the evidence's speedup (plain / busy seconds summed),
     as wide as the mean of the requests' log speedups is uncertain (Student's t over them); None
@@ -139,8 +149,7 @@ def speedup_bounds(e: Evidence) -> tuple[float, float] | None:
     n = e.speedups
     if n < 2 or e.speedup is None:
         return None
-    mean = e.log_speedup / n
-    var = max(0.0, (e.log_speedup_sq - n * mean * mean) / (n - 1))
+    _, var = mean_var(n, e.log_speedup, e.log_speedup_sq)
     half = t95(n - 1) * math.sqrt(var / n)
     return e.speedup * math.exp(-half), e.speedup * math.exp(half)
 

@@ -156,6 +156,34 @@ def test_each_comparison_fails_a_worse_canary_and_passes_one_within_tolerance(wo
     assert c.analyse(obs(canary=window(**ok)), policy(compare=c.Compare(**tolerance))).failed == ()
 
 
+def with_request_speedups(w, spread, seed=0):
+    """`w` with each request's own speedup counted: log speedups spread around the window's."""
+    import math
+    import random
+    rng = random.Random(seed)
+    n = w.counts.requests
+    logs = [math.log(w.speedup) + rng.gauss(0.0, spread) for _ in range(n)]
+    return dataclasses.replace(w, counts=dataclasses.replace(
+        w.counts, spec_speedups=n, spec_log_speedup_sum=sum(logs), spec_log_speedup_sq=sum(x * x for x in logs)))
+
+
+def test_a_slower_canary_speedup_fails_only_when_its_requests_say_so():
+    """1% of the traffic is a few requests an interval, and requests' speedups spread with their
+    prompts: a canary at 0.8x stable's speedup over 20 requests as spread as n-gram drafts make them
+    is not failed; the same ratio over requests alike is, the interval in the message; a canary
+    within the tolerance passes however sure."""
+    stable = with_request_speedups(window(requests=400, speedup=1.5), 0.5, seed=1)
+    spread = with_request_speedups(window(requests=20, speedup=1.2), 0.6, seed=2)
+    assert c.analyse(obs(canary=spread, stable=stable), policy()).failed == ()
+    alike = with_request_speedups(window(requests=20, speedup=1.2), 0.05, seed=3)
+    failed = c.analyse(obs(canary=alike, stable=stable), policy()).failed
+    assert len(failed) == 1 and "speedup 1.2 < stable 1.5" in failed[0] and "95% interval" in failed[0], failed
+    many = with_request_speedups(window(requests=2000, speedup=1.2), 0.6, seed=4)  # spread, but many: sure
+    assert c.analyse(obs(canary=many, stable=stable), policy()).failed != ()
+    close = with_request_speedups(window(requests=2000, speedup=1.4), 0.05, seed=5)
+    assert c.analyse(obs(canary=close, stable=stable), policy()).failed == ()
+
+
 def test_p99_latencies_are_compared_with_their_own_tolerance():
     tail = window()
     hist = list(tail.counts.ttft_hist)
