@@ -145,8 +145,8 @@ class EngineConfig:
     tree_branching: int = DEFAULT_TREE_BRANCHING  # caps on each step's draft tree (enums)
     tree_depth: int = 0
     tree_choices: Shape = ()  # a static tree shape under the caps (specfleet_api.tree_shape); (): none
-    # the adaptive policy's latency guard: a sequence's expected seconds per token at most this
-    # fraction above plain decoding's (maxSlowdownPercent / 100); None: off
+    # the adaptive policy's latency guard: no request's time so far more than this fraction above
+    # what plain decoding would have taken for its tokens (maxSlowdownPercent / 100); None: off
     max_slowdown: float | None = None
     default_method: str = Method.NGRAM.value
     by_prompt_type: dict[str, str] = field(default_factory=dict)

@@ -57,7 +57,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-slowdown", type=float, default=None,
                    help="the adaptive policy's latency guard for the in-process worker, a fraction (0.02: "
                         "speculation.latencyGuard.maxSlowdownPercent 2; default: off)")
+    p.add_argument("--prefill-chunk", type=int, default=None,
+                   help="the in-process worker's prompt tokens prefilled a step (0: whole prompts; default: the "
+                        "worker's --prefill-chunk default)")
     args = p.parse_args(argv)
+    if args.prefill_chunk is not None and (args.target or args.prefill_chunk < 0):
+        p.error("--prefill-chunk is >= 0 and sets the in-process worker's: not with --target")
     if args.trees and args.target:
         p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
     if args.max_slowdown is not None and args.target:
@@ -157,7 +162,8 @@ def start_local_worker(args, max_batch: int):
 
     cfg = EngineConfig(model_name=args.model, k_max=args.k_max, max_slowdown=args.max_slowdown)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
-    engine = build_engine(cfg, threads=args.threads, max_batch_size=max_batch)
+    chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
+    engine = build_engine(cfg, threads=args.threads, max_batch_size=max_batch, **chunk)
     server = WorkerServer("127.0.0.1", 0, 0, admin_port=0, max_workers=max_batch + 16).start()
     server.attach(make_worker(engine, cfg, max_batch_size=max_batch, max_queue=max_batch * 4,
                               max_tokens_limit=max(args.max_tokens, 2048)))
@@ -226,6 +232,7 @@ def main(argv=None) -> int:
     args.out.write_text(json.dumps({"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
                                     "k_max": args.k_max, "trees": args.trees, "repeats": args.repeats,
                                     "max_slowdown": engine.k_policy.max_slowdown if engine is not None else None,
+                                    "prefill_chunk": engine.prefill_chunk if engine is not None else None,
                                     "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0

@@ -309,3 +309,50 @@ def test_the_latency_guard_reaches_the_adaptive_policy_by_name():
     assert make_policy("fixed", costs, max_slowdown=0.02).name == "fixed"  # a fixed K has no budget to guard
     with pytest.raises(ValueError, match="max_slowdown must be a fraction >= 0"):
         make_policy("adaptive", costs, max_slowdown=-0.1)
+
+
+def test_the_latency_guard_keeps_a_bystander_at_plain_decodings_pace_over_its_life():
+    """A request with nothing to draft beside one whose drafts are all accepted: each verify row
+    (10% of a step here) slows the bystander. Its priced account (`latency_credit`: (1 + guard) x
+    plain decoding's step per token it got, less each step's price) never goes below 0 with the
+    guard on, and the drafter still drafts as the bystander's credit of 5% a step allows; off, the
+    drafter drafts every step and the bystander falls behind plain decoding's pace."""
+    from specfleet_engine.engine import NO_SPECULATION, Engine
+    from specfleet_engine.sampling import SamplingParams
+    from specfleet_engine.testing import tiny_model
+
+    params = SamplingParams(max_tokens=40, ignore_eos=True)
+    prompt = [5, 6, 7, 8]
+    model = tiny_model(seed=1, scale=4.0)
+    truth = Engine(model).generate(prompt, params, NO_SPECULATION, 0).output
+
+    class Oracle:  # a cheap proposer whose drafts are the target's own greedy continuation
+        name, cheap = "oracle", True
+
+        def propose(self, seqs, ks):
+            return [Proposal(truth[len(s.output):len(s.output) + k], None, 4) for s, k in zip(seqs, ks)]
+
+        def rollback(self, seq, num_valid):
+            pass
+
+        def release(self, seq):
+            pass
+
+    out = {}
+    for guard in (None, 0.05):
+        engine = Engine(model, proposers={"oracle": Oracle()}, k_policy="adaptive", max_slowdown=guard)
+        engine.costs.set_curve({r: 1.0 + 0.1 * (r - 1) for r in range(1, 64)})
+        engine.costs.smoothing, engine.costs.refine_every = 0.0, 0  # prices as set: the account is exact
+        drafter = engine.add(prompt, params, "oracle", 4, prior=0.95, batch=2)
+        bystander = engine.add([9, 10, 11], params, NO_SPECULATION, 0)
+        lowest = 0.0
+        while not (drafter.finished and bystander.finished):
+            engine.step()
+            if not bystander.finished:
+                lowest = min(lowest, bystander.latency_credit)
+        assert drafter.output == truth
+        out[guard] = (lowest, drafter.stats.num_draft_tokens)
+    (open_low, open_drafts), (guarded_low, guarded_drafts) = out[None], out[0.05]
+    assert open_low < -1.0, out  # unguarded: behind plain decoding's pace by over a step's time
+    assert guarded_low >= -1e-9, out
+    assert 0 < guarded_drafts < open_drafts, out

@@ -166,6 +166,47 @@ def test_batched_speculation_matches_single_requests(arch, branching):
     assert engine.cache.allocator.num_used == 0
 
 
+def test_chunked_prefill_matches_whole_prompts_and_never_stalls_decoding():
+    """prefill_chunk 5: every step's prefill forward holds at most 5 prompt tokens, a long prompt
+    is prefilled over several steps while the running sequences decode a token (or more) in each
+    of them, an abort mid-prompt frees its blocks, and the outputs are those of whole prompts."""
+    target = tiny_model(seed=3, scale=4.0)
+    engine = Engine(target, proposers=proposers_for(target), k_policy="fixed", prefill_chunk=5)
+    params = SamplingParams(max_tokens=24, ignore_eos=True)
+    ps = repeating_prompts(6, seed=11)
+    whole = Engine(target, proposers=proposers_for(target), k_policy="fixed")
+    expected = [whole.generate(p, params, "none").output for p in ps]
+    chunks = []
+    forward = engine._forward
+
+    def recording(seqs, inputs, rows, trees=None):
+        if rows == "last":  # the prefill's
+            chunks.append(sum(map(len, inputs)))
+        return forward(seqs, inputs, rows, trees)
+
+    engine._forward = recording
+    methods = ["none", "ngram", "draft-model"]
+    seqs = [engine.add(p, params, methods[i % 3], k=3) for i, p in enumerate(ps[:3])]
+    while not all(s.prefilled for s in seqs):
+        engine.step()
+    doomed = engine.add(ps[3] * 3, params, "ngram", 3)
+    late = [engine.add(p, params, methods[i % 3], k=3) for i, p in enumerate(ps[3:])]
+    stalled = 0
+    while not all(s.finished for s in seqs + late):
+        before = [len(s.output) for s in seqs]
+        engine.step()
+        stalled += any(len(s.output) == b and not s.finished for s, b in zip(seqs, before))
+        if doomed.block_table.num_tokens and not doomed.prefilled and not doomed.finished:
+            engine.abort(doomed)  # mid-prompt
+    assert max(chunks) <= 5 and len(chunks) > len(ps), chunks
+    assert sum(chunks) >= sum(map(len, ps)) and stalled == 0
+    assert [s.output for s in seqs + late] == expected
+    assert doomed.finish_reason == "abort" and not doomed.prefilled
+    assert engine.cache.allocator.num_used == 0
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        Engine(target, prefill_chunk=0)
+
+
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
 def test_batched_adaptive_k_matches_single_requests(arch):
     """The default policy: each step verifies what pays for the whole batch (cheap verify rows

@@ -396,6 +396,9 @@ def test_process_flags_and_defaults_follow_the_contract():
     assert (a.host, a.grpc_port, a.http_port, a.drain_seconds) == ("0.0.0.0", 1, 2, 5.0)
     with pytest.raises(SystemExit):
         parse_args(["--max-batch-size", "0"])
+    assert parse_args([]).prefill_chunk == 0 and parse_args(["--prefill-chunk", "256"]).prefill_chunk == 256
+    with pytest.raises(SystemExit):
+        parse_args(["--prefill-chunk", "-1"])
 
 
 def test_the_calibration_sizes_docstring_holds():
@@ -412,8 +415,8 @@ def test_the_served_engine_is_adaptive_and_calibrated_up_to_a_full_batch_of_draf
     raw = {"model": {"name": "tiny-random"}, "speculation": {"tree": {"branching": 3, "depth": 5},
                                                              "latencyGuard": {"maxSlowdownPercent": 3}},
            "draft": {"method": "ngram", "ngram": {"corpusTokens": 4096}}}
-    engine = build_engine(EngineConfig.from_dict(raw), max_kv_tokens=2048, max_batch_size=2)
-    assert engine.k_policy.name == "adaptive"
+    engine = build_engine(EngineConfig.from_dict(raw), max_kv_tokens=2048, max_batch_size=2, prefill_chunk=64)
+    assert engine.k_policy.name == "adaptive" and engine.prefill_chunk == 64  # --prefill-chunk reaches the engine
     assert engine.proposers["ngram"].corpus.capacity == 4096  # the n-gram corpus reaches the proposer
     assert engine.k_policy.max_slowdown == 0.03  # engine.json's latency guard reaches the policy
     assert (engine.tree_branching, engine.tree_depth) == (3, 5)  # the caps reach the engine

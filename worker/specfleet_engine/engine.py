@@ -1,6 +1,8 @@
 """The decoding engine: prefill, plain decoding and speculative decoding over a batch.
 
-`Engine.step()` is one iteration of continuous batching: sequences that arrived are prefilled,
+`Engine.step()` is one iteration of continuous batching: sequences that arrived are prefilled
+(at most `prefill_chunk` prompt tokens a step, long prompts in chunks over several steps, so that
+an arrival stalls the running sequences by a bounded time, as vLLM's chunked prefill does),
 then every running sequence advances by one target forward that covers all of them, each with
 its own draft (possibly none: a plain decoding step). Verification, EOS, stop strings, max_tokens
 and logprobs are all handled inside the step, and each step returns its statistics.
@@ -104,6 +106,9 @@ class Sequence:
         self.k_min = k_min  # bounds the policy keeps k within; a step verifies at least k_min
         self.k_max = k if k_max is None else k_max  # draft tokens when a draft is there
         self.kstate = None  # the K policy's own state for this sequence
+        # seconds (priced by the step-cost model) this request is ahead of the pace the latency
+        # guard allows, (1 + max_slowdown) x plain decoding's: `choose_nodes`
+        self.latency_credit = 0.0
         self.last_key = 0  # the kind of the last draft (Proposal.key)
         self.block_table = block_table
         self.generator = None
@@ -174,8 +179,13 @@ class Engine:
         tree_depth: int = 0,
         tree_choices=None,
         max_slowdown: float | None = None,
+        prefill_chunk: int | None = None,
     ):
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1 prompt tokens a step (None: whole prompts), got {prefill_chunk}")
         self.model = model
+        # prompt tokens prefilled a step, at most (None: every waiting prompt whole, in one forward)
+        self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.proposers: dict[str, Proposer] = default_proposers() if proposers is None else dict(proposers)
         self.device = getattr(model, "device", torch.device("cpu"))
@@ -264,11 +274,9 @@ class Engine:
         decoding = [s for s in self.running if not s.finished]
         self.last_timing = timing = StepTiming()
         if self.waiting:
-            new, self.waiting = self.waiting, []
             t = time.perf_counter()
-            outputs += self._prefill(new)
+            outputs += self._prefill()
             timing.prefill = time.perf_counter() - t
-            self.running += [s for s in new if not s.finished]
         if decoding:
             t = time.perf_counter()
             outputs += self._decode(decoding, timing)
@@ -285,14 +293,32 @@ class Engine:
         with torch.inference_mode():
             return self.model(tokens, meta, self.cache.layers, last if logits_rows == "last" else None)
 
-    def _prefill(self, seqs: list[Sequence]) -> list[StepOutput]:
-        logits = self._forward(seqs, [s.tokens for s in seqs], "last")  # [B, V]
+    def _prefill(self) -> list[StepOutput]:
+        """One forward over the waiting prompts, first come first served, within the step's
+        `prefill_chunk` tokens: a prompt whose last token is in it gets its first token and
+        starts decoding; one cut short keeps its cached part and goes on next step, first."""
+        budget = self.prefill_chunk if self.prefill_chunk is not None else sum(len(s.tokens) for s in self.waiting)
+        seqs, chunks = [], []
+        for seq in self.waiting:
+            done = seq.block_table.num_tokens
+            n = min(len(seq.tokens) - done, budget)
+            if n <= 0:
+                break
+            seqs.append(seq)
+            chunks.append(seq.tokens[done:done + n])
+            budget -= n
+        logits = self._forward(seqs, chunks, "last")  # [B, V]: each chunk's last row
         outs = []
         for seq, row in zip(seqs, logits):
+            if seq.block_table.num_tokens < len(seq.tokens):
+                continue  # more of its prompt next step
+            self.waiting.remove(seq)
             seq.prefilled = True
             token = int(sample(row[None], seq.params, seq.generator))
             emitted = self._emit(seq, [token], row[None])
             outs.append(StepOutput(seq, emitted, None))
+            if not seq.finished:
+                self.running.append(seq)
         return outs
 
     def _propose(self, seqs: list[Sequence]) -> list[Proposal]:
@@ -334,7 +360,9 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
-                keep = [k[:MAX_DRAFT_NODES] for k in self.k_policy.select_nodes(group, results, cost, cheap, len(seqs))]
+                bystander = min((s.latency_credit for s in seqs if s.method != method), default=0.0)
+                keep = [k[:MAX_DRAFT_NODES] for k in self.k_policy.select_nodes(group, results, cost, cheap, len(seqs),
+                                                                                 bystander)]
                 results = [p if len(k) == len(p.draft_tokens) else p.subset(k) for p, k in zip(results, keep)]
             for s, p in zip(group, results):
                 proposals[s.seq_id] = p
@@ -357,6 +385,10 @@ class Engine:
         self.costs.observe(rows_total, timing.forward, len(seqs))
         cu = [0, *itertools.accumulate(map(len, inputs))]
         result = self._verify(seqs, proposals, row_parents, logits, cu)
+        # the latency guard's account: each request earns (1 + max_slowdown) x plain decoding's
+        # step per token it gets and pays this step's price (both priced, so noise cancels)
+        pace = (1.0 + (getattr(self.k_policy, "max_slowdown", None) or 0.0)) * self.costs(len(seqs))
+        price = self.costs(rows_total)
         outs = []
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):
             n = len(prop.draft_tokens)
@@ -371,6 +403,7 @@ class Engine:
             emitted = self._emit(seq, [prop.draft_tokens[r - 1] for r in path] + [int(result.next_token[b])],
                                  logits[[lo + r for r in [0, *path]]])
             timing.emitted += len(emitted)
+            seq.latency_credit += pace * len(emitted) - price
             depth = max(prop.depths(), default=0)
             stats = StepStats(seq.method if n else NO_SPECULATION, n, accepted, bool(result.bonus[b]), len(emitted),
                               depth)

@@ -28,6 +28,8 @@ log = logging.getLogger("specfleet.worker")
 
 TINY_MODEL = "tiny-random"  # a random 2-layer model for tests, with a character tokenizer (text, chat)
 CONTROL_FILE = "control.json"
+# prompt tokens prefilled a step, at most (0: whole prompts in one forward, stalling the decodes)
+DEFAULT_PREFILL_CHUNK = 0
 T = TypeVar("T")
 
 
@@ -46,6 +48,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch; more: RESOURCE_EXHAUSTED")
     p.add_argument("--max-tokens-limit", type=int, default=2048, help="the largest max_tokens a request may ask")
     p.add_argument("--max-kv-tokens", type=int, default=32768, help="KV cache size in tokens")
+    p.add_argument("--prefill-chunk", type=int, default=DEFAULT_PREFILL_CHUNK,
+                   help="prompt tokens prefilled a step, at most: a longer prompt is prefilled over several steps "
+                        "while the running requests decode (chunked prefill); 0: whole prompts")
     p.add_argument("--max-request-bytes", type=int, default=1 << 20, help="larger requests: INVALID_ARGUMENT")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     p.add_argument("--live-state-period", type=float, default=0.5,
@@ -63,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for name in ("max_batch_size", "max_tokens_limit", "max_kv_tokens", "max_request_bytes"):
         if getattr(args, name) <= 0:
             p.error(f"--{name.replace('_', '-')} must be > 0")
-    if args.max_queue < 0 or args.drain_seconds < 0:
-        p.error("--max-queue and --drain-seconds must be >= 0")
+    if args.max_queue < 0 or args.drain_seconds < 0 or args.prefill_chunk < 0:
+        p.error("--max-queue, --drain-seconds and --prefill-chunk must be >= 0")
     if args.live_state_period <= 0:
         p.error("--live-state-period must be > 0")
     return args
@@ -127,12 +132,14 @@ def on_short_lived_thread(fn: Callable[[], T]) -> T:
 
 
 def build_engine(cfg: EngineConfig, *, max_kv_tokens: int = 32768, threads: int | None = None,
-                 max_batch_size: int = 16):
-    """The engine for engine.json (see `_build_engine`), built on a short-lived thread."""
-    return on_short_lived_thread(lambda: _build_engine(cfg, max_kv_tokens, threads, max_batch_size))
+                 max_batch_size: int = 16, prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
+    """The engine for engine.json (see `_build_engine`), built on a short-lived thread.
+    prefill_chunk: prompt tokens prefilled a step, at most (0: whole prompts)."""
+    return on_short_lived_thread(lambda: _build_engine(cfg, max_kv_tokens, threads, max_batch_size, prefill_chunk))
 
 
-def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, max_batch_size: int):
+def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, max_batch_size: int,
+                  prefill_chunk: int = DEFAULT_PREFILL_CHUNK):
     """The engine for engine.json, built from the engine's own factory, its step costs calibrated.
 
     The engine's K policy (`speculation.kPolicy`) chooses each request's K within the live bounds
@@ -158,7 +165,7 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
                                                          device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
                     tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, tree_choices=cfg.tree_choices,
-                    max_slowdown=cfg.max_slowdown)
+                    max_slowdown=cfg.max_slowdown, prefill_chunk=prefill_chunk or None)
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})
@@ -252,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     def load() -> None:
         try:
             loaded["engine"] = build_engine(cfg, max_kv_tokens=args.max_kv_tokens, threads=args.threads,
-                                            max_batch_size=args.max_batch_size)
+                                            max_batch_size=args.max_batch_size, prefill_chunk=args.prefill_chunk)
         except BaseException as e:  # noqa: BLE001 - reported by the main thread
             loaded["error"] = e
         finally:

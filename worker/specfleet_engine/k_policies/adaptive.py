@@ -97,12 +97,14 @@ class AdaptivePolicy:
         chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
         return [max(c, min(self.floor(s), k)) for s, c, k in zip(seqs, chosen, caps)]
 
-    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int) -> list[list[int]]:
+    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int,
+                     bystander_credit: float = 0.0) -> list[list[int]]:
         """The tree budget: a node's score is the chance its path is accepted, rank-0 edges at
         the sequence's acceptance for that kind of draft, a rank-r sibling at the fleet-wide
         chance that rank r wins where it was tried; nodes go best first while tokens per second
-        of the forward rise and no sequence's seconds per token rise by more than max_slowdown
-        (`choose_nodes`), past each sequence's `floor`: the guard would otherwise prune a probe's
+        of the forward rise and no request falls behind (1 + max_slowdown) x plain decoding's pace
+        over its life (`choose_nodes`: each sequence's `latency_credit`, the others' least as
+        `bystander_credit`), past each sequence's `floor`: the guard would otherwise prune a probe's
         one row in a batch of plain requests, and alpha would never recover. A costly draft was
         sized before: its chain is kept whole; its tree is pruned the same way."""
         if not cheap and not any(p.is_tree for p in proposals):
@@ -113,7 +115,9 @@ class AdaptivePolicy:
             a = s.kstate.acceptance(p.key).alpha
             scores.append(path_scores(par, lambda rank, depth, a=a: a if rank == 0 else self.branch(rank).alpha))
         floors = [min(self.floor(s), len(p.draft_tokens)) for s, p in zip(seqs, proposals)]
-        return choose_nodes(scores, parents, floors, cost, self.max_slowdown, batch - len(seqs))
+        credits = [getattr(s, "latency_credit", 0.0) for s in seqs]
+        return choose_nodes(scores, parents, floors, cost, self.max_slowdown, batch - len(seqs), credits,
+                            bystander_credit)
 
     def branch(self, rank: int) -> Acceptance:
         est = self.branches.get(rank)

@@ -27,9 +27,11 @@ class KPolicy(Protocol):
         """Tokens each sequence may draft this step, each <= room[i] (what the context and
         max_tokens leave). batch: sequences decoding in this step."""
 
-    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int) -> list[list[int]]:
+    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int,
+                     bystander_credit: float = 0.0) -> list[list[int]]:
         """Of each proposal (a chain or a tree), the nodes to verify: ascending indices, each
-        node's parent included. batch: sequences in this step's forward (seqs and others)."""
+        node's parent included. batch: sequences in this step's forward (seqs and others);
+        bystander_credit: the least `latency_credit` among the others (the latency guard's)."""
 
     def observe(self, seq, key: int, drafted: int, accepted: int) -> None:
         """The verify step's outcome for one sequence along its main chain (drafted 0: a plain
@@ -76,7 +78,8 @@ def path_scores(parents: list[int], win: Callable[[int, int], float]) -> list[fl
 
 
 def choose_nodes(scores: list[list[float]], parents: list[list[int]], floors: list[int], cost: Cost,
-                 max_slowdown: float | None = None, bystanders: int = 0) -> list[list[int]]:
+                 max_slowdown: float | None = None, bystanders: int = 0, credits: list[float] | None = None,
+                 bystander_credit: float = 0.0) -> list[list[int]]:
     """The nodes each sequence verifies, maximising the batch's expected tokens / cost(rows).
 
     scores[i][j]: the chance node j of sequence i is accepted (a child never above its parent);
@@ -85,10 +88,15 @@ def choose_nodes(scores: list[list[float]], parents: list[list[int]], floors: li
     A chain is the tree whose node j has score a^(j+1): then this is `choose_ks`.
 
     max_slowdown: a latency guard. Throughput alone would let the requests whose drafts fail pay
-    for the others' (every row slows the whole step): no sequence's expected seconds per token may
-    exceed plain decoding's by more than this fraction, cost(rows) / (1 + its expected accepted)
-    <= (1 + max_slowdown) cost(batch); None: no guard. bystanders: sequences in the same forward
-    that draft nothing here (their rows are in `cost` already; they gain nothing from these rows).
+    for the others' (every row slows the whole step): no request may fall behind plain decoding's
+    pace, slowed by more than this fraction, over its life so far. Its `latency_credit` (credits[i],
+    seconds, priced: what (1 + max_slowdown) x plain decoding would have spent on the tokens it has,
+    less what its steps cost) plus this step's must stay >= 0: cost(rows) <= (1 + max_slowdown)
+    cost(batch) (1 + its expected accepted) + its credit; None: no guard. A request that gained
+    from its own drafts may be slowed later by others' (a bystander this step, with nothing to
+    draft); one that never gained allows only max_slowdown a step. bystanders: sequences in the
+    same forward that draft nothing here (their rows are in `cost` already; they gain nothing from
+    these rows), the least credit among them `bystander_credit`.
 
     >>> linear = lambda T: 1.0 + 0.25 * (T - 1)
     >>> choose_nodes([[0.9, 0.81, 0.3], [0.1]], [[-1, 0, -1], [-1]], [0, 0], linear)
@@ -98,12 +106,16 @@ def choose_nodes(scores: list[list[float]], parents: list[list[int]], floors: li
     [[0, 1, 2], [0]]
     >>> choose_nodes([[0.9, 0.81, 0.3], [0.1]], [[-1, 0, -1], [-1]], [0, 0], cheap, max_slowdown=0.03)
     [[0], [0]]
+    >>> choose_nodes([[0.9, 0.81, 0.3], [0.1]], [[-1, 0, -1], [-1]], [0, 0], cheap, max_slowdown=0.03,
+    ...              credits=[0.0, 0.05])             # the second is ahead of plain decoding's pace
+    [[0, 1, 2], [0]]
     """
     keep = [set(range(min(f, len(s)))) for f, s in zip(floors, scores)]
     rows = len(scores) + sum(map(len, keep))
     expected = [sum(scores[i][j] for j in k) for i, k in enumerate(keep)]
     tokens = float(len(scores)) + sum(expected)
     limit = None if max_slowdown is None else (1.0 + max_slowdown) * cost(len(scores))
+    credit = list(credits) if credits is not None else [0.0] * len(scores)
     order = sorted(((-sc, i, j) for i, s in enumerate(scores) for j, sc in enumerate(s) if j not in keep[i]))
     for neg, i, j in order:
         gain = -neg
@@ -113,8 +125,10 @@ def choose_nodes(scores: list[list[float]], parents: list[list[int]], floors: li
         if (tokens + gain) / cost(rows + 1) <= tokens / cost(rows):
             break
         if limit is not None:
-            least = 0.0 if bystanders else min(e + (gain if k == i else 0.0) for k, e in enumerate(expected))
-            if cost(rows + 1) > limit * (1.0 + least):
+            allowed = min(limit * (1.0 + e + (gain if k == i else 0.0)) + credit[k] for k, e in enumerate(expected))
+            if bystanders:
+                allowed = min(allowed, limit + bystander_credit)
+            if cost(rows + 1) > allowed:
                 continue  # a node of the worst-off sequence may still fit
         keep[i].add(j)
         expected[i] += gain

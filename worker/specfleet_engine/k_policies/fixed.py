@@ -15,7 +15,8 @@ class FixedPolicy:
     def draft_lengths(self, seqs: list, room: list[int], cost: Cost, cheap: bool, batch: int) -> list[int]:
         return [min(min(max(s.k, s.k_min), s.k_max), r) for s, r in zip(seqs, room)]
 
-    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int) -> list[list[int]]:
+    def select_nodes(self, seqs: list, proposals: list, cost: Cost, cheap: bool, batch: int,
+                     bystander_credit: float = 0.0) -> list[list[int]]:
         return [list(range(len(p.draft_tokens))) for p in proposals]
 
     def observe(self, seq, key: int, drafted: int, accepted: int) -> None:
