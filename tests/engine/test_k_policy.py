@@ -356,3 +356,42 @@ def test_the_latency_guard_keeps_a_bystander_at_plain_decodings_pace_over_its_li
     assert open_low < -1.0, out  # unguarded: behind plain decoding's pace by over a step's time
     assert guarded_low >= -1e-9, out
     assert 0 < guarded_drafts < open_drafts, out
+
+
+def test_a_cheap_drafter_is_not_asked_for_drafts_no_row_can_pay_for():
+    """The budget adds the best node first and stops at the first that does not pay: where even
+    the best possible node cannot (a verify row costs a whole step), the n-gram drafter is not
+    called at all (its search is ~4% of a 16-sequence step); where rows are cheap it is, and a
+    k_min floor still drafts whatever the price. Outputs are plain decoding's either way."""
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.sampling import SamplingParams
+    from specfleet_engine.testing import tiny_model
+
+    class Counting:  # a cheap proposer that always has a draft: 1, 2, 3, ...
+        name, cheap = "count", True
+
+        def __init__(self):
+            self.calls = 0
+
+        def propose(self, seqs, ks):
+            self.calls += 1
+            return [Proposal(list(range(1, k + 1)), None) for k in ks]
+
+        def rollback(self, seq, num_valid):
+            pass
+
+        def release(self, seq):
+            pass
+
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    model = tiny_model(seed=1, scale=4.0)
+    plain = Engine(model).generate([5, 6, 7, 8], params, "none", 0).output
+    calls = {}
+    for name, curve, k_min in (("dear", lambda r: float(r), 0), ("cheap", lambda r: 1.0 + 0.01 * (r - 1), 0),
+                               ("floor", lambda r: float(r), 2)):
+        drafter = Counting()
+        engine = Engine(model, proposers={"count": drafter})
+        engine.costs.set_curve({r: curve(r) for r in range(1, 40)})
+        assert engine.generate([5, 6, 7, 8], params, "count", 6, k_min=k_min).output == plain
+        calls[name] = drafter.calls
+    assert calls["dear"] == 0 and calls["cheap"] > 0 and calls["floor"] > 0, calls

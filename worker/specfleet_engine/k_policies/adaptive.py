@@ -92,6 +92,13 @@ class AdaptivePolicy:
 
     def draft_lengths(self, seqs: list, room: list[int], cost: Cost, cheap: bool, batch: int) -> list[int]:
         caps = [min(self.ceiling(s, batch), r) for s, r in zip(seqs, room)]
+        if cheap and any(caps) and not any(self.floor(s) for s in seqs):
+            # `select_nodes` adds the best node first and stops at the first that does not pay: if
+            # not even a node as good as any can be, it will verify nothing, so do not draft at all
+            # (at 16 sequences the n-gram search costs ~4% of a step that verifies nothing)
+            n, gain = len(seqs), self.best_gain(seqs)
+            if (n + gain) / cost(n + 1) <= n / cost(n):
+                return [0] * n
         if cheap or not any(caps):
             return caps
         chosen = choose_ks([s.kstate.acceptance(0).alpha for s in seqs], caps, cost)
@@ -118,6 +125,13 @@ class AdaptivePolicy:
         credits = [getattr(s, "latency_credit", 0.0) for s in seqs]
         return choose_nodes(scores, parents, floors, cost, self.max_slowdown, batch - len(seqs), credits,
                             bystander_credit)
+
+    def best_gain(self, seqs: list) -> float:
+        """The most expected tokens one draft node of these sequences can add: no node scores above
+        its sequence's acceptance for its kind of draft (a kind not seen yet: the prior of a new
+        estimate) or, for a sibling, its rank's chance of winning (`path_scores`)."""
+        gain = max([Acceptance().alpha, *(e.alpha for s in seqs for e in s.kstate.by_key.values())])
+        return max([gain, *(b.alpha for b in self.branches.values())])
 
     def branch(self, rank: int) -> Acceptance:
         est = self.branches.get(rank)
