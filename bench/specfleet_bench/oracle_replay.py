@@ -13,6 +13,9 @@ from tau and the cost curve alone, with no machine noise. Prefill is not counted
 
 `budgets` gives the tau the drafter can reach at each tree budget (draft nodes a step may verify
 for free, none beyond), chains (branching 1) beside trees: the adaptive policy picks the nodes.
+With `--recycle K` a third column, trees that also draft the target's own top-K next tokens
+(Token Recycling): the model runs once, teacher-forced over each recording, for its top-K at every
+position, and the oracle's logits carry them (ranked, the recorded token first).
 """
 
 from __future__ import annotations
@@ -34,20 +37,44 @@ from specfleet_engine.sampling import SamplingParams
 
 
 class Oracle:
-    """Stands in for the Transformer: logits one-hot on the recorded continuation."""
+    """Stands in for the Transformer: logits one-hot on the recorded continuation, or, where `top`
+    holds the model's top next tokens at each position, falling over those in rank order."""
 
     def __init__(self, vocab_size: int):
         self.args = ModelArgs(vocab_size=vocab_size, dim=8, n_layers=1, n_heads=1, n_kv_heads=1, head_dim=8,
                               intermediate_size=8, max_position_embeddings=16384)
         self.dtype = torch.float32
         self.full: list[int] = []
+        self.top: torch.Tensor | None = None  # [positions, K]: the model's top next tokens (greedy: full[p + 1] first)
 
     def __call__(self, tokens, meta, kv, logits_indices=None):
         pos = meta.positions if logits_indices is None else meta.positions.index_select(0, logits_indices)
         out = torch.zeros(len(pos), self.args.vocab_size)
         for i, p in enumerate(pos.tolist()):
-            out[i, self.full[p + 1] if p + 1 < len(self.full) else self.args.vocab_size - 1] = 1.0
+            if self.top is not None and p < len(self.top):
+                out[i, self.top[p]] = torch.linspace(1.0, 0.5, self.top.shape[1])
+            out[i, self.full[p + 1] if p + 1 < len(self.full) else self.args.vocab_size - 1] = 2.0
         return out
+
+
+def model_top(records: list[dict], k: int, model: str = "smollm2-135m") -> list[torch.Tensor]:
+    """The model's top-k next tokens at every position of each recording (prompt + output),
+    teacher-forced in one forward each; position p's first is output's token p + 1 (greedy)."""
+    from specfleet_engine.factory import prepare_model
+
+    engine = Engine(prepare_model(model, "fp32"), None, max_kv_tokens=16384)
+    out = []
+    for i, r in enumerate(records, 1):
+        full = r["prompt"] + r["output"]
+        seq = engine.add(full, SamplingParams(max_tokens=1), "none")
+        top = engine._forward([seq], [full], "all").topk(k, dim=-1).indices
+        engine.abort(seq)
+        if top[len(r["prompt"]) - 1:len(full) - 1, 0].tolist() != r["output"]:
+            raise AssertionError(f"question {r['question_id']}: the model's greedy choices differ from the recording")
+        out.append(top)
+        print(f"\r[{i}/{len(records)}] the model's top-{k} next tokens", end="", file=sys.stderr, flush=True)
+    print(file=sys.stderr)
+    return out
 
 
 def record(args) -> int:
@@ -75,20 +102,24 @@ def record(args) -> int:
 
 
 def replay(records: list[dict], costs: dict[int, float], k: int = 8, vocab_size: int = 49152,
-           max_tokens: int = 128, branching: int = 1, corpus_tokens: int = 0) -> dict:
+           max_tokens: int = 128, branching: int = 1, corpus_tokens: int = 0,
+           tops: list[torch.Tensor] | None = None) -> dict:
     """{category: (tokens, modelled spec cost, modelled plain cost, steps)}; cost in units of one plain step.
 
     max_tokens: the recording's. An output shorter than that ended at EOS, which took a step too.
     branching: the engine's tree cap (1: chains). corpus_tokens: the n-gram proposer's corpus of
-    earlier requests (the records replay in order, each once)."""
+    earlier requests (the records replay in order, each once). tops: `model_top`'s, per record: the
+    proposer recycles the target's top choices (as many as each holds)."""
     oracle = Oracle(vocab_size)
+    recycle = tops[0].shape[1] if tops else 0
     engine = Engine(oracle, None, max_kv_tokens=16384, eos_token_ids=[vocab_size - 1], tree_branching=branching,
-                    proposers={"ngram": NgramProposer(corpus_tokens=corpus_tokens)})
+                    proposers={"ngram": NgramProposer(corpus_tokens=corpus_tokens, recycle=recycle)})
     engine.costs.set_curve(costs)
     engine.costs.observe = lambda *step: None  # the oracle's steps take no real time
     by_cat: dict[str, list] = defaultdict(lambda: [0, 0.0, 0.0, 0])
-    for r in records:
+    for i, r in enumerate(records):
         oracle.full = r["prompt"] + r["output"] + [vocab_size - 1]
+        oracle.top = tops[i] if tops else None
         seq = engine.add(r["prompt"], SamplingParams(max_tokens=max_tokens), "ngram", k)
         engine.step()  # prefill: its first token is not a decoding step
         spent = 0.0
@@ -112,20 +143,22 @@ def budget_costs(budget: int) -> dict[int, float]:
 
 
 def budgets(records: list[dict], budget_list: list[int], branching: int, k: int, max_tokens: int,
-            corpus_tokens: int = 0) -> dict:
-    """{budget: {"chain" | "tree": {category: tau}}}: tokens per target forward at each budget."""
+            corpus_tokens: int = 0, tops: list[torch.Tensor] | None = None) -> dict:
+    """{budget: {"chain" | "tree" [| "recycled tree"]: {category: tau}}}: tokens per target forward
+    at each budget; tops (`model_top`'s): also trees that recycle the target's top choices."""
     out = {}
+    kinds = [("chain", 1, None), ("tree", branching, None)] + ([("recycled tree", branching, tops)] if tops else [])
     for budget in budget_list:
         row = {}
-        for name, width in (("chain", 1), ("tree", branching)):
+        for name, width, top in kinds:
             res = replay(records, budget_costs(budget), max(k, 1), max_tokens=max_tokens, branching=width,
-                         corpus_tokens=corpus_tokens)
+                         corpus_tokens=corpus_tokens, tops=top)
             taus = {cat: round(n / steps, 3) for cat, (n, _, _, steps) in sorted(res.items())}
             total_n, total_steps = sum(v[0] for v in res.values()), sum(v[3] for v in res.values())
             taus["overall"] = round(total_n / total_steps, 3)
             row[name] = taus
         out[budget] = row
-        print(f"budget {budget:3d} nodes: tau chain {row['chain']['overall']:.3f}, tree {row['tree']['overall']:.3f}",
+        print(f"budget {budget:3d} nodes: tau " + ", ".join(f"{name} {row[name]['overall']:.3f}" for name in row),
               file=sys.stderr, flush=True)
     return out
 
@@ -152,6 +185,9 @@ def main(argv=None) -> int:
     b.add_argument("--branching", type=int, default=4, help="tree cap: children per node")
     b.add_argument("-k", type=int, default=8, help="depth cap")
     b.add_argument("--max-tokens", type=int, default=128, help="the recording's max_tokens")
+    b.add_argument("--recycle", type=int, default=0,
+                   help="also trees that draft the model's own top-K next tokens (runs the model once; 0: not)")
+    b.add_argument("--model", default="smollm2-135m", help="the recording's model (for --recycle)")
     b.add_argument("--out", type=Path, default=None, help="JSON results")
     b.add_argument("--per-category", type=int, default=0,
                    help="only the questions a Spec-Bench run with this many per category takes (0: all recorded)")
@@ -172,15 +208,17 @@ def main(argv=None) -> int:
         if args.per_category:
             ids = {q["question_id"] for q in load_questions(default_questions(), args.per_category)}
             records = [r for r in records if r["question_id"] in ids]
-        res = budgets(records, budget_list, args.branching, args.k, args.max_tokens, args.corpus_tokens)
-        cats = list(next(iter(res.values()))["chain"])
-        print("| budget (nodes) | " + " | ".join(f"{c} chain / tree" for c in cats) + " |")
+        tops = model_top(records, args.recycle, args.model) if args.recycle else None
+        res = budgets(records, budget_list, args.branching, args.k, args.max_tokens, args.corpus_tokens, tops)
+        first = next(iter(res.values()))
+        cats, kinds = list(first["chain"]), list(first)
+        print("| budget (nodes) | " + " | ".join(f"{c} {' / '.join(kinds)}" for c in cats) + " |")
         print("|---" * (len(cats) + 1) + "|")
         for budget, row in res.items():
-            print(f"| {budget} | " + " | ".join(f"{row['chain'][c]:.2f} / {row['tree'][c]:.2f}" for c in cats) + " |")
+            print(f"| {budget} | " + " | ".join(" / ".join(f"{row[kind][c]:.2f}" for kind in kinds) for c in cats) + " |")
         if args.out:
             args.out.write_text(json.dumps({"branching": args.branching, "depth": args.k, "questions": len(records),
-                                            "budgets": res}, indent=1))
+                                            "recycle": args.recycle, "budgets": res}, indent=1))
         return 0
     try:
         costs = {i + 1: float(c) for i, c in enumerate(args.costs.split(","))}

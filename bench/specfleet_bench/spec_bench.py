@@ -39,6 +39,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--corpus-tokens", type=int, default=CORPUS_TOKENS,
                    help="the n-gram corpus of METHOD-corpus configs: tokens of the earlier questions each such "
                         "config searches (its own: never another config's answer to the same question)")
+    p.add_argument("--recycle", type=int, default=RECYCLE_TOP,
+                   help="METHOD-recycle configs: how many of the target's top next tokens to keep and draft")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
@@ -77,10 +79,12 @@ PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + 
     q for q in SERVED_QUANTIZATIONS if q != Quantization.NONE)
 #: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model);
 #: METHOD + TREE drafts trees (up to --tree-branching children a node), the rest chains;
-#: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens)
+#: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens);
+#: ngram [+ CORPUS] + RECYCLE (before any TREE) also drafts the target's own top next tokens (--recycle)
 METHODS = (Method.NONE.value, Method.NGRAM.value)
-TREE, CORPUS = "-tree", "-corpus"
+TREE, CORPUS, RECYCLE = "-tree", "-corpus", "-recycle"
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
+RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
 HF_METHODS = ("plain", "lookup")
 BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
 
@@ -98,13 +102,13 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
     for item in spec.split(","):
         prec, _, method = item.strip().partition("/")
         chain = method.removesuffix(TREE)
-        base = chain.removesuffix(CORPUS)
+        base = chain.removesuffix(RECYCLE).removesuffix(CORPUS)
         ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)
               and (chain == base or base == Method.NGRAM.value)) or (
             prec == "hf" and method in HF_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
-                             f"{'|'.join(METHODS)}[{CORPUS}][{TREE}], or hf/{'|hf/'.join(HF_METHODS)})")
+                             f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}], or hf/{'|hf/'.join(HF_METHODS)})")
         out.append((prec, method))
     if BASELINE not in out:
         out.insert(0, BASELINE)
@@ -115,7 +119,7 @@ class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
-                 tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS):
+                 tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS, recycle: int = RECYCLE_TOP):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -124,6 +128,7 @@ class Runner:
 
         self.tokenizer = load_tokenizer(model_name)
         self.max_tokens, self.k, self.tree_branching, self.corpus_tokens = max_tokens, k, tree_branching, corpus_tokens
+        self.recycle = recycle
         self.proposers: dict[tuple[str, str], object] = {}  # (precision, method): its own n-gram proposer
         self.engines = {}
         for prec in sorted(precisions):
@@ -162,11 +167,13 @@ class Runner:
 
         engine = self.engines[prec]
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
-        corpus = method.removesuffix(TREE).endswith(CORPUS)
+        recycle = method.removesuffix(TREE).endswith(RECYCLE)
+        corpus = method.removesuffix(TREE).removesuffix(RECYCLE).endswith(CORPUS)
         if (prec, method) not in self.proposers:
-            self.proposers[prec, method] = NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0)
+            self.proposers[prec, method] = NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0,
+                                                         recycle=self.recycle if recycle else 0)
         engine.proposers[Method.NGRAM.value] = self.proposers[prec, method]
-        method = method.removesuffix(TREE).removesuffix(CORPUS)
+        method = method.removesuffix(TREE).removesuffix(RECYCLE).removesuffix(CORPUS)
         params = SamplingParams(max_tokens=self.max_tokens)
         k = self.k if self.k is not None else engine.default_k
         t = time.perf_counter()
@@ -309,7 +316,8 @@ def run_bench(args) -> int:
                   f"max {args.max_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
     with console.status("loading models"):
         runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
-                        getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS))
+                        getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS),
+                        getattr(args, "recycle", RECYCLE_TOP))
         bandwidth = memory_bandwidth_gbs()
     # warm-up: first calls pay for allocation and kernel selection
     warm = runner.tokenizer.chat("Say hello.")

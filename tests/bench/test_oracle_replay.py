@@ -41,3 +41,14 @@ def test_replay_cli_names_a_missing_file(replay_mod, capsys):
     with pytest.raises(SystemExit) as e:
         replay_mod.main(["replay", "/nonexistent/outputs.jsonl"])
     assert e.value.code == 2 and "no such file" in capsys.readouterr().err
+
+
+def test_recycled_trees_replay_with_the_models_own_top_choices(replay_mod):
+    """`budgets --recycle`: the model's top choices at every position (its first must be the
+    recording's next token, else model_top raises), replayed as the oracle's ranked logits."""
+    recs = records("writing", 2)
+    tops = replay_mod.model_top(recs, 3)
+    assert [t.shape for t in tops] == [(len(r["prompt"]) + len(r["output"]), 3) for r in recs]
+    row = replay_mod.budgets(recs, [16], branching=4, k=8, max_tokens=128, tops=tops)[16]
+    assert list(row) == ["chain", "tree", "recycled tree"]
+    assert row["recycled tree"]["overall"] > row["tree"]["overall"] >= row["chain"]["overall"], row

@@ -101,6 +101,14 @@ def test_draft_trees_match_plain_decoding(arch):
     check_speculation_matches_plain(target, proposers_for(target), branching=3)
 
 
+def test_trees_with_the_targets_recycled_choices_match_plain_decoding():
+    """The n-gram proposer also drafting the target's own top next tokens (Token Recycling)."""
+    target = tiny_model(seed=1, scale=4.0)
+    proposers = {**proposers_for(target), "ngram": NgramProposer(recycle=4)}
+    check_speculation_matches_plain(target, proposers, branching=3)
+    assert proposers["ngram"].successors == {}
+
+
 def test_the_tree_check_fails_when_proposers_draft_chains_only(monkeypatch):
     """Chains verify fine, so outputs still match: only the tree guard sees it."""
     monkeypatch.setattr(NgramProposer, "trees", False)

@@ -1,6 +1,7 @@
 import doctest
 
 import numpy as np
+import pytest
 
 from specfleet_engine.proposers import ngram
 
@@ -138,3 +139,89 @@ def test_the_corpus_index_finds_what_a_scan_finds():
             scan = [i for i in range(L - n) if (tokens[i:i + n] == pattern).all() and tokens[i + n] >= 0
                     and (i >= corpus.size or (tokens[i:i + n] >= 0).all())]
             assert ngram._hits(tokens, n, corpus).tolist() == scan, n
+
+
+class Running(Finished):
+    """A request being decoded, as the proposer sees it."""
+
+    def __init__(self, tokens, seq_id=1):
+        super().__init__(tokens)
+        self.seq_id = seq_id
+
+
+def test_recycled_trees_offer_the_targets_other_choices_beside_the_matches():
+    """Token Recycling: the target's second choices after a token become siblings of the match's
+    continuation (tried after it), and a node the matches do not continue gets the target's own
+    choices; without them the tree is the matches' alone."""
+    p = ngram.NgramProposer(recycle=3)
+    seq = Running([7, 5, 6, 5])  # "5" went on with 6, 5, where the context ends
+    plain = p.propose([seq], [3], branching=[3])[0]
+    assert (plain.draft_tokens, plain.parents) == ([6, 5], [-1, 0])
+    p.observe_targets(seq, [5, 6], np.array([[6, 7, 8], [5, 1, 2]]))  # after 5: 6, then 7, then 8
+    tree = p.propose([seq], [3], branching=[3])[0]
+    nodes = list(zip(tree.draft_tokens, tree.parents))
+    assert nodes[:2] == [(6, -1), (5, 0)]  # the match's chain first
+    assert (7, -1) in nodes and (8, -1) in nodes  # the target's 2nd and 3rd choices after 5, at the root
+    assert nodes.index((7, -1)) < nodes.index((8, -1))  # tried in the target's order
+    assert (6, 1) in nodes  # past the match's end, the target's first choice after 5 goes on
+    assert (1, 0) in nodes  # and its second after 6 beside the match's 5
+    assert len(nodes) == len(set(nodes))  # no sibling twice
+    assert all(par < i for i, par in enumerate(tree.parents))  # parents first
+    assert max(tree.depths()) == 3
+    chain = p.propose([seq], [3])[0]
+    assert chain.draft_tokens == [6, 5, 6]  # a chain: the match, then the target's first choice
+    p.release(seq)
+    assert p.successors == {} and p.propose([seq], [3], branching=[3])[0].draft_tokens == [6, 5]
+
+
+def test_recycling_is_bounded_and_off_by_default():
+    assert ngram.NgramProposer().recycle == 0
+    for bad in (-1, 5):
+        with pytest.raises(ValueError, match="recycle"):
+            ngram.NgramProposer(recycle=bad)
+
+
+class Recording(ngram.NgramProposer):
+    def __init__(self):
+        super().__init__(recycle=2)
+        self.seen = []  # (seq_id, position of tokens[0], tokens, the target's first choices)
+
+    def observe_targets(self, seq, tokens, top):
+        self.seen.append((seq.seq_id, len(seq.tokens) - 1, list(tokens), top[:, 0].tolist()))
+        super().observe_targets(seq, tokens, top)
+
+
+@pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
+def test_the_engine_hands_over_the_targets_choices_after_each_accepted_token(branching):
+    """In a batch, after the prefill and after every verify step, each request's proposer sees its
+    accepted path (the step's root, then the accepted drafts) with the target's top choices
+    after each: greedy, the first is the token that came next. Outputs stay plain decoding's."""
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.sampling import SamplingParams
+    from specfleet_engine.testing import repeating_prompts, tiny_model
+
+    model = tiny_model(seed=1, scale=4.0)
+    params = SamplingParams(max_tokens=20, ignore_eos=True)
+    prompts = repeating_prompts(3)
+    plain = [Engine(model).generate(pr, params, "none").output for pr in prompts]
+    proposer = Recording()
+    engine = Engine(model, proposers={"ngram": proposer}, k_policy="fixed", tree_branching=branching)
+    seqs = [engine.add(pr, params, "ngram", 4) for pr in prompts]
+    for _ in range(200):
+        if all(s.finished for s in seqs):
+            break
+        engine.step()
+    assert [s.output for s in seqs] == plain
+    by_id = {s.seq_id: s for s in seqs}
+    checked = accepted = 0
+    for seq_id, at, tokens, first in proposer.seen:
+        full = by_id[seq_id].tokens
+        assert full[at:at + len(tokens)] == tokens, (at, tokens)
+        for i, tok in enumerate(first):
+            if at + i + 1 < len(full):
+                assert full[at + i + 1] == tok, (at, i)
+                checked += 1
+        accepted += len(tokens) - 1
+    assert checked >= sum(len(s.output) for s in seqs) - len(seqs)  # every emitted token's predecessor seen
+    assert accepted > 0, "no draft was accepted: only roots were checked"
+    assert proposer.successors == {}  # released with the requests

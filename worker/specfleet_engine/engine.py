@@ -308,6 +308,8 @@ class Engine:
             chunks.append(seq.tokens[done:done + n])
             budget -= n
         logits = self._forward(seqs, chunks, "last")  # [B, V]: each chunk's last row
+        done = [b for b, s in enumerate(seqs) if s.block_table.num_tokens >= len(s.tokens)]
+        self._recycle([seqs[b] for b in done], [[b] for b in done], [[seqs[b].tokens[-1]] for b in done], logits)
         outs = []
         for seq, row in zip(seqs, logits):
             if seq.block_table.num_tokens < len(seq.tokens):
@@ -389,12 +391,15 @@ class Engine:
         # step per token it gets and pays this step's price (both priced, so noise cancels)
         pace = (1.0 + (getattr(self.k_policy, "max_slowdown", None) or 0.0)) * self.costs(len(seqs))
         price = self.costs(rows_total)
+        paths = [result.path[b, :int(result.num_accepted[b])].tolist() for b in range(len(seqs))]  # root: row 0
+        self._recycle(seqs, [[lo + r for r in [0, *path]] for lo, path in zip(cu, paths)],
+                      [[inp[r] for r in [0, *path]] for inp, path in zip(inputs, paths)], logits)
         outs = []
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):
             n = len(prop.draft_tokens)
             lo = cu[b]
-            accepted = int(result.num_accepted[b])
-            path = result.path[b, :accepted].tolist()  # rows local to the sequence (root: 0)
+            accepted = len(paths[b])
+            path = paths[b]  # rows local to the sequence
             context = len(seq.tokens)  # the cache held context - 1 positions; the root is the next
             if path != list(range(1, accepted + 1)):  # a tree's branch: compact its K/V into place
                 slots = seq.block_table.slots(context - 1, context + n)
@@ -419,6 +424,23 @@ class Engine:
                 self.proposers[seq.method].rollback(seq, len(seq.tokens) - 1)
             outs.append(StepOutput(seq, emitted, stats))
         return outs
+
+    def _recycle(self, seqs: list[Sequence], rows: list[list[int]], tokens: list[list[int]], logits: Tensor) -> None:
+        """Hands a proposer that asks for them (`recycle` > 0: Token Recycling) the target's top
+        next tokens after each token of its sequences' accepted path (`rows` of `logits`, fed
+        `tokens`): the verify forward computed them anyway; one top-k for the batch."""
+        want = [b for b, s in enumerate(seqs) if getattr(self.proposers.get(s.method), "recycle", 0)]
+        if not want:
+            return
+        k = max(self.proposers[seqs[b].method].recycle for b in want)
+        flat = [r for b in want for r in rows[b]]
+        top = logits[flat].topk(k, dim=-1).indices.cpu().numpy()
+        at = 0
+        for b in want:
+            n = len(rows[b])
+            proposer = self.proposers[seqs[b].method]
+            proposer.observe_targets(seqs[b], tokens[b], top[at:at + n, :proposer.recycle])
+            at += n
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal], row_parents: list[list[int]], logits: Tensor,
                 cu: list[int]):

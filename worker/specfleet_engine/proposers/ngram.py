@@ -8,11 +8,20 @@ own context cannot offer early on. The corpus is searched as text before the con
 context's own matches count as the latest; a continuation never crosses from one request into the
 next. Lossless either way; a shared corpus lets one request's speed depend on another's text (as a
 shared prefix cache does), so it is a per-deployment choice.
+
+With `recycle` > 0 the proposer also keeps, per request, the target's own top next tokens after
+each token it verified (Token Recycling, Luo et al. 2024: the verify forward computes them
+anyway), and its trees offer them as siblings of the matches' continuations, and as children
+where no match continues. A match's rank-0 continuation is still the chain `ngram_match` drafts
+when the matches have one; the target's second and third choices are the alternatives a prompt
+lookup cannot offer.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import deque
+from collections.abc import Mapping
 
 import numpy as np
 from specfleet_api.enums import Method
@@ -144,9 +153,51 @@ def _vote(tokens: np.ndarray, starts: np.ndarray, k: int) -> np.ndarray:
     return np.asarray(draft, dtype=np.int64)
 
 
+def _match_starts(tokens: np.ndarray, min_n: int, max_n: int, max_matches: int,
+                  corpus: Corpus | None) -> tuple[list[tuple[int, int]], int]:
+    """(start of a continuation, n of its match) for the latest `max_matches` matches of each n,
+    longest n first, and the longest n that matched (0: none)."""
+    starts: list[tuple[int, int]] = []
+    best_n = 0
+    for n in range(_longest(tokens, max_n, corpus), min_n - 1, -1):
+        hits = _hits(tokens, n, corpus)[-max_matches:]
+        if hits.size:
+            best_n = best_n or n
+            starts += [(int(h) + n, n) for h in hits]
+    return starts, best_n
+
+
+class _Trie:
+    """The matches' continuations merged: node 0 is the root; per node its children by token and
+    a rank key (longest match through it, how many continuations share it, latest start)."""
+
+    def __init__(self, tokens: np.ndarray, starts: list[tuple[int, int]], k: int):
+        self.children: list[dict[int, int]] = [{}]
+        self.score: list[list[int]] = [[0, 0, 0]]
+        self.token: list[int] = [-1]
+        for start, n in starts:
+            node = 0
+            for tok in tokens[start:start + k].tolist():
+                if tok < 0:  # a corpus request's end
+                    break
+                nxt = self.children[node].get(tok)
+                if nxt is None:
+                    nxt = self.children[node][tok] = len(self.token)
+                    self.children.append({})
+                    self.score.append([n, 0, start])
+                    self.token.append(tok)
+                s = self.score[nxt]
+                s[0], s[1], s[2] = max(s[0], n), s[1] + 1, max(s[2], start)
+                node = nxt
+
+    def ranked(self, node: int) -> list[int]:
+        return sorted(self.children[node].values(), key=lambda c: self.score[c], reverse=True)
+
+
 def ngram_tree(context: np.ndarray, min_n: int, max_n: int, k: int, branching: int,
                max_nodes: int = 64, max_matches: int = 32,
-               corpus: Corpus | None = None) -> tuple[list[int], list[int], int]:
+               corpus: Corpus | None = None,
+               successors: Mapping[int, np.ndarray] | None = None) -> tuple[list[int], list[int], int]:
     """A draft tree from the distinct continuations of every earlier match of the context's tail.
 
     Matches of the longest n come first, then those of shorter n (each n's latest `max_matches`);
@@ -154,53 +205,98 @@ def ngram_tree(context: np.ndarray, min_n: int, max_n: int, k: int, branching: i
     node's children are ranked by the longest match through them, then by how many continuations
     share them, then by recency, and the best `branching` are kept; nodes are laid out depth first,
     rank 0 first, so the tree's first nodes are the chain `ngram_match` drafts. At most max_nodes.
-    Returns (tokens, parents, n of the longest match; 0: nothing matched).
+    With `successors` (token -> the target's top next tokens after it, best first) the tree is
+    `recycled_tree`'s instead. Returns (tokens, parents, n of the longest match; 0: nothing matched).
 
     >>> ngram_tree(np.array([1, 2, 8, 3, 1, 2, 9, 4, 1, 2]), 1, 2, k=2, branching=2)
     ([9, 4, 8, 3], [-1, 0, -1, 2], 2)
     """
     tokens = _text(context, corpus)
-    starts: list[tuple[int, int]] = []  # (start of a continuation, n of its match)
-    best_n = 0
-    for n in range(_longest(tokens, max_n, corpus), min_n - 1, -1):
-        hits = _hits(tokens, n, corpus)[-max_matches:]
-        if hits.size:
-            best_n = best_n or n
-            starts += [(int(h) + n, n) for h in hits]
-    if not starts or k <= 0:
+    starts, best_n = _match_starts(tokens, min_n, max_n, max_matches, corpus)
+    if k <= 0 or not (starts or successors):
         return [], [], 0
-    # trie: node -> {token: child}; per node (longest n, count, latest start)
-    children: list[dict[int, int]] = [{}]
-    score: list[list[int]] = [[0, 0, 0]]
-    node_token: list[int] = [-1]
-    for start, n in starts:
-        node = 0
-        for tok in tokens[start:start + k].tolist():
-            if tok < 0:  # a corpus request's end
-                break
-            nxt = children[node].get(tok)
-            if nxt is None:
-                nxt = children[node][tok] = len(children)
-                children.append({})
-                score.append([n, 0, start])
-                node_token.append(tok)
-            s = score[nxt]
-            s[0], s[1], s[2] = max(s[0], n), s[1] + 1, max(s[2], start)
-            node = nxt
+    trie = _Trie(tokens, starts, k)
+    if successors is not None:
+        out_tokens, out_parents = recycled_tree(trie, int(context[-1]), successors, k, branching, max_nodes)
+        return out_tokens, out_parents, best_n
     out_tokens: list[int] = []
     out_parents: list[int] = []
 
     def visit(node: int, parent: int) -> None:
-        ranked = sorted(children[node].values(), key=lambda c: score[c], reverse=True)[:branching]
-        for child in ranked:
+        for child in trie.ranked(node)[:branching]:
             if len(out_tokens) >= max_nodes:
                 return
-            out_tokens.append(node_token[child])
+            out_tokens.append(trie.token[child])
             out_parents.append(parent)
             visit(child, len(out_tokens) - 1)
 
     visit(0, -1)
     return out_tokens, out_parents, best_n
+
+
+#: rough chances that a child is the next token, for ordering candidates only (the K policy scores
+#: what it verifies from the acceptance it measures): a match's rank-0 continuation by the match's
+#: length n, its lower ranks, and the target's own choices by rank after the token
+_MATCH_FIRST = {1: 0.25, 2: 0.5, 3: 0.6}  # n >= 4: _MATCH_FIRST_LONG
+_MATCH_FIRST_LONG = 0.8
+_MATCH_OTHER = 0.08
+_TARGET_RANK = (0.45, 0.08, 0.04, 0.025)
+
+
+def recycled_tree(trie: _Trie, last: int, successors: Mapping[int, np.ndarray], k: int, branching: int,
+                  max_nodes: int = 64) -> tuple[list[int], list[int]]:
+    """The matches' trie with the target's own next-token choices merged in, best first.
+
+    A node's candidate children are its trie children (ranked as `ngram_tree` ranks them), then the
+    target's top choices after its token (`successors`) that the trie does not have; each gets a
+    rough chance (`_MATCH_FIRST`, `_TARGET_RANK`; a target choice beside match continuations at
+    half of it, as the matches already hold the likeliest), a node's score is its parent's times
+    its own, and the `max_nodes` best nodes up to depth k are taken, at most `branching` children
+    each. Parents come before children and siblings in the order they are to be tried.
+
+    >>> t = _Trie(np.array([5, 6, 5, 6]), [(1, 1)], k=2)      # after 5 the text had 6, 5
+    >>> recycled_tree(t, 5, {5: np.array([6, 7]), 6: np.array([5, 9])}, k=2, branching=2)
+    ([6, 5, 7, 9], [-1, 0, -1, 0])
+
+    (the match's 6 and 5 under it; the target's second choice after 5, 7, beside the 6; its
+    second after 6, 9, beside the 5)
+    """
+    out_tokens: list[int] = []
+    out_parents: list[int] = []
+    heap: list[tuple[float, int, int, int, int, int]] = []  # (-score, order, token, parent, trie node, depth)
+    order = 0
+
+    def offer(node: int, token: int, parent: int, score: float, depth: int) -> None:
+        nonlocal order
+        if depth >= k:
+            return
+        kids = trie.ranked(node) if node >= 0 else []
+        seen = set()
+        for rank, child in enumerate(kids[:branching]):
+            n = trie.score[child][0]
+            p = (_MATCH_FIRST.get(n, _MATCH_FIRST_LONG) if rank == 0 else _MATCH_OTHER / rank)
+            seen.add(trie.token[child])
+            heapq.heappush(heap, (-score * p, order, trie.token[child], parent, child, depth + 1))
+            order += 1
+        room = branching - len(seen)
+        for rank, tok in enumerate(successors.get(token, ())[:len(_TARGET_RANK)]):
+            tok = int(tok)
+            if room <= 0:
+                break
+            if tok in seen:
+                continue
+            p = _TARGET_RANK[rank] * (0.5 if kids else 1.0)
+            heapq.heappush(heap, (-score * p, order, tok, parent, -1, depth + 1))
+            order += 1
+            room -= 1
+
+    offer(0, last, -1, 1.0, 0)
+    while heap and len(out_tokens) < max_nodes:
+        neg, _, tok, parent, node, depth = heapq.heappop(heap)
+        out_tokens.append(tok)
+        out_parents.append(parent)
+        offer(node, tok, len(out_tokens) - 1, -neg, depth)
+    return out_tokens, out_parents
 
 
 def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndarray:
@@ -224,13 +320,19 @@ class NgramProposer:
     cheap = True
     trees = True  # propose() takes branching: distinct continuations become a tree
 
-    def __init__(self, min_n: int = 1, max_n: int = 4, corpus_tokens: int = 0):
+    def __init__(self, min_n: int = 1, max_n: int = 4, corpus_tokens: int = 0, recycle: int = 0):
         """corpus_tokens: how many tokens of recently finished requests to search besides each
-        request's own context (0: none, the classic prompt lookup)."""
+        request's own context (0: none, the classic prompt lookup). recycle: how many of the
+        target's top next tokens to keep after each verified token and offer in drafts (0: none);
+        the engine hands them over through `observe_targets`."""
         if corpus_tokens < 0:
             raise ValueError(f"corpus_tokens must be >= 0, got {corpus_tokens}")
+        if not 0 <= recycle <= len(_TARGET_RANK):
+            raise ValueError(f"recycle must be between 0 and {len(_TARGET_RANK)}, got {recycle}")
         self.min_n, self.max_n = min_n, max_n
         self.corpus = Corpus(corpus_tokens, min_n, max_n) if corpus_tokens else None
+        self.recycle = recycle
+        self.successors: dict[int, dict[int, np.ndarray]] = {}  # seq_id -> token -> target's top next tokens
 
     def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
         out = []
@@ -239,19 +341,35 @@ class NgramProposer:
             if k <= 0:
                 out.append(Proposal([], None))
                 continue
+            after = self.successors.get(seq.seq_id) if self.recycle else None
             if width > 1:
                 draft, parents, n = ngram_tree(seq.token_array(), self.min_n, self.max_n, k, width,
-                                               corpus=self.corpus)
+                                               corpus=self.corpus, successors=after)
                 out.append(Proposal(draft, None, key=n, parents=parents))
             else:
                 chain, n = ngram_match(seq.token_array(), self.min_n, self.max_n, k, self.corpus)
-                out.append(Proposal(chain.tolist(), None, key=n))  # longer matches draft better
+                chain = chain.tolist()
+                if after:  # where the match's continuation ends, the target's own first choices
+                    tok = chain[-1] if chain else seq.tokens[-1]
+                    while len(chain) < k and len(after.get(tok, ())):
+                        tok = int(after[tok][0])
+                        chain.append(tok)
+                out.append(Proposal(chain, None, key=n))  # longer matches draft better
         return out
+
+    def observe_targets(self, seq: SequenceView, tokens: list[int], top: np.ndarray) -> None:
+        """The target's top next tokens (`top[i]`, best first) after `tokens[i]`, in the order the
+        sequence's context holds them: the latest view of a token is kept."""
+        after = self.successors.setdefault(seq.seq_id, {})
+        for tok, nxt in zip(tokens, top):
+            after[int(tok)] = nxt
 
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
         pass
 
     def release(self, seq: SequenceView) -> None:
         """A finished (or aborted) request joins the corpus; the oldest leave it past corpus_tokens."""
+        if self.successors:
+            self.successors.pop(seq.seq_id, None)
         if self.corpus is not None:
             self.corpus.add(seq.token_array())
