@@ -2,9 +2,11 @@
 
 Each child runs in a session of its own, so a Ctrl-C at the terminal reaches `up` alone and `up`
 stops them in its order (router, workers, Redis); each is asked to die with `up` (Linux's
-PR_SET_PDEATHSIG, SIGTERM: they drain), so even a `kill -9` of `up` leaves none behind. A reader
-thread copies a child's JSON log lines (stderr) to its log file and keeps what `up` follows: the
-ports of its `listening` line, its phase, and its last lines for an error message.
+PR_SET_PDEATHSIG, SIGTERM: they drain), so even a `kill -9` of `up` leaves none behind. A child
+writes its JSON log lines (stderr) to its log file itself, so what it says after `up` is gone (its
+exit path, step by step) is kept, and no pipe `up` stopped reading can block it; a thread follows
+the file and keeps what `up` needs: the ports of its `listening` line, its phase, and its last
+lines for an error message.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ PHASES = {
     "listening": "loading the model, then calibrating step costs",
     "calibrated step costs": "starting to serve",
     "ready": "ready",
+    "shutting down": "stopping",
     "draining": "draining",
     "exiting": "exiting",
 }
@@ -70,30 +73,45 @@ class Child:
     def start(self) -> Child:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.started_at = time.monotonic()
-        self.proc = spawn(self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                          stderr=subprocess.PIPE, text=True, errors="replace")
-        self._reader = threading.Thread(target=self._read, name=f"log-{self.name}", daemon=True)
+        with open(self.log_path, "wb") as log:  # the child's own descriptor outlives `up`
+            self.proc = spawn(self.cmd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=log)
+        self._reader = threading.Thread(target=self._follow, name=f"log-{self.name}", daemon=True)
         self._reader.start()
         return self
 
-    def _read(self) -> None:
-        with open(self.log_path, "w") as log:
-            for line in self.proc.stderr:
-                log.write(line)
-                log.flush()
-                self.tail.append(line.rstrip("\n"))
-                try:
-                    rec = json.loads(line)
-                except ValueError:
-                    continue
-                msg = rec.get("msg") if isinstance(rec, dict) else None
-                if msg == "listening":
-                    self.ports = {k.removesuffix("_port"): int(v) for k, v in rec.items() if k.endswith("_port")}
-                    self.listening.set()
-                if msg == "ready":
-                    self.ready_after = time.monotonic() - self.started_at
-                    self.ready.set()
-                self.phase = PHASES.get(msg, self.phase)
+    def _follow(self, poll_s: float = 0.05) -> None:
+        """Reads the log file as the child writes it, line by line, until the child has exited and
+        every line it wrote is read."""
+        with open(self.log_path, encoding="utf-8", errors="replace", newline="") as log:
+            partial = ""
+            while True:
+                exited = self.proc.poll() is not None  # before the read: nothing written after it is missed
+                chunk = log.read()
+                if chunk:
+                    *lines, partial = (partial + chunk).split("\n")
+                    for line in lines:
+                        self._line(line)
+                elif exited:
+                    if partial:
+                        self._line(partial)
+                    return
+                else:
+                    time.sleep(poll_s)
+
+    def _line(self, line: str) -> None:
+        self.tail.append(line.rstrip("\r"))
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            return
+        msg = rec.get("msg") if isinstance(rec, dict) else None
+        if msg == "listening":
+            self.ports = {k.removesuffix("_port"): int(v) for k, v in rec.items() if k.endswith("_port")}
+            self.listening.set()
+        if msg == "ready":
+            self.ready_after = time.monotonic() - self.started_at
+            self.ready.set()
+        self.phase = PHASES.get(msg, self.phase)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

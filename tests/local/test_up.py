@@ -231,11 +231,22 @@ def test_a_killed_up_leaves_no_process_behind(tmp_path):
     del spec["spec"]["canary"]
     proc, run_file, out = up(tmp_path, spec=spec)
     try:
-        started = pids(wait_serving(proc, run_file, out))
+        doc = wait_serving(proc, run_file, out)
+        started = pids(doc)
         assert len(started) == 4  # up, redis, router, one worker
         proc.kill()
         proc.wait(timeout=10)
         wait_gone(started, 30)
+        # the worker's exit path, written after `up` was gone: each step bounded and timed, so a
+        # slow one names itself; with nothing in flight no drain is waited for
+        log = [json.loads(line) for line in open(doc["workers"][0]["log"]) if line.startswith("{")]
+        msgs = [r["msg"] for r in log]
+        assert "shutting down" in msgs and msgs[-1] == "exiting", msgs[-12:]
+        steps = {r["step"]: r["seconds"] for r in log if r["msg"] == "shutdown step"}
+        assert list(steps) == ["stop serving", "drain", "live-state follower", "fleet publisher", "scheduler",
+                               "grpc server", "admin server", "http server", "trace exporter"], log[-12:]
+        assert next(r for r in log if r["msg"] == "draining")["grace_s"] == 0, log[-12:]
+        assert log[-1]["exit_code"] == 0 and log[-1]["shutdown_s"] < 20, log[-1]
     finally:
         stop(proc)
 

@@ -82,10 +82,19 @@ class WorkerServer:
         self._set_health(SERVING)
         log.info("ready", extra={"model": worker.model_name})
 
-    def drain(self, timeout_s: float) -> bool:
-        """Not ready, NOT_SERVING, new requests refused; waits for those in flight (True: all done)."""
+    def refuse(self) -> None:
+        """Not ready, NOT_SERVING, new requests refused (UNAVAILABLE); those in flight go on.
+        Once: health watchers are told once (a health update waits on gRPC's poll thread)."""
+        if self.worker is not None:
+            self.worker.scheduler.refuse()
+        if self.draining:
+            return
         self.draining = True
         self._set_health(NOT_SERVING)
+
+    def drain(self, timeout_s: float) -> bool:
+        """`refuse`, then waits for the requests in flight (True: all done)."""
+        self.refuse()
         if self.worker is None:
             return True
         in_flight = self.worker.scheduler.in_flight()
@@ -97,8 +106,19 @@ class WorkerServer:
     def stop(self, grace_s: float = 1.0) -> None:
         if self.worker is not None:
             self.worker.scheduler.stop()
-        self.grpc.stop(grace_s).wait()
-        self.admin.stop(0).wait()
+        self.stop_grpc(grace_s)
+        self.stop_admin()
+        self.stop_http()
+
+    def stop_grpc(self, grace_s: float = 1.0, timeout_s: float = 5.0) -> bool:
+        """The public gRPC server: calls still open get grace_s, then are cancelled; True once it
+        has stopped (at most timeout_s after the grace)."""
+        return self.grpc.stop(grace_s).wait(grace_s + timeout_s)
+
+    def stop_admin(self, timeout_s: float = 5.0) -> bool:
+        return self.admin.stop(0).wait(timeout_s)
+
+    def stop_http(self) -> None:
         self.http.shutdown()
         self.http.server_close()
 

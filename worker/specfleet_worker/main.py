@@ -30,6 +30,9 @@ TINY_MODEL = "tiny-random"  # a random 2-layer model for tests, with a character
 CONTROL_FILE = "control.json"
 # prompt tokens prefilled a step, at most (0: whole prompts in one forward, stalling the decodes)
 DEFAULT_PREFILL_CHUNK = 0
+# the exit path's steps after the drain take at most this long together (each has its own bound);
+# past the drain plus this, the watchdog ends the process
+EXIT_MARGIN_S = 20.0
 T = TypeVar("T")
 
 
@@ -246,6 +249,11 @@ def main(argv: list[str] | None = None) -> int:
         log.error("bad configuration", extra={"config": args.config, "error": str(e)})
         return 2
 
+    # SIGTERM/SIGINT from here on only set `stop` (before: the default, an immediate exit): the
+    # exit path (exit_worker) is bounded wherever it comes, imports, model load or serving
+    stop, stop_or_loaded = threading.Event(), threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: (stop.set(), stop_or_loaded.set()))
     from .app import WorkerServer
     from .tracing import make_tracer
 
@@ -253,7 +261,6 @@ def main(argv: list[str] | None = None) -> int:
                           admin_port=args.admin_port,
                           max_workers=args.max_batch_size + args.max_queue + 16,
                           max_receive_bytes=max(args.max_request_bytes * 2, 64 << 20)).start()
-    stop = threading.Event()
     loaded: dict = {}
 
     def load() -> None:
@@ -265,21 +272,16 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             stop_or_loaded.set()
 
-    stop_or_loaded = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: (stop.set(), stop_or_loaded.set()))
     log.info("loading model", extra={"model": cfg.model_name, "uri": cfg.model_uri})
-    threading.Thread(target=load, name="load", daemon=True).start()
+    if not stop.is_set():
+        threading.Thread(target=load, name="load", daemon=True).start()
     while not stop_or_loaded.wait(0.5):
         pass
+    if stop.is_set():  # while loading: nothing was served; the load thread is left behind
+        return exit_worker(server, None, args, code=0, why="signal while loading")
     if "error" in loaded:
         log.error("could not load the model", extra={"error": str(loaded["error"])})
-        server.stop(0)
-        return 2
-    if stop.is_set():
-        server.drain(0)
-        server.stop(0)
-        return 0
+        return exit_worker(server, None, args, code=2, why="the model did not load")
 
     worker = make_worker(loaded["engine"], cfg, max_batch_size=args.max_batch_size, max_queue=args.max_queue,
                          max_tokens_limit=args.max_tokens_limit, max_request_bytes=args.max_request_bytes,
@@ -303,16 +305,43 @@ def main(argv: list[str] | None = None) -> int:
     while not stop.wait(0.5):
         if not worker.scheduler.alive:
             log.error("the scheduler thread stopped; exiting")
-            server.stop(0)
-            return 1
-    done = server.drain(args.drain_seconds)
+            return exit_worker(server, worker, args, follower, fleet, code=1, why="the scheduler stopped")
+    return exit_worker(server, worker, args, follower, fleet, why="signal")
+
+
+def exit_worker(server, worker, args: argparse.Namespace, follower=None, fleet=None, *,
+                code: int | None = None, why: str) -> int:
+    """The exit path, every step bounded, timed and logged (`shutdown.Shutdown`): the drain of
+    the requests in flight (--drain-seconds; none in flight, none waited for), the Redis threads,
+    the scheduler, the gRPC and HTTP servers, the trace exporter; then the process ends with
+    os._exit. `code` None: 0 when every request in flight finished, else 1.
+
+    A watchdog ends the process, naming the step it hung on, if all of it takes longer than the
+    drain plus EXIT_MARGIN_S."""
+    from .shutdown import Shutdown
+    from .tracing import flush_tracing
+
+    down = Shutdown(args.drain_seconds + EXIT_MARGIN_S).arm(why=why)
+    # not ready, NOT_SERVING, new requests refused: from here what is in flight can only shrink
+    down.step("stop serving", server.refuse, timeout_s=3)
+    in_flight = worker.scheduler.in_flight() if worker is not None else 0
+    # the drain waits only when something is in flight (--drain-seconds at most)
+    drain_s = args.drain_seconds if in_flight else 0.0
+    done = down.step("drain", lambda: server.drain(drain_s), timeout_s=drain_s + 3, default=False)
     if follower is not None:
-        follower.stop()
+        down.step("live-state follower", lambda: follower.stop(timeout_s=2.0), timeout_s=3)
     if fleet is not None:
-        fleet.stop()
-    server.stop(grace_s=1.0)
-    log.info("exiting", extra={"all_requests_finished": done})
-    return 0 if done else 1
+        down.step("fleet publisher", fleet.stop, timeout_s=5)  # one Redis call of at most 2 s (connect, then delete)
+    if worker is not None:
+        down.step("scheduler", lambda: worker.scheduler.stop(timeout_s=2.0), timeout_s=3)
+    down.step("grpc server", lambda: server.stop_grpc(grace_s=1.0, timeout_s=2.0), timeout_s=4)
+    down.step("admin server", lambda: server.stop_admin(timeout_s=1.0), timeout_s=2)
+    down.step("http server", server.stop_http, timeout_s=2)
+    down.step("trace exporter", lambda: flush_tracing(timeout_s=2.0), timeout_s=3)
+    if code is None:
+        code = 0 if done else 1
+    down.finish(code, all_requests_finished=bool(done))
+    return code  # only when `finish` was told not to end the process (tests)
 
 
 if __name__ == "__main__":

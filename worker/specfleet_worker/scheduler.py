@@ -197,6 +197,11 @@ class Scheduler:
     def running(self) -> int:
         return len(self._active)
 
+    def refuse(self) -> None:
+        """New requests refused from now on (UNAVAILABLE); those in flight go on."""
+        with self._cond:
+            self.draining = True
+
     def drain(self, timeout_s: float) -> bool:
         """Refuses new requests and waits for those in flight; True when all finished in time."""
         end = time.monotonic() + timeout_s

@@ -13,6 +13,9 @@ from opentelemetry import trace
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 _PROPAGATOR = TraceContextTextMapPropagator()
+# the batching SDK providers made here: the worker's exit path flushes them (flush_tracing), as it ends
+# with os._exit, which runs no atexit hook
+_PROVIDERS: list = []
 
 
 def make_tracer(service_name: str, exporter=None, endpoint: str | None = None) -> trace.Tracer:
@@ -31,7 +34,19 @@ def make_tracer(service_name: str, exporter=None, endpoint: str | None = None) -
         from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 
         provider.add_span_processor(BatchSpanProcessor(OTLPSpanExporter(endpoint=endpoint)))
+        _PROVIDERS.append(provider)  # batched: spans may wait for the exit's flush
     return provider.get_tracer("specfleet.worker")
+
+
+def flush_tracing(timeout_s: float = 3.0) -> bool:
+    """Exports the spans still batched and shuts the providers down; False when the flush did not
+    finish within timeout_s (an OTLP collector that does not answer)."""
+    ok = True
+    while _PROVIDERS:
+        provider = _PROVIDERS.pop()
+        ok = provider.force_flush(int(timeout_s * 1000)) and ok
+        provider.shutdown()
+    return ok
 
 
 def incoming_context(metadata) -> object | None:
