@@ -7,6 +7,7 @@ import io
 import json
 import logging
 import os
+import queue
 import signal
 import subprocess
 import sys
@@ -74,13 +75,21 @@ def test_sigterm_while_the_model_loads_ends_the_worker_cleanly(tmp_path):
         [sys.executable, "-m", "specfleet_worker.main", "--config", str(config), "--grpc-port", "0",
          "--http-port", "0", "--admin-port", "0", "--threads", "1", "--drain-seconds", "20"],
         stderr=subprocess.PIPE, text=True, env={**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": ""})
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=lambda: [lines.put(line) for line in proc.stderr] + [lines.put(None)], daemon=True).start()
     try:
-        for line in proc.stderr:  # the model loads right after this line
+        deadline = time.monotonic() + 60
+        while True:  # the model loads right after this line
+            line = lines.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert line is not None, "the worker exited before it loaded its model"
             if json.loads(line)["msg"] == "loading model":
                 break
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=30)
-        rest = [json.loads(line) for line in proc.stderr if line.startswith("{")]
+        rest = []
+        while (line := lines.get(timeout=10)) is not None:
+            if line.startswith("{"):
+                rest.append(json.loads(line))
     finally:
         if proc.poll() is None:
             proc.kill()
