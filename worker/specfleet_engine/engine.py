@@ -308,8 +308,8 @@ class Engine:
             chunks.append(seq.tokens[done:done + n])
             budget -= n
         logits = self._forward(seqs, chunks, "last")  # [B, V]: each chunk's last row
-        done = [b for b, s in enumerate(seqs) if s.block_table.num_tokens >= len(s.tokens)]
-        self._recycle([seqs[b] for b in done], [[b] for b in done], [[seqs[b].tokens[-1]] for b in done], logits)
+        whole = [b for b, s in enumerate(seqs) if s.block_table.num_tokens >= len(s.tokens)]  # prompt all in
+        self._recycle([seqs[b] for b in whole], [[b] for b in whole], [[seqs[b].tokens[-1]] for b in whole], logits)
         outs = []
         for seq, row in zip(seqs, logits):
             if seq.block_table.num_tokens < len(seq.tokens):
@@ -398,8 +398,8 @@ class Engine:
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):
             n = len(prop.draft_tokens)
             lo = cu[b]
-            accepted = len(paths[b])
             path = paths[b]  # rows local to the sequence
+            accepted = len(path)
             context = len(seq.tokens)  # the cache held context - 1 positions; the root is the next
             if path != list(range(1, accepted + 1)):  # a tree's branch: compact its K/V into place
                 slots = seq.block_table.slots(context - 1, context + n)
