@@ -22,12 +22,12 @@ from .enums import (
     QUANTIZATIONS, SERVED_DEVICES, SERVED_DTYPES, SERVED_K_POLICIES, SERVED_METHODS, SERVED_QUANTIZATIONS,
     SERVED_URI_SCHEMES, TREE_BRANCHING_MAX, TREE_DEPTH_MAX, URI_SCHEMES, Device, Dtype, KPolicy, Method, Quantization, UriScheme, not_served,
 )
+from .limits import K_LIMIT
 from .tree_shape import Shape, shape_problems
 
 log = logging.getLogger("specfleet.api")
 
 AUTO = "auto"  # a request or a route that lets the worker's routing table choose the method
-K_LIMIT = 32
 SLOWDOWN_PERCENT = (1, 100)  # speculation.latencyGuard.maxSlowdownPercent's bounds (the CRD's, checked by a test)
 INVALID, UNSUPPORTED = "InvalidSpec", "Unsupported"  # the condition reasons a problem earns
 MISSING = "WeightsNotFound"  # weights absent where the check ran (never judged by the operator)

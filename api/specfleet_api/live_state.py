@@ -22,6 +22,7 @@ import time
 from dataclasses import asdict, dataclass, field
 
 from .enums import METHODS, PROMPT_TYPES
+from .limits import K_LIMIT
 
 PREFIX = "specfleet:v1:"
 ARMS = ("stable", "canary")
@@ -136,8 +137,8 @@ class LiveState:
             if t not in PROMPT_TYPES:
                 out.append(f"prompt type {t!r} is not one of {', '.join(PROMPT_TYPES)}")
         for arm, b in self.k.items():
-            if arm not in ARMS or not 0 <= b.k_min <= b.k_max <= 32:
-                out.append(f"k[{arm!r}]: need an arm of {ARMS} and 0 <= kMin <= kMax <= 32, got {b}")
+            if arm not in ARMS or not 0 <= b.k_min <= b.k_max <= K_LIMIT:
+                out.append(f"k[{arm!r}]: need an arm of {ARMS} and 0 <= kMin <= kMax <= {K_LIMIT}, got {b}")
         return out
 
     def to_json(self) -> str:

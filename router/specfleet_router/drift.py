@@ -11,11 +11,12 @@ mirror draw falls under the share, once the client has its answer, makes two pai
 - "control": the stable answer against another stable backend's (the same backend when there is
   only one), the baseline any disagreement is judged against.
 
-A greedy request (temperature 0 or unset) is compared token for token: a pair agrees when the ids
-are identical, and the epoch keeps its first difference (request id, position, the two tokens). A
-sampled request cannot be compared that way: the client's tokens are scored teacher-forced
-(Generation.Score) on both sides, and the per-token log-probability differences (second side
-minus first: canary minus stable) summed for the loop's two-sample test.
+A greedy request (temperature under 1e-5 or unset: specfleet_api.limits.is_greedy, the worker's own
+test) is compared token for token: a pair agrees when the ids are identical, and the epoch keeps
+its first difference (request id, position, the two tokens). A sampled request cannot be compared
+that way: the client's tokens are scored teacher-forced (Generation.Score) on both sides, and the
+per-token log-probability differences (second side minus first: canary minus stable) summed for
+the loop's two-sample test.
 
 Mirrored answers never reach the client and never delay it: at most `concurrency` pairs run at a
 time, and a pair beyond that is dropped (counted). The counts of the current epoch are what the
@@ -31,6 +32,7 @@ import random
 
 import grpc
 
+from specfleet_api.limits import MAX_REQUEST_ID, is_greedy
 from specfleet_api.windows import DRIFT_KINDS, DriftCounts
 from specfleet_proto import worker_pb2 as pb
 
@@ -44,7 +46,6 @@ log = logging.getLogger("specfleet.router.drift")
 
 DEFAULT_CONCURRENCY = 4
 DEFAULT_TIMEOUT_S = 60.0
-MAX_REQUEST_ID = 128  # the worker's limit
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -71,7 +72,7 @@ def logprob_differences(first: list[float], second: list[float]) -> list[float]:
 
 
 def greedy(msg: pb.GenerateRequest) -> bool:
-    return not msg.HasField("temperature") or msg.temperature == 0.0
+    return is_greedy(msg.temperature if msg.HasField("temperature") else None)
 
 
 class Drift:

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from specfleet_api.limits import MAX_REQUEST_ID, OPENAI_DEFAULT_TEMPERATURE
 from specfleet_proto import worker_pb2 as pb
 
 from . import openai_api as oa
@@ -30,7 +31,6 @@ from .metrics import RouterMetrics
 
 log = logging.getLogger("specfleet.router.http")
 
-MAX_REQUEST_ID = 128  # the worker's limit: a longer x-request-id is replaced, not refused
 UNROUTED = {HEADER_ARM: "-", HEADER_METHOD: "-", HEADER_PROMPT_TYPE: "-"}
 STATUS = {"invalid": 400, "overloaded": 429, "unavailable": 503, "cancelled": 503, "timeout": 504, "error": 500}
 CODES = {400: None, 404: "model_not_found", 429: "overloaded", 503: "no_ready_backend", 504: "timeout",
@@ -60,7 +60,8 @@ def sse(obj: dict) -> bytes:
 
 class HttpFront:
     def __init__(self, router: Router, models: Models, metrics: RouterMetrics, *, request_timeout_s: float = 600.0,
-                 default_temperature: float = 1.0, ready: Callable[[], tuple[bool, str]] = lambda: (True, "ready"),
+                 default_temperature: float = OPENAI_DEFAULT_TEMPERATURE,
+                 ready: Callable[[], tuple[bool, str]] = lambda: (True, "ready"),
                  max_request_bytes: int = 1 << 20):
         self.router, self.models, self.metrics = router, models, metrics
         self.request_timeout_s, self.default_temperature = request_timeout_s, default_temperature

@@ -15,6 +15,7 @@ import socket
 import sys
 
 from specfleet_api.enums import PROMPT_TYPES, SERVED_METHODS, Method, not_served
+from specfleet_api.limits import OPENAI_DEFAULT_TEMPERATURE
 from specfleet_api.live_state import LiveState
 
 from . import clusters as cl
@@ -89,8 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("requests")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="deadline of an HTTP request, passed to the worker (default 600)")
-    g.add_argument("--default-temperature", type=float, default=1.0,
-                   help="temperature when a request names none (default 1, as OpenAI's API)")
+    g.add_argument("--default-temperature", type=float, default=OPENAI_DEFAULT_TEMPERATURE,
+                   help="temperature of an HTTP request that names none (default 1, as OpenAI's API)")
     g.add_argument("--max-request-bytes", type=int, default=1 << 20, help="largest HTTP body (default 1 MiB)")
     g = p.add_argument_group("process")
     g.add_argument("--drain-seconds", type=float, default=30.0,

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specfleet_api.enums import PromptType
+from specfleet_api.limits import OPENAI_DEFAULT_TEMPERATURE
 from specfleet_proto import worker_pb2 as pb
 
 from .classify import classify, classify_messages
@@ -59,7 +60,7 @@ class Job:
     prompt_token_ids: list[int] | None = None
     max_tokens: int | None = None
     max_tokens_param: str = "max_tokens"
-    temperature: float = 1.0
+    temperature: float = OPENAI_DEFAULT_TEMPERATURE
     top_p: float | None = None
     top_k: int | None = None
     seed: int | None = None
@@ -215,7 +216,7 @@ def _content(i: int, m: dict) -> str:
     raise BadRequest("messages", f"messages[{i}].content must be a string or a list of text parts, got {content!r}")
 
 
-def parse_chat(body: Any, default_temperature: float = 1.0) -> Job:
+def parse_chat(body: Any, default_temperature: float = OPENAI_DEFAULT_TEMPERATURE) -> Job:
     """/v1/chat/completions."""
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")
@@ -246,7 +247,7 @@ def parse_chat(body: Any, default_temperature: float = 1.0) -> Job:
     return job
 
 
-def parse_completion(body: Any, default_temperature: float = 1.0) -> Job:
+def parse_completion(body: Any, default_temperature: float = OPENAI_DEFAULT_TEMPERATURE) -> Job:
     """/v1/completions: one prompt (text, or token ids)."""
     if not isinstance(body, dict):
         raise BadRequest(None, "the request body must be a JSON object")

@@ -14,6 +14,7 @@ import grpc
 from aiohttp import web
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specfleet_api.limits import OPENAI_DEFAULT_TEMPERATURE
 from specfleet_api.live_state import LiveState
 from specfleet_api.windows import publish_period
 from specfleet_proto import worker_pb2_grpc as pb_grpc
@@ -45,7 +46,7 @@ class RouterConfig:
     redis_url: str | None = None
     redis_poll_s: float = 0.5
     request_timeout_s: float = 600.0
-    default_temperature: float = 1.0
+    default_temperature: float = OPENAI_DEFAULT_TEMPERATURE
     health_check: bool = True
     eject_s: float = 2.0
     retries: int = 1

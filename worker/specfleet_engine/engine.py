@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from specfleet_api.enums import Method
+from specfleet_api.limits import MAX_DRAFT_NODES
 from torch import Tensor
 
 from .costs import StepCostModel
@@ -28,7 +29,6 @@ from .proposers import Proposal, Proposer, TreeShape, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
 
 NO_SPECULATION = Method.NONE.value
-MAX_DRAFT_NODES = 32  # draft nodes one sequence verifies in a step, at most: what a KV reservation must leave room for
 
 
 @dataclass

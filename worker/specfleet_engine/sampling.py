@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+from specfleet_api.limits import WIRE_DEFAULT_TEMPERATURE, is_greedy
 from torch import Tensor
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int = 128
-    temperature: float = 0.0  # 0 means greedy
+    temperature: float = WIRE_DEFAULT_TEMPERATURE  # greedy (0), as an unset gRPC field; is_greedy says what is
     top_k: int = 0  # 0 means off
     top_p: float = 1.0
     seed: int | None = None
@@ -23,7 +24,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return is_greedy(self.temperature)
 
     def validate(self, max_tokens_limit: int | None = None) -> None:
         """Raises ValueError naming the first field that is out of range."""

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from specfleet_api.engine_config import AUTO, EngineConfig
 from specfleet_api.enums import Method
+from specfleet_api.limits import K_LIMIT
 from specfleet_api.live_state import LiveState
 
 __all__ = ["AUTO", "EngineConfig", "LiveConfig", "Settings"]
@@ -94,8 +95,8 @@ class LiveConfig:
             s = self.settings
             k_lo = s.k_min if k_min is None else k_min
             k_hi = s.k_max if k_max is None else k_max
-            if not 0 <= k_lo <= k_hi <= 32:
-                raise ValueError(f"k_min, k_max: need 0 <= k_min <= k_max <= 32, got {k_lo}, {k_hi}")
+            if not 0 <= k_lo <= k_hi <= K_LIMIT:
+                raise ValueError(f"k_min, k_max: need 0 <= k_min <= k_max <= {K_LIMIT}, got {k_lo}, {k_hi}")
             for name, m in [("default_method", default_method)] + [
                     (f"method_by_prompt_type[{t!r}]", m) for t, m in (by_prompt_type or {}).items() if m]:
                 if m is not None and m not in self.methods:

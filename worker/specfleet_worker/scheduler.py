@@ -26,16 +26,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
+from specfleet_api.limits import MAX_DRAFT_NODES
 from specfleet_engine.acceptance import Acceptance, window
-from specfleet_engine.engine import MAX_DRAFT_NODES, Engine, Sequence
+from specfleet_engine.engine import Engine, Sequence
 from specfleet_engine.sampling import SamplingParams
 
 from .config import LiveConfig
 from .metrics import Metrics
 
 log = logging.getLogger("specfleet.worker")
-
-MAX_K = 32  # the most K the live settings accept: KV reservations leave room for it
 
 
 class Refusal(Enum):
@@ -143,7 +142,7 @@ class Scheduler:
 
     def blocks_needed(self, prompt_len: int, max_tokens: int) -> int:
         """KV blocks a request may hold at worst: its whole context plus a full draft (chain or tree)."""
-        tokens = min(prompt_len + max_tokens, self.engine.max_len) + max(MAX_K, MAX_DRAFT_NODES) + 1
+        tokens = min(prompt_len + max_tokens, self.engine.max_len) + MAX_DRAFT_NODES + 1
         return -(-tokens // self.engine.cache.block_size)
 
     def submit(self, req: Request) -> None:

@@ -17,6 +17,7 @@ from opentelemetry import trace
 
 from specfleet_engine.sampling import SamplingParams
 from specfleet_api.enums import DEFAULT_TREE_BRANCHING, PROMPT_TYPES, Method
+from specfleet_api.limits import MAX_REQUEST_ID, WIRE_DEFAULT_TEMPERATURE
 
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
@@ -27,7 +28,6 @@ from .tracing import incoming_context, request_attributes, result_attributes
 log = logging.getLogger("specfleet.worker")
 
 DEFAULT_MAX_TOKENS = 128
-MAX_REQUEST_ID = 128
 MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 MAX_PROMPT_TYPE = 64
@@ -109,7 +109,7 @@ class Worker:
                           "(prompt and output together)")
         params = SamplingParams(
             max_tokens=msg.max_tokens if msg.HasField("max_tokens") else min(DEFAULT_MAX_TOKENS, self.max_tokens_limit),
-            temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+            temperature=msg.temperature if msg.HasField("temperature") else WIRE_DEFAULT_TEMPERATURE,
             top_k=msg.top_k if msg.HasField("top_k") else 0,
             top_p=msg.top_p if msg.HasField("top_p") else 1.0,
             seed=msg.seed if msg.HasField("seed") else None,
@@ -155,7 +155,7 @@ class Worker:
             raise Invalid(f"token_ids: the prompt ({len(prompt)} tokens) and token_ids ({len(tokens)}) are "
                           f"{len(prompt) + len(tokens)} tokens; the context holds {self.engine.max_len}")
         params = SamplingParams(
-            max_tokens=len(tokens), temperature=msg.temperature if msg.HasField("temperature") else 0.0,
+            max_tokens=len(tokens), temperature=msg.temperature if msg.HasField("temperature") else WIRE_DEFAULT_TEMPERATURE,
             top_k=msg.top_k if msg.HasField("top_k") else 0, top_p=msg.top_p if msg.HasField("top_p") else 1.0)
         self._check_params(params)
         needed = self.scheduler.score_blocks(len(prompt) + len(tokens))
