@@ -11,7 +11,7 @@ import pytest
 
 from specfleet_engine import k_policies
 from specfleet_engine.costs import StepCostModel
-from specfleet_engine.proposers import Proposal
+from specfleet_engine.proposers import Capabilities, Proposal
 from specfleet_engine.k_policies import AdaptivePolicy, FixedPolicy, best_k, choose_ks, expected_tokens, make_policy
 from specfleet_engine.k_policies import adaptive, base
 
@@ -204,7 +204,7 @@ def test_k_min_makes_an_adaptive_engine_verify_at_least_k_min_draft_tokens():
     from specfleet_engine.testing import tiny_model
 
     class Counting:  # a cheap proposer that always has a draft: 1, 2, 3, ...
-        name, cheap = "count", True
+        name, capabilities = "count", Capabilities(cheap=True)
 
         def propose(self, seqs, ks):
             return [Proposal(list(range(1, k + 1)), None) for k in ks]
@@ -327,7 +327,7 @@ def test_the_latency_guard_keeps_a_bystander_at_plain_decodings_pace_over_its_li
     truth = Engine(model).generate(prompt, params, NO_SPECULATION, 0).output
 
     class Oracle:  # a cheap proposer whose drafts are the target's own greedy continuation
-        name, cheap = "oracle", True
+        name, capabilities = "oracle", Capabilities(cheap=True)
 
         def propose(self, seqs, ks):
             return [Proposal(truth[len(s.output):len(s.output) + k], None, 4) for s, k in zip(seqs, ks)]
@@ -368,7 +368,7 @@ def test_a_cheap_drafter_is_not_asked_for_drafts_no_row_can_pay_for():
     from specfleet_engine.testing import tiny_model
 
     class Counting:  # a cheap proposer that always has a draft: 1, 2, 3, ...
-        name, cheap = "count", True
+        name, capabilities = "count", Capabilities(cheap=True)
 
         def __init__(self):
             self.calls = 0

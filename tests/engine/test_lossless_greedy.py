@@ -6,12 +6,13 @@ Plain decoding is itself checked against HF transformers' `generate` in test_hf_
 bug shared by both paths cannot hide here.
 """
 
+import dataclasses
 from collections import Counter
 
 import pytest
 
 from specfleet_engine.engine import Engine
-from specfleet_engine.proposers import NgramProposer, Proposal
+from specfleet_engine.proposers import Capabilities, NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.sampling import SamplingParams
 from specfleet_engine.testing import TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_model
@@ -111,15 +112,16 @@ def test_trees_with_the_targets_recycled_choices_match_plain_decoding():
 
 def test_the_tree_check_fails_when_proposers_draft_chains_only(monkeypatch):
     """Chains verify fine, so outputs still match: only the tree guard sees it."""
-    monkeypatch.setattr(NgramProposer, "trees", False)
-    monkeypatch.setattr(DraftModelProposer, "trees", False)
+    for proposer in (NgramProposer, DraftModelProposer):
+        chains = dataclasses.replace(proposer.capabilities, trees=False, shapes=False)
+        monkeypatch.setattr(proposer, "capabilities", chains)
     target = tiny_model(seed=1, scale=4.0)
     with pytest.raises(AssertionError, match="steps held a tree"):
         check_speculation_matches_plain(target, proposers_for(target), branching=3)
 
 
 class NeverDrafts:
-    name, cheap = "draft-model", False
+    name, capabilities = "draft-model", Capabilities()
 
     def propose(self, seqs, ks):
         return [Proposal([], None) for _ in seqs]

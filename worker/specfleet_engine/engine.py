@@ -25,7 +25,7 @@ from .k_policies import KPolicy, make_policy
 from .kernels.rejection import TreeVerifyBatch, rejection_sample
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
 from .model import Transformer
-from .proposers import Proposal, Proposer, TreeShape, default_proposers
+from .proposers import Capabilities, Proposal, Proposer, TreeShape, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
 
 NO_SPECULATION = Method.NONE.value
@@ -188,6 +188,12 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.tokenizer = tokenizer
         self.proposers: dict[str, Proposer] = default_proposers() if proposers is None else dict(proposers)
+        for method, proposer in self.proposers.items():  # what each can do is declared, and served or refused
+            caps = proposer.capabilities if hasattr(proposer, "capabilities") else None
+            if not isinstance(caps, Capabilities):
+                raise TypeError(f"proposer {method!r} declares no Capabilities (proposers/base.py)")
+            if caps.problems():
+                raise ValueError(f"proposer {method!r}: " + "; ".join(caps.problems()))
         self.device = getattr(model, "device", torch.device("cpu"))
         self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype, device=self.device)
         self.max_len = model.args.max_position_embeddings
@@ -335,7 +341,8 @@ class Engine:
                     proposals[s.seq_id] = Proposal([], None)
                 continue
             proposer = self.proposers[method]
-            cheap = getattr(proposer, "cheap", False)
+            caps = proposer.capabilities
+            cheap = caps.cheap
             others = len(seqs) - len(group)  # rows the rest of the batch adds
 
             def cost(rows):
@@ -353,8 +360,8 @@ class Engine:
             if any(ks):
                 branching = shape.branching if shape is not None else self.tree_branching
                 try:
-                    if branching > 1 and getattr(proposer, "trees", False):
-                        extra = {"shape": shape} if shape is not None and getattr(proposer, "shapes", False) else {}
+                    if branching > 1 and caps.trees:
+                        extra = {"shape": shape} if shape is not None and caps.shapes else {}
                         results = proposer.propose(group, ks, [branching] * len(group), **extra)
                     else:
                         results = proposer.propose(group, ks)
@@ -426,20 +433,21 @@ class Engine:
         return outs
 
     def _recycle(self, seqs: list[Sequence], rows: list[list[int]], tokens: list[list[int]], logits: Tensor) -> None:
-        """Hands a proposer that asks for them (`recycle` > 0: Token Recycling) the target's top
-        next tokens after each token of its sequences' accepted path (`rows` of `logits`, fed
-        `tokens`): the verify forward computed them anyway; one top-k for the batch."""
-        want = [b for b, s in enumerate(seqs) if getattr(self.proposers.get(s.method), "recycle", 0)]
+        """Hands a proposer that asks for them (`capabilities.target_top_k` > 0: Token Recycling)
+        the target's top next tokens after each token of its sequences' accepted path (`rows` of
+        `logits`, fed `tokens`): the verify forward computed them anyway; one top-k for the batch."""
+        tops = {m: p.capabilities.target_top_k for m, p in self.proposers.items()}
+        want = [b for b, s in enumerate(seqs) if tops.get(s.method, 0)]
         if not want:
             return
-        k = max(self.proposers[seqs[b].method].recycle for b in want)
+        k = max(tops[seqs[b].method] for b in want)
         flat = [r for b in want for r in rows[b]]
         top = logits[flat].topk(k, dim=-1).indices.cpu().numpy()
         at = 0
         for b in want:
             n = len(rows[b])
             proposer = self.proposers[seqs[b].method]
-            proposer.observe_targets(seqs[b], tokens[b], top[at:at + n, :proposer.recycle])
+            proposer.observe_targets(seqs[b], tokens[b], top[at:at + n, :tops[seqs[b].method]])
             at += n
 
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal], row_parents: list[list[int]], logits: Tensor,

@@ -1,4 +1,5 @@
-"""What every proposer shares: the same `propose(seqs, ks)` signature and its `Proposal`."""
+"""What every proposer shares: the same `propose(seqs, ks)` signature, its `Proposal`, and the
+`Capabilities` it declares (the engine reads them; it never probes a proposer for attributes)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,41 @@ from specfleet_api.enums import TREE_BRANCHING_MAX
 from specfleet_api.tree_shape import shape_problems
 
 from ..k_policies.base import sibling_ranks
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a proposer can do and what it needs of the target: declared once, as the proposer
+    class's (or instance's) `capabilities`, and read by the engine, which refuses a proposer
+    without them or with needs it does not meet.
+
+    >>> Capabilities(cheap=True, trees=True)
+    Capabilities(cheap=True, trees=True, shapes=False, target_top_k=0, hidden_states=False)
+    """
+
+    # drafting k tokens costs next to nothing (a search): draft the most, then trim by acceptance;
+    # False: size the draft before making it (a draft model's forwards cost)
+    cheap: bool = False
+    trees: bool = False  # propose() takes `branching` (per sequence): it may return a tree
+    shapes: bool = False  # propose() also takes `shape`, a static TreeShape, and drafts its children
+    # target features it needs:
+    # the target's top-k next tokens after each verified token, handed over by
+    # `observe_targets(seq, tokens, top)` (0: none); the verify forward computed them anyway
+    target_top_k: int = 0
+    # the target's hidden states (EAGLE, Medusa heads): no engine path hands them over today, so
+    # an engine refuses such a proposer
+    hidden_states: bool = False
+
+    def problems(self) -> list[str]:
+        """What this engine cannot serve of them ([]: all of it)."""
+        out = []
+        if self.shapes and not self.trees:
+            out.append("shapes needs trees (a static shape is a tree)")
+        if self.target_top_k < 0:
+            out.append(f"target_top_k must be >= 0, got {self.target_top_k}")
+        if self.hidden_states:
+            out.append("needs the target's hidden states, which this engine does not hand to proposers")
+        return out
 
 
 @dataclass
@@ -130,7 +166,7 @@ class SequenceView(Protocol):
 
 class Proposer(Protocol):
     name: str
-    cheap: bool  # True: drafting k tokens costs next to nothing, so draft first and trim after
+    capabilities: Capabilities
 
     def propose(self, seqs: list[SequenceView], ks: list[int]) -> list[Proposal]:
         """Draft up to ks[i] tokens for each sequence (ks[i] == 0: none)."""
@@ -140,3 +176,6 @@ class Proposer(Protocol):
 
     def release(self, seq: SequenceView) -> None:
         """The sequence finished: free what the proposer holds for it."""
+
+    # with capabilities.trees: propose(seqs, ks, branching: list[int]); with .shapes also
+    # shape=TreeShape; with .target_top_k: observe_targets(seq, tokens, top: np.ndarray [n, k])

@@ -10,7 +10,7 @@ from specfleet_api.enums import Method
 from ..kv_cache import BlockTable, PagedKVCache, batch_metadata
 from ..model import Transformer
 from ..sampling import logits_to_probs, sample_from
-from .base import Proposal, SequenceView, TreeShape
+from .base import Capabilities, Proposal, SequenceView, TreeShape
 
 
 class TokenizerMismatch(ValueError):
@@ -19,9 +19,9 @@ class TokenizerMismatch(ValueError):
 
 class DraftModelProposer:
     name = Method.DRAFT_MODEL.value
-    cheap = False
-    trees = True  # propose() takes branching: the top tokens (or draws) at each level
-    shapes = True  # and a static TreeShape: the children it lists at each node
+    # forwards cost: not cheap; a tree of the top tokens (or draws) at each level, or the children
+    # a static TreeShape lists at each node
+    capabilities = Capabilities(cheap=False, trees=True, shapes=True)
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):
         self.model = model

@@ -19,6 +19,7 @@ lookup cannot offer.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from collections import deque
 from collections.abc import Mapping
@@ -26,7 +27,7 @@ from collections.abc import Mapping
 import numpy as np
 from specfleet_api.enums import Method
 
-from .base import Proposal, SequenceView
+from .base import Capabilities, Proposal, SequenceView
 
 SEP = -1  # ends each request in a corpus; never a token, so no match spans it
 _MULT = np.random.default_rng(0x5eed).integers(1, 2**62, 64, dtype=np.uint64) | np.uint64(1)  # n-gram hash
@@ -317,8 +318,8 @@ def ngram_propose(tokens: np.ndarray, min_n: int, max_n: int, k: int) -> np.ndar
 
 class NgramProposer:
     name = Method.NGRAM.value
-    cheap = True
-    trees = True  # propose() takes branching: distinct continuations become a tree
+    # a search: cheap; distinct continuations become a tree; with `recycle`, the target's top tokens
+    capabilities = Capabilities(cheap=True, trees=True)
 
     def __init__(self, min_n: int = 1, max_n: int = 4, corpus_tokens: int = 0, recycle: int = 0):
         """corpus_tokens: how many tokens of recently finished requests to search besides each
@@ -332,6 +333,8 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self.corpus = Corpus(corpus_tokens, min_n, max_n) if corpus_tokens else None
         self.recycle = recycle
+        if recycle:
+            self.capabilities = dataclasses.replace(type(self).capabilities, target_top_k=recycle)
         self.successors: dict[int, dict[int, np.ndarray]] = {}  # seq_id -> token -> target's top next tokens
 
     def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None) -> list[Proposal]:
