@@ -173,12 +173,15 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
     """(verdict, why): HEALTHY, MISSED or UNKNOWN (too little data). `margin` raises the floors
     (recovery's hysteresis).
 
+    Alpha is judged by its interval (`alpha_bounds`, which the loop always gives with an alpha):
+    a sample without one says nothing about alpha.
+
     >>> p = SloPolicy(alpha_floor=0.1, min_draft_tokens=10)
-    >>> judge(Sample(alpha=0.05, draft_tokens=50), KeyState(), p)
-    ('missed', 'alpha 0.050 under the floor 0.1')
-    >>> judge(Sample(alpha=0.3, draft_tokens=50), KeyState(baseline=0.8), p)
-    ('missed', 'alpha 0.300 under 0.5 x its baseline 0.800')
-    >>> judge(Sample(alpha=0.3, draft_tokens=5), KeyState(), p)[0]
+    >>> judge(Sample(alpha=0.05, draft_tokens=50, alpha_bounds=(0.01, 0.09)), KeyState(), p)
+    ('missed', 'alpha 0.050 (interval [0.010, 0.090] over 50 drafted tokens) under the floor 0.1')
+    >>> judge(Sample(alpha=0.3, draft_tokens=50, alpha_bounds=(0.2, 0.38)), KeyState(baseline=0.8), p)[0]
+    'missed'
+    >>> judge(Sample(alpha=0.3, draft_tokens=5, alpha_bounds=(0.02, 0.86)), KeyState(), p)[0]
     'unknown'
     """
     if sample is None:
@@ -203,10 +206,8 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
             sample.speedup, *sample.speedup_bounds, speed_line)
     if sample.alpha_bounds is not None and sample.alpha is not None and sample.draft_tokens:
         verdict, why = _judge_bounds(sample, state, policy, margin)
-    elif sample.alpha is not None and sample.draft_tokens >= policy.min_draft_tokens:
-        verdict, why = _judge_alpha(sample, state, policy, margin)
     else:
-        verdict, why = UNKNOWN, f"{sample.draft_tokens} drafted tokens (need {policy.min_draft_tokens})"
+        verdict, why = UNKNOWN, f"{sample.draft_tokens} drafted tokens"
     if verdict == MISSED:
         return MISSED, why
     if unclear:
@@ -216,18 +217,6 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
         speedup = f"speedup {sample.speedup:.2f}" if sample.speedup is not None else "speedup -"
         return HEALTHY, f"{alpha}, {speedup}"
     return UNKNOWN, f"too little data: {why}; {sample.requests} requests (need {policy.min_requests})"
-
-
-def _judge_alpha(sample: Sample, state: KeyState, policy: SloPolicy, margin: float) -> tuple[str, str]:
-    """Alpha against its lines, by value (a window with at least minDraftTokens drafted tokens)."""
-    up = 1.0 + margin
-    if sample.alpha < policy.alpha_floor * up:
-        return MISSED, f"alpha {sample.alpha:.3f} under the floor {policy.alpha_floor * up:.3g}"
-    if margin == 0.0 and state.baseline is not None and sample.alpha < (1 - policy.alpha_drop) * state.baseline:
-        return MISSED, f"alpha {sample.alpha:.3f} under {1 - policy.alpha_drop:.2g} x its baseline {state.baseline:.3f}"
-    if margin and policy.recovery_alpha is not None and sample.alpha < policy.recovery_alpha:
-        return MISSED, f"alpha {sample.alpha:.3f} under recoveryAlpha {policy.recovery_alpha}"
-    return HEALTHY, f"alpha {sample.alpha:.3f}"
 
 
 def _judge_bounds(sample: Sample, state: KeyState, policy: SloPolicy, margin: float) -> tuple[str, str]:
@@ -256,13 +245,15 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
     """One window of one key: the next state, and the event of a transition (reason, message).
 
     >>> p = SloPolicy(min_draft_tokens=10, min_dwell_s=60, recover_after_s=120)
-    >>> s, _ = step(Sample(alpha=0.6, draft_tokens=100), KeyState(), p, 0.0); s.baseline
+    >>> good = Sample(alpha=0.6, draft_tokens=100, alpha_bounds=(0.5, 0.7))
+    >>> bad = Sample(alpha=0.1, draft_tokens=100, alpha_bounds=(0.04, 0.2))
+    >>> s, _ = step(good, KeyState(), p, 0.0); s.baseline
     0.6
-    >>> s, ev = step(Sample(alpha=0.1, draft_tokens=100), s, p, 10.0); s.mode, ev[0]
+    >>> s, ev = step(bad, s, p, 10.0); s.mode, ev[0]
     ('fallback', 'FallbackEntered')
-    >>> s, ev = step(Sample(alpha=0.6, draft_tokens=100), s, p, 20.0); s.mode, s.healthy_since
+    >>> s, ev = step(good, s, p, 20.0); s.mode, s.healthy_since
     ('fallback', 20.0)
-    >>> s, ev = step(Sample(alpha=0.6, draft_tokens=100), s, p, 140.0); s.mode, ev[0]
+    >>> s, ev = step(good, s, p, 140.0); s.mode, ev[0]
     ('speculative', 'FallbackLeft')
     """
     verdict, why = judge(sample, state, policy, margin=policy.hysteresis if state.mode == FALLBACK else 0.0)

@@ -3,6 +3,8 @@ the probe with hysteresis and dwell, no decision on missing data, alerts as SLO 
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from specfleet_api.windows import ClusterWindow, TypeCounts, Window
@@ -149,15 +151,34 @@ def test_memory_round_trips_through_the_status():
     assert Memory.from_status(ticks[-1].memory.to_status()) == ticks[-1].memory
 
 
+ALPHA = {"alpha": 0.5, "draft_tokens": 500, "alpha_bounds": (0.44, 0.56)}  # as the loop's samples carry it
+
+
 @pytest.mark.parametrize("sample, verdict", [
-    (Sample(alpha=0.5, speedup=0.85, draft_tokens=500, requests=5), "missed"),
-    (Sample(alpha=0.5, speedup=0.95, draft_tokens=500, requests=5), "healthy"),  # within the entry margin (0.9)
-    (Sample(alpha=0.5, speedup=1.3, draft_tokens=500, requests=5), "healthy"),
-    (Sample(alpha=0.5, speedup=0.5, draft_tokens=500, requests=1), "healthy"),  # speedup of 1 request: not judged
+    (Sample(speedup=0.85, requests=5, **ALPHA), "missed"),
+    (Sample(speedup=0.95, requests=5, **ALPHA), "healthy"),  # within the entry margin (0.9)
+    (Sample(speedup=1.3, requests=5, **ALPHA), "healthy"),
+    (Sample(speedup=0.5, requests=1, **ALPHA), "healthy"),  # speedup of 1 request: not judged
     (Sample(alert="X"), "missed"),
 ])
 def test_judge(sample, verdict):
     assert judge(sample, KeyState(), P)[0] == verdict
+
+
+def test_every_alpha_the_loop_judges_carries_its_interval():
+    """Alpha is judged by its interval only (judging it by value was a path the loop never took,
+    removed): every sample the loop builds with an alpha has bounds, and one without them says
+    nothing of alpha, however far under the baseline its value is."""
+    from specfleet_control.loop import cluster_sample, sample_of
+
+    e = Evidence(draft_tokens=300, accepted_tokens=30, requests=10, seen=10, windows=1)
+    for s in (sample_of(e), cluster_sample(e, P)):
+        assert s.alpha == 0.1 and s.alpha_bounds is not None
+    assert sample_of(Evidence(windows=1)).alpha is None  # nothing drafted: no alpha either
+    bare = Sample(alpha=0.1, draft_tokens=500)
+    assert judge(bare, KeyState(baseline=0.6), P)[0] == "unknown"
+    assert judge(dataclasses.replace(bare, alpha_bounds=(0.07, 0.14)), KeyState(baseline=0.6), P) == (
+        "missed", "alpha 0.100 (interval [0.070, 0.140] over 500 drafted tokens) under 0.5 x its baseline 0.600")
 
 
 def test_without_windows_the_alerts_alone_move_the_deployment_both_ways():
