@@ -1,8 +1,15 @@
 """A paged KV cache: fixed-size blocks, per-sequence block tables, reference-counted blocks.
 
-Blocks are shared by reference count (a forked sequence, a tree branch or a common prefix) and
-copied on write when a shared, partly filled block is appended to. Rolling back rejected draft
-positions only moves the sequence's length and frees blocks that became empty: no data moves.
+Blocks can be shared by reference count (`BlockTable.fork`) and are copied on write when a shared,
+partly filled block is appended to. Rolling back rejected draft positions only moves the
+sequence's length and frees blocks that became empty: no data moves.
+
+**No engine path shares blocks today**: the engine never forks a table, so every sequence owns its
+blocks (reference count 1) and the copy on write never runs outside tests/engine/test_kv_cache.py.
+A draft tree is not forked either: its nodes are rows of the one sequence, and the accepted path's
+K/V are compacted into place (`move_slots`). A future path that shares blocks (a prompt prefix
+shared across requests) must also copy on write before `move_slots` writes into a block: only
+`append_slots` copies (the partly filled last block it appends to).
 """
 
 from __future__ import annotations
