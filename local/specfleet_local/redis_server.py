@@ -2,12 +2,17 @@
 
 Persistence off (the fleet's state is derived from the resource, never only in Redis), a free
 port picked here, and the process ended when the context exits; `detached` (for `specfleet up`)
-puts it in a session of its own, tied to this process's life (`procs.spawn`). Chaos tests use `kill`,
-`pause` and `read_only` to play the failures the fleet must survive.
+puts it in a session of its own, tied to this process's life (`procs.spawn`). Its clients give up
+on a call after their timeout, never retried (`client`): whoever calls tries again at its next
+period. Chaos tests use `kill`, `pause`, `read_only`, `freeze` and `unreachable` to play the
+failures the fleet must survive (the last two also on a server found by its pid and port, as in
+`specfleet up`'s run file).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import shutil
 import signal
 import socket
@@ -61,10 +66,13 @@ class RedisServer:
         raise TimeoutError(f"redis-server did not answer on {self.host}:{self.port} within {timeout_s} s")
 
     def client(self, **kw):
+        """A client whose every call gives up after 2 s (connect, then each read), never retried:
+        redis-py's default retries a timed-out call 10 times, 26 s on a paused server."""
         import redis
 
         kw.setdefault("socket_timeout", 2)
         kw.setdefault("socket_connect_timeout", 2)
+        kw.setdefault("retry", no_retry())
         return redis.Redis(host=self.host, port=self.port, **kw)
 
     def kill(self) -> None:
@@ -81,9 +89,21 @@ class RedisServer:
         """Writes fail (as on a replica), reads work."""
         self.client().config_set("min-replicas-to-write", 1 if on else 0)
 
+    def freeze(self) -> None:
+        """SIGSTOP: the process stops; connections open, nothing answers (`thaw` resumes it)."""
+        freeze(self.proc.pid)
+
+    def thaw(self) -> None:
+        thaw(self.proc.pid)
+
+    def unreachable(self) -> Unreachable:
+        """Frozen, and no new connection answered either (`Unreachable`); closing it thaws."""
+        return Unreachable(self.host, self.port, self.proc.pid)
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
+            thaw(self.proc.pid)  # a frozen server gets its SIGTERM only once it runs again
             try:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
@@ -96,3 +116,62 @@ class RedisServer:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def no_retry():
+    """redis-py's retry policy for a call that is not retried."""
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    return Retry(NoBackoff(), 0)
+
+
+def freeze(pid: int) -> None:
+    """SIGSTOP a server: the kernel still completes connections to it, nothing is ever answered."""
+    os.kill(pid, signal.SIGSTOP)
+
+
+def thaw(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGCONT)
+
+
+class Unreachable:
+    """A server that cannot be reached, as behind a network that drops its packets: frozen
+    (SIGSTOP), and its listening socket's accept queue filled with connections of our own, so that
+    a new connection's SYN is dropped and its connect times out (connections already open hang as
+    on a paused server). `close` gives the queue back and thaws the server.
+
+    The kernel drops a SYN to a full accept queue (net.ipv4.tcp_abort_on_overflow 0, the default);
+    the queue holds the server's backlog (redis-server's tcp-backlog, 511) plus one."""
+
+    def __init__(self, host: str, port: int, pid: int, max_connections: int = 8192):
+        self.pid, self.sockets = pid, []
+        freeze(pid)
+        try:
+            while len(self.sockets) < max_connections:
+                s = socket.socket()
+                s.settimeout(0.5)
+                try:
+                    s.connect((host, port))
+                except OSError:  # timed out: the queue is full (or refused: nothing listens)
+                    s.close()
+                    break
+                self.sockets.append(s)
+            else:
+                raise RuntimeError(f"{host}:{port} still took connections after {max_connections}")
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        for s in self.sockets:
+            s.close()
+        self.sockets = []
+        thaw(self.pid)
+
+    def __enter__(self) -> Unreachable:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -23,6 +23,7 @@ from specfleet_api.enums import PROMPT_TYPES
 from specfleet_api.live_state import ARMS, LiveState, state_key
 
 from . import runfile
+from .redis_server import no_retry
 from .state import loop_key
 from specfleet_api.windows import Window, read_windows, sum_windows
 
@@ -97,7 +98,8 @@ def observe(namespace: str, name: str, redis_url: str | None, router_url: str | 
     if redis_url:
         import redis
 
-        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2)
+        # a paused Redis costs 2 s a call, not redis-py's default 10 retries of it
+        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2, retry=no_retry())
         try:
             raw = client.get(state_key(namespace, name))
             if raw is None:
