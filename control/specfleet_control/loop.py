@@ -27,7 +27,8 @@ from typing import Any
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
 from .observe import Observation
-from .slo import FALLBACK, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, judge, step, wilson
+from .slo import (FALLBACK, HEALTHY, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, alpha_clear,
+                  judge, step, wilson)
 
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
@@ -205,10 +206,18 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         if pending.windows >= MAX_EVIDENCE_WINDOWS:  # what is older says little of now: start afresh
             pending = Evidence()
         combined = pending.plus(window) if window is not None and not only_alert else pending
-        state, event = step(sample(combined, alert) if not only_alert else Sample(alert=alert),
-                            keys.get(key, KeyState()), policy, now)
+        judged = sample(combined, alert) if not only_alert else Sample(alert=alert)
+        before = keys.get(key, KeyState())
+        state, event = step(judged, before, policy, now)
         keys[key] = state
-        if state.verdict == UNKNOWN and combined.windows:
+        # a speculating key judged healthy on its speedup alone keeps its evidence while its alpha
+        # is not yet clear of its line, or too thin for a baseline when it has none: where no one
+        # window holds that many drafted tokens (a slow machine, a quiet type, a collapsed type
+        # whose K fell to 0), throwing each window away would leave its alpha never judged
+        thin = state.mode == SPECULATIVE and state.verdict == HEALTHY and before.mode == SPECULATIVE and (
+            not alpha_clear(judged, before, policy)
+            or (before.baseline is None and combined.draft_tokens < policy.min_draft_tokens))
+        if (state.verdict == UNKNOWN or thin) and combined.windows:
             evidence[key] = combined
         else:
             evidence.pop(key, None)

@@ -219,6 +219,21 @@ def judge(sample: Sample | None, state: KeyState, policy: SloPolicy, margin: flo
     return UNKNOWN, f"too little data: {why}; {sample.requests} requests (need {policy.min_requests})"
 
 
+def alpha_clear(sample: Sample | None, state: KeyState, policy: SloPolicy) -> bool:
+    """Whether a speculating key's alpha, by its interval, is clear of its line either way (a
+    verdict on it, not on the speedup alone).
+
+    >>> p = SloPolicy()
+    >>> alpha_clear(Sample(alpha=0.1, draft_tokens=20, alpha_bounds=(0.02, 0.4)), KeyState(baseline=0.6), p)
+    False
+    >>> alpha_clear(Sample(alpha=0.0, draft_tokens=60, alpha_bounds=(0.0, 0.12)), KeyState(baseline=0.6), p)
+    True
+    """
+    if sample is None or sample.alpha_bounds is None or sample.alpha is None or not sample.draft_tokens:
+        return False
+    return _judge_bounds(sample, state, policy, 0.0)[0] != UNKNOWN
+
+
 def _judge_bounds(sample: Sample, state: KeyState, policy: SloPolicy, margin: float) -> tuple[str, str]:
     """Alpha judged by its interval: MISSED when even its upper bound is under the line (the floor,
     or the drop from the baseline), HEALTHY when its lower bound clears the line (with the margin

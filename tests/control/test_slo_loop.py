@@ -92,8 +92,9 @@ def test_keys_are_judged_once_per_window_so_no_request_counts_twice():
     thin = window(0.35, drafted=40, requests=1)  # too little alone (alpha near its line): each judgement adds one
     ticks = run([obs(code=window(0.6))] + [obs(code=thin)] * 8, dt=2.5)  # four ticks per 10 s window
     assert [t.memory.judged_at for t in ticks] == [1000.0] * 4 + [1010.0] * 4 + [1020.0]
-    # kept for four ticks (one judgement), decided with the next window's: two requests, healthy
-    assert [t.memory.evidence.get(type_key("code"), Evidence()).windows for t in ticks] == [0] * 4 + [1] * 4 + [0]
+    # kept for four ticks (one judgement), judged with the next window's: two requests, a healthy
+    # speedup, and kept on while alpha (0.35 against the line 0.3) is not yet clear of it
+    assert [t.memory.evidence.get(type_key("code"), Evidence()).windows for t in ticks] == [0] * 4 + [1] * 4 + [2]
     assert ticks[-1].memory.keys[type_key("code")].verdict == "healthy"
     # an alert is judged at once, between two windows
     alerted = run([obs(code=window(0.6)), obs(code=window(0.6)).with_alerts((Alert("A", "code"),))], dt=1.0)
@@ -268,3 +269,19 @@ def test_evidence_without_a_verdict_adds_up_over_twelve_windows_at_most():
     assert all(e is not None for e in held)  # never a verdict
     assert max(e.windows for e in held) == 12 and held[-1].windows < 12
     assert modes(ticks, type_key("code")) == [SPECULATIVE] * 32
+
+
+def test_windows_too_thin_for_alpha_add_up_to_a_baseline_though_each_one_s_speedup_is_healthy():
+    """A slow machine's windows each hold fewer drafted tokens than minDraftTokens, while their
+    speedup (enough requests) is healthy: the healthy verdict does not throw the alpha evidence
+    away, so the windows add up to a baseline, and a collapse is then judged against it."""
+    thin = window(0.6, drafted=40, requests=4)  # minDraftTokens 100: three windows are needed
+    ticks = run([obs(code=thin)] * 3)
+    assert [t.memory.keys[type_key("code")].verdict for t in ticks] == ["healthy"] * 3
+    assert [t.memory.keys[type_key("code")].baseline for t in ticks] == [None, None, 0.6]
+    assert ticks[-1].memory.evidence.get(type_key("code")) is None  # spent on the baseline
+    # against that baseline (line 0.3), thin windows of a collapsed alpha whose speedup is still
+    # healthy (K fell to 0: little is drafted, little lost) add up to a miss within two
+    bad = window(0.05, speedup=1.0, drafted=20, requests=4)
+    after = run([obs(code=bad)] * 2, memory=ticks[-1].memory, start=1030.0)
+    assert after[-1].memory.fallback_types() == ("code",), after[-1].memory.keys[type_key("code")]
