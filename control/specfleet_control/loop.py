@@ -4,9 +4,11 @@ and clusters run plain, whether the whole deployment does).
 
 Keys are judged once per window (`slo.window`), so that two judgements never count the same
 requests twice; a window too thin to decide on is kept as evidence and the next one adds to it,
-until a verdict (healthy or missed) starts the evidence afresh. Half way between two judgements,
-a speculating key whose current window alone misses the SLO falls back then (a miss needs no
-more evidence than its own window, and the collapse is caught within two windows of its start).
+until a verdict (healthy or missed) starts the evidence afresh (a healthy speedup does not while
+alpha is not yet clear of its line, or too thin for a baseline the key lacks). Half way between
+two judgements, a speculating key whose current window alone misses the SLO falls back then (a
+miss needs no more evidence than its own window, and the collapse is caught within two windows of
+its start).
 An alert is judged at once.
 
 Keys: `type:<prompt type>` where the router routes per type (the deployment has a router), a
