@@ -13,6 +13,16 @@ from its prompt, so its drafts are accepted often). Phases:
     cluster   (--cluster) it stays greedy, and one more client sends it out-of-distribution requests
               (Finnish to translate, sampled at temperature 1.5): that prompt cluster falls back alone
 
+With --until-evidence each phase lasts until what it is there to show has happened (the loop
+learned both baselines; the type fell back and enough of its requests ran in fallback; the type
+and its clusters are back; the OOD cluster fell back and requests followed), at least its seconds
+and at most --phase-limit: on a slow machine the loop waits for evidence (thin windows add up), so
+fixed phases would end before it has any. A phase that reaches its limit ends the episode, and
+`missing` says what the loop still lacked (the collapsed type's drafted tokens against what a miss
+needs at that alpha, the loop's own reason). Each fallback is also timed from when the loop first
+held the evidence it needed (the key's pending evidence plus its current window, judged as the loop
+judges them).
+
 It prints and writes (JSON, and a plot with --plot) how long each fallback took in seconds and
 windows, the transitions per key, the errors, the other type's mode, and the collapsed type's
 throughput in fallback against plain decoding, two ways: priced by the cost model (its windows'
@@ -26,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import subprocess
@@ -40,6 +51,8 @@ import yaml
 
 from specfleet_api.live_state import LiveState, state_key
 from specfleet_api.windows import read_cluster_windows, read_windows
+from specfleet_control import loop as slo_loop
+from specfleet_control.slo import FALLBACK, MISSED, SPECULATIVE, Evidence, KeyState, SloPolicy, judge
 from specfleet_local import runfile
 from specfleet_local.state import loop_key
 from specfleet_router.classify import classify
@@ -99,6 +112,38 @@ class Sample:
     plain_ratio: dict[str, float | None]  # type's plain-equivalent / busy seconds over its window
     cluster_alpha: dict[str, float | None] = field(default_factory=dict)
     why: dict[str, str] = field(default_factory=dict)  # the loop's reason per key
+    # per key (type:..., cluster:...): what the loop would judge now, its pending evidence plus the
+    # current window: drafted and accepted tokens, requests seen, and whether that is a miss
+    evidence: dict[str, dict] = field(default_factory=dict)
+    baselines: dict[str, float] = field(default_factory=dict)
+
+
+def share(e: Evidence, fraction: float) -> Evidence:
+    """A fraction of a window's evidence (its counts scaled, rounded), one window still."""
+    return Evidence(**{f: (round(v * fraction) if isinstance(v, int) else v * fraction)
+                       for f, v in asdict(e).items() if f != "windows"}, windows=e.windows)
+
+
+def would_miss(e: Evidence, state: KeyState, policy: SloPolicy, cluster: bool) -> bool:
+    """Whether the loop, judging this evidence for a speculating key, would call it a miss."""
+    sample = slo_loop.cluster_sample(e, policy) if cluster else slo_loop.sample_of(e)
+    return judge(sample, KeyState(SPECULATIVE, baseline=state.baseline), policy)[0] == MISSED
+
+
+def drafted_needed(alpha: float, state: KeyState, policy: SloPolicy, cluster: bool, most: int = 5000) -> int | None:
+    """The fewest drafted tokens at this alpha that the loop would judge a miss (None: none up to `most`).
+
+    >>> drafted_needed(0.0, KeyState(baseline=0.7), SloPolicy(), cluster=True)  # 0 of 15: under 0.35 at 95%
+    15
+    """
+    n = 1
+    while n <= most:
+        e = Evidence(draft_tokens=n, accepted_tokens=round(alpha * n), requests=policy.cluster_min_requests,
+                     seen=policy.cluster_min_requests, windows=1)
+        if would_miss(e, state, policy, cluster):
+            return n
+        n += 1 if n < 64 else n // 8
+    return None
 
 
 class Episode:
@@ -119,6 +164,10 @@ class Episode:
         self.kinds = (args.type, args.other)
         self.prompts = {t: by_type.get(t, [])[:24] for t in self.kinds}
         assert all(len(p) >= 4 for p in self.prompts.values()), {t: len(p) for t, p in by_type.items()}
+        self.policy = SloPolicy.from_spec(spec(args.model, args.window, args.dwell, args.recover_after,
+                                               args.probe_share)["spec"])
+        self.loop_doc: dict = {}
+        self.missing: str | None = None  # what the loop still lacked when a phase reached its limit
 
     # -- the fleet ---------------------------------------------------------------------------
 
@@ -141,7 +190,9 @@ class Episode:
             if doc is not None and doc.get("phase") == "serving":
                 return doc
             if self.up.poll() is not None or time.monotonic() > end:
-                raise RuntimeError(f"specfleet up did not serve:\n{(workdir / 'up.out').read_text()[-3000:]}")
+                self.shutdown()  # what it started goes with it
+                raise RuntimeError(f"specfleet up did not serve within --ready-timeout {a.ready_timeout:g} s:\n"
+                                   f"{(workdir / 'up.out').read_text()[-3000:]}")
             time.sleep(0.2)
 
     def shutdown(self) -> None:
@@ -206,6 +257,25 @@ class Episode:
                 clusters = read_cluster_windows(client, NAMESPACE, NAME)
                 loop = json.loads(client.get(loop_key(NAMESPACE, NAME)) or "{}")
                 self.events = loop.get("events", self.events)
+                self.loop_doc = loop
+                memory = slo_loop.Memory.from_status(loop.get("memory"))
+                current = {slo_loop.type_key(t): slo_loop.window_evidence(w) for t, w in windows.items()}
+                current.update({slo_loop.cluster_key(c): slo_loop.cluster_evidence(cw) for c, cw in clusters.items()})
+                # the loop's next judgement adds what came since its last to the evidence it kept (a
+                # share of the current window: the rest was judged), and its half-way check judges
+                # the current window alone
+                since = 1.0 if memory.judged_at is None else \
+                    min(1.0, max(0.0, (time.time() - memory.judged_at) / self.policy.window_s))
+                evidence = {}
+                for key, window in current.items():
+                    held = memory.keys.get(key, KeyState())
+                    if window is None or held.mode == FALLBACK:
+                        continue
+                    e = memory.evidence.get(key, Evidence()).plus(share(window, since))
+                    cluster = key.startswith("cluster:")
+                    evidence[key] = {"draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
+                                     "seen": e.seen, "miss": would_miss(e, held, self.policy, cluster)
+                                     or would_miss(window, held, self.policy, cluster)}
                 self.samples.append(Sample(
                     t=time.monotonic() - self.t0, version=state.version, fallback=list(state.fallback),
                     clusters=list(state.fallback_clusters),
@@ -213,7 +283,9 @@ class Episode:
                     speedup={t: w.spec_speedup for t, w in windows.items()},
                     plain_ratio={t: w.speedup for t, w in windows.items()},
                     cluster_alpha={c: cw.alpha for c, cw in clusters.items()},
-                    why={k: v.get("reason", "") for k, v in ((loop.get("memory") or {}).get("keys") or {}).items()}))
+                    why={k: v.get("reason", "") for k, v in ((loop.get("memory") or {}).get("keys") or {}).items()},
+                    evidence=evidence,
+                    baselines={k: st.baseline for k, st in memory.keys.items() if st.baseline is not None}))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the plot
                 print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
             self.stop.wait(1.0)
@@ -243,16 +315,113 @@ class Episode:
                 self.phases = {}
                 for phase, seconds in schedule:
                     self.phase = phase
-                    self.phases[phase] = (round(time.monotonic() - self.t0, 2), None)
-                    print(f"[{time.monotonic() - self.t0:6.1f}s] phase {phase} for {seconds:.0f}s", flush=True)
-                    self.stop.wait(seconds)
+                    start = time.monotonic() - self.t0
+                    self.phases[phase] = (round(start, 2), None)
+                    if not a.until_evidence:
+                        print(f"[{start:6.1f}s] phase {phase} for {seconds:.0f}s", flush=True)
+                        self.stop.wait(seconds)
+                    else:
+                        print(f"[{start:6.1f}s] phase {phase}: at least {seconds:.0f}s, until its evidence "
+                              f"(at most {a.phase_limit:.0f}s)", flush=True)
+                        missing = self.wait_for_evidence(phase, start, seconds, a.phase_limit)
                     self.phases[phase] = (self.phases[phase][0], round(time.monotonic() - self.t0, 2))
+                    if a.until_evidence and missing:
+                        self.missing = f"phase {phase} ran {a.phase_limit:.0f}s without its evidence: {missing}"
+                        print(f"[{time.monotonic() - self.t0:6.1f}s] {self.missing}", flush=True)
+                        break
                 self.stop.set()
                 for th in threads:
                     th.join(timeout=a.max_tokens * 2 + 60)
             finally:
                 self.shutdown()
         return self.report()
+
+    # -- phases sized by evidence ---------------------------------------------------------------
+
+    def wait_for_evidence(self, phase: str, start: float, least_s: float, limit_s: float) -> str | None:
+        """Waits until `phase` has shown what it is for (and at least least_s); None then, else
+        (at limit_s) what the loop still lacked."""
+        while True:
+            now = time.monotonic() - self.t0
+            missing = self.lacking(phase, start)
+            if missing is None and now - start >= least_s:
+                return None
+            if now - start >= limit_s:
+                return missing or "nothing (its minimum outlasted the limit)"
+            self.stop.wait(1.0)
+
+    def _calls(self, pred) -> list[Call]:
+        with self.lock:
+            return [c for c in self.calls if pred(c)]
+
+    def _key(self, key: str) -> tuple[KeyState, str]:
+        raw = ((self.loop_doc.get("memory") or {}).get("keys") or {}).get(key) or {}
+        return KeyState.from_status(raw), raw.get("reason", "no judgement yet")
+
+    def _clusters_of(self, prompt_type: str, ood: bool = False) -> set[str]:
+        return {c.cluster for c in self._calls(lambda c: c.prompt_type == prompt_type and c.ood == ood and c.cluster)}
+
+    def evidence_note(self, key: str, since: float) -> str:
+        """What the loop holds for a speculating key and what a miss needs at its alpha."""
+        state, why = self._key(key)
+        seen = [smp.evidence[key] for smp in self.samples if smp.t >= since and key in smp.evidence]
+        if not seen:
+            return f"{key}: no window since {since:.0f}s (the loop: {why})"
+        e = seen[-1]
+        alpha = e["accepted_tokens"] / e["draft_tokens"] if e["draft_tokens"] else None
+        need = drafted_needed(alpha, state, self.policy, key.startswith("cluster:")) if alpha is not None else None
+        line = (f"{1 - self.policy.alpha_drop:.2g} x its baseline {state.baseline:.3f}" if state.baseline is not None
+                else f"the floor {self.policy.alpha_floor}")
+        held = f"{key}'s windows held {e['draft_tokens']} drafted tokens"
+        if alpha is None:
+            return f"{held} (no alpha yet; the loop: {why})"
+        need_s = f"the loop needs {need}" if need is not None else "no amount would do"
+        return (f"{held} at alpha {alpha:.3f} over {e['seen']} requests; {need_s} at that alpha to call it under "
+                f"{line} (the loop: {why})")
+
+    def lacking(self, phase: str, start: float) -> str | None:
+        """None once `phase` has shown what it is for, else what is still missing."""
+        a, T, O = self.args, self.args.type, self.args.other
+        last = self.samples[-1] if self.samples else None
+        if last is None:
+            return "no sample of Redis yet"
+        if phase == "warm":
+            lacking = [f"{k} has no baseline yet (the loop: {self._key(k)[1]}; a baseline needs a healthy window "
+                       f"of at least minDraftTokens {self.policy.min_draft_tokens} drafted tokens)"
+                       for k in (slo_loop.type_key(T), slo_loop.type_key(O)) if k not in last.baselines]
+            return "; ".join(lacking) or None
+        if phase == "collapse":
+            entered = self._first(start, lambda smp: T in smp.fallback)
+            if entered is None:
+                return "the collapsed type never fell back: " + self.evidence_note(slo_loop.type_key(T), start)
+            after = self._calls(lambda c: c.prompt_type == T and not c.ood and c.start >= entered and c.end
+                                and not c.error)
+            probes = sum(c.probe for c in after)
+            if len(after) < a.fallback_requests or not probes or probes == len(after) \
+                    or last.t < entered + a.window + 1:
+                return (f"{len(after)} of its requests finished in fallback ({probes} probes) over "
+                        f"{last.t - entered:.0f}s; the measurement needs {a.fallback_requests}, probes and plain ones, "
+                        f"over a window ({a.window:g}s)")
+            return None
+        if phase == "recover":
+            held = [f"type:{T}"] if T in last.fallback else []
+            held += [f"cluster:{c}" for c in last.clusters if c in self._clusters_of(T)]
+            if held:
+                return "still in fallback: " + "; ".join(f"{k} (the loop: {self._key(k)[1]})" for k in held)
+            return None
+        if phase == "cluster":
+            ood = self._clusters_of(T, ood=True)
+            entered = self._first(start, lambda smp: bool(set(smp.clusters) & ood))
+            if entered is None:
+                notes = [self.evidence_note(slo_loop.cluster_key(c), start) for c in sorted(ood)]
+                return "no out-of-distribution cluster fell back: " + ("; ".join(notes) or "no OOD request finished")
+            plain = self._calls(lambda c: c.ood and c.start > entered + 1 and c.end and not c.probe)
+            normal = self._calls(lambda c: not c.ood and c.prompt_type == T and c.start > entered and c.end)
+            if len(plain) < 2 or len(normal) < 2:
+                return (f"after the fallback, {len(plain)} OOD requests ran plain and {len(normal)} of the type's "
+                        f"own finished; 2 of each are needed")
+            return None
+        return None
 
     # -- results ---------------------------------------------------------------------------------
 
@@ -262,9 +431,15 @@ class Episode:
     def report(self) -> dict:
         a, ph = self.args, self.phases
         T, O = a.type, a.other
-        collapse_at, recover_at = ph["collapse"][0], ph["recover"][0]
+        # an episode that stopped at a phase's limit has no later phases: nothing after it is found
+        last_t = self.samples[-1].t if self.samples else 0.0
+        never = (math.inf, math.inf)
+        collapse_at, recover_at = ph.get("collapse", never)[0], ph.get("recover", never)[0]
+        recover_end = ph.get("recover", (None, last_t))[1]
         entered = self._first(collapse_at, lambda s: T in s.fallback)
-        left = self._first(recover_at, lambda s: T not in s.fallback) if entered else None
+        key = slo_loop.type_key(T)
+        evidence_at = self._first(collapse_at, lambda s: (s.evidence.get(key) or {}).get("miss") or T in s.fallback)
+        left = self._first(recover_at, lambda s: T not in s.fallback) if entered and recover_at is not None else None
         transitions: dict[str, list[str]] = {}
         for prev, cur in zip(self.samples, self.samples[1:]):
             for t in set(prev.fallback) ^ set(cur.fallback):
@@ -272,7 +447,7 @@ class Episode:
             for c in set(prev.clusters) ^ set(cur.clusters):
                 transitions.setdefault(f"cluster:{c}", []).append("enter" if c in cur.clusters else "leave")
         in_fallback = [c for c in self.calls if c.prompt_type == T and entered is not None
-                       and c.start >= entered and c.end <= (left if left is not None else ph["recover"][1])]
+                       and c.start >= entered and c.end <= (left if left is not None else recover_end)]
         plain = [c for c in in_fallback if not c.probe and not c.error]
         rate = lambda cs: sum(c.tokens for c in cs) / sum(c.end - c.start for c in cs) if cs else None
         priced = [s.plain_ratio.get(T) for s in self.samples
@@ -288,6 +463,11 @@ class Episode:
             "error_count": sum(1 for c in self.calls if c.error),
             "fallback_after_s": None if entered is None else round(entered - collapse_at, 2),
             "fallback_after_windows": None if entered is None else round((entered - collapse_at) / a.window, 2),
+            # from when the loop first held the evidence a miss needs (pending + current window)
+            "evidence_after_s": None if evidence_at is None else round(evidence_at - collapse_at, 2),
+            "fallback_after_evidence_windows": None if entered is None or evidence_at is None
+            else round(max(0.0, entered - evidence_at) / a.window, 2),
+            "missing": self.missing,
             "recovered_after_s": None if left is None else round(left - recover_at, 2),
             "transitions": transitions,
             "other_type_modes_by_phase": chat_modes,
@@ -298,13 +478,25 @@ class Episode:
             "loop_events": self.events,
         }
         if a.cluster:
-            cl = ph["cluster"][0]
+            cl = ph.get("cluster", never)[0]
             ood_clusters = {c.cluster for c in self.calls if c.ood and c.cluster}
+            own = {c.cluster for c in self.calls if not c.ood and c.cluster and c.prompt_type == T}
             entered_c = self._first(cl, lambda s: bool(set(s.clusters) & ood_clusters))
+            keys = {slo_loop.cluster_key(c) for c in ood_clusters}
+            evidence_c = self._first(cl, lambda s: any((s.evidence.get(k) or {}).get("miss") for k in keys)
+                                     or bool(set(s.clusters) & ood_clusters))
+            in_fallback_c = sorted({c for s in self.samples if s.t >= cl for c in s.clusters})
             out["cluster"] = {
                 "ood_clusters": sorted(ood_clusters),
                 "fallback_after_s": None if entered_c is None else round(entered_c - cl, 2),
-                "clusters_in_fallback": sorted({c for s in self.samples if s.t >= cl for c in s.clusters}),
+                "evidence_after_s": None if evidence_c is None else round(evidence_c - cl, 2),
+                "fallback_after_evidence_windows": None if entered_c is None or evidence_c is None
+                else round(max(0.0, entered_c - evidence_c) / a.window, 2),
+                "clusters_in_fallback": in_fallback_c,
+                # the in-distribution clusters of the OOD's own type (its usual traffic), and any
+                # other cluster (the other type's), each judged on its own evidence
+                "type_clusters_in_fallback": sorted(set(in_fallback_c) & (own - ood_clusters)),
+                "other_clusters_in_fallback": sorted(set(in_fallback_c) - own - ood_clusters),
                 "type_modes": sorted({("fallback" if T in s.fallback else "speculative")
                                            for s in self.samples if s.t >= cl}),
                 "normal_request_methods_after": sorted({c.method for c in self.calls
@@ -387,6 +579,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=300.0)
     p.add_argument("--questions", default=None)
     p.add_argument("--max-prompt-chars", type=int, default=800, help="leave longer questions out (default 800)")
+    p.add_argument("--until-evidence", action="store_true",
+                   help="each phase lasts until it has shown what it is for (at least its seconds, at most "
+                        "--phase-limit); on a limit the episode stops and says what the loop lacked")
+    p.add_argument("--phase-limit", type=float, default=300.0, help="seconds, with --until-evidence (default 300)")
+    p.add_argument("--fallback-requests", type=int, default=6,
+                   help="with --until-evidence, the collapsed type's requests that finish in fallback before it "
+                        "recovers (default 6)")
     p.add_argument("--out", default=None, help="write the result JSON here")
     p.add_argument("--plot", default=None, help="write the plot (PNG) here")
     return p
