@@ -4,10 +4,16 @@ traffic. A healthy canary (same model, other K bounds; the tiny random model) is
 its steps; a canary on other weights (SmolLM2 int8 against fp32 stable, under the exact drift
 threshold a lossless canary is held to) is aborted by the drift check, which names the first
 differing request, with its weight at 0. (On the tiny random model int8 and fp32 agree on every
-greedy token: 619 of 619 mirrored pairs did.)"""
+greedy token: 619 of 619 mirrored pairs did.)
+
+An analysis needs minRequests finished requests on each arm within its window, so on SmolLM2 the
+window and the interval are sized by this machine's measured decoding speed (`seconds_per_token`,
+at the start of the test), not fixed: a 2 s window held 0 canary requests on a loaded 2-core
+machine, and nothing was ever analysed."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -22,7 +28,7 @@ import yaml
 from specfleet_local import runfile
 from specfleet_local.state import loop_key
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(900)  # the drift test waits by measured speed
 
 ANALYSIS = {"interval": "2s", "failureLimit": 2, "minRequests": 3,
             "drift": {"sampleShare": 100, "minPairs": 5},
@@ -35,17 +41,56 @@ SMOLLM2 = {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.ggu
 TINY = {"name": "tiny-random", "uri": "tiny-random"}
 
 
-def spec(name: str, overrides: dict, drift_threshold: float | None = None, model: dict = TINY) -> dict:
+def seconds_per_token(quantization: str = "none", threads: int = 1, tokens: int = 16) -> float:
+    """SmolLM2's plain decoding on this machine now, one sequence on `threads` threads: seconds a
+    token (a process of its own, so that this one holds no model)."""
+    code = f"""
+import time, torch
+from specfleet_engine.engine import Engine
+from specfleet_engine.factory import build_engine_parts
+from specfleet_engine.sampling import SamplingParams
+model, tok, props = build_engine_parts("smollm2-135m", "fp32", {quantization!r}, None, {threads})
+engine, prompt = Engine(model, tok, proposers=props), tok.encode("Tell me about item 1 and why it matters.")
+engine.generate(prompt, SamplingParams(max_tokens=4, ignore_eos=True), method="none")
+t0 = time.perf_counter()
+engine.generate(prompt, SamplingParams(max_tokens={tokens}, ignore_eos=True), method="none")
+print((time.perf_counter() - t0) / {tokens})
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return float(out.stdout.split()[-1])
+
+
+def analysis_window_s(seconds_a_token: float, max_tokens: int) -> float:
+    """An interval (and SLO window) in which each arm finishes minRequests requests, with room.
+
+    Every request is mirrored (sampleShare 100): the stable worker runs about two generations a
+    client request (its own 70%, the canary pair's other side for the canary's 30%, the control
+    pair), the canary one; the stable worker is the bottleneck, so the canary arm finishes a
+    request per two of stable's, each `max_tokens` long.
+
+    >>> analysis_window_s(0.02, 32), analysis_window_s(0.27, 32)
+    (8.0, 104.0)
+    """
+    canary_request_s = 2 * max_tokens * seconds_a_token
+    return float(max(2, math.ceil(2 * ANALYSIS["minRequests"] * canary_request_s)))
+
+
+def spec(name: str, overrides: dict, drift_threshold: float | None = None, model: dict = TINY,
+         window_s: float = 2.0) -> dict:
     analysis = json.loads(json.dumps(ANALYSIS))
+    analysis["interval"] = f"{window_s:g}s"
     if drift_threshold is not None:
         analysis["drift"]["threshold"] = drift_threshold
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": name, "namespace": "default"},
             "spec": {"model": model, "draft": {"method": "ngram"},
                      "speculation": {"kMin": 0, "kMax": 4, "kInitial": 2}, "replicas": 1,
-                     "slo": {"window": "2s", "fallback": {"enabled": False}},
+                     "slo": {"window": f"{window_s:g}s", "fallback": {"enabled": False}},
                      "canary": {"weight": 30, "pause": "4s", "steps": [{"weight": 60, "pause": "4s"}],
-                                "progressDeadline": "2m", "analysis": analysis, "overrides": overrides}}}
+                                # a run that analyses nothing for this long is aborted: some windows' worth
+                                "progressDeadline": f"{max(120, 6 * window_s):g}s", "analysis": analysis,
+                                "overrides": overrides}}}
 
 
 class Fleet:
@@ -62,10 +107,12 @@ class Fleet:
              "--http-port", "0", "--grpc-port", "0", "--worker-threads", "1", "--run-file", str(self.run_file),
              "--drain-seconds", "5"], stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
         self.out = out
-        end = time.monotonic() + 240
+        end = time.monotonic() + 600  # a hang guard: two SmolLM2 workers load at once
         while (doc := runfile.read(self.run_file)) is None or doc.get("phase") != "serving":
-            assert self.proc.poll() is None, out.read_text()
-            assert time.monotonic() < end, out.read_text()
+            if self.proc.poll() is not None or time.monotonic() > end:
+                if self.proc.poll() is None:
+                    self.proc.kill()  # its children follow it (PDEATHSIG)
+                pytest.fail(f"specfleet up did not serve within 600 s:\n{out.read_text()}")
             time.sleep(0.2)
         self.doc = doc
         self.redis = redis.Redis.from_url(doc["redis"]["url"], socket_timeout=2)
@@ -124,10 +171,13 @@ def test_a_healthy_canary_is_promoted_through_its_steps(tmp_path):
 def test_a_canary_on_other_weights_is_aborted_by_the_drift_check_naming_the_first_differing_request(tmp_path):
     # int8 against fp32 is not the same precision, so the default threshold would not be exact:
     # the test asks for exact agreement, as for a canary that should have been lossless
-    fleet = Fleet(tmp_path, spec("drift", {"quantization": "int8"}, drift_threshold=1.0, model=SMOLLM2),
-                  max_tokens=32)
+    window_s = analysis_window_s(seconds_per_token("none"), max_tokens=32)  # stable: fp32, one thread
+    print(f"analysis interval and SLO window: {window_s:g} s")
+    fleet = Fleet(tmp_path, spec("drift", {"quantization": "int8"}, drift_threshold=1.0, model=SMOLLM2,
+                                 window_s=window_s), max_tokens=32)
     try:
-        canary = fleet.wait_phase({"Promoted", "Aborted"}, 150)
+        # ready, then two intervals' analyses: the first may hold requests from before the first pair
+        canary = fleet.wait_phase({"Promoted", "Aborted"}, 60 + 4 * window_s)
         events = fleet.loop()["events"]
         assert canary["phase"] == "Aborted", (canary, events)
         aborted = next(e["message"] for e in events if e["reason"] == "CanaryAborted")
