@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from specfleet_api import limits
 from specfleet_api.enums import DTYPE_CHOICES, SERVED_METHODS, SERVED_QUANTIZATIONS, Method
 
 DESCRIPTION = """\
@@ -74,7 +75,8 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     p.add_argument("--draft-model", default=None, help="draft model for --method draft-model")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperature", type=float, default=limits.WIRE_DEFAULT_TEMPERATURE,
+                   help="0: greedy (the gRPC API's default)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
