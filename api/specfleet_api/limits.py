@@ -18,6 +18,21 @@ MAX_DRAFT_NODES = K_LIMIT
 #: and its mirrors' ids (the id plus a suffix) are cut to fit.
 MAX_REQUEST_ID = 128
 
+#: The range of the wire's integers. max_tokens, top_k and prompt_token_ids are protobuf int32s and
+#: seed an int64: the router's HTTP front refuses a value outside (400 naming the field) rather
+#: than fail to build the message.
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+#: The longest request header value the router's HTTP front takes (x-session-id, ...): aiohttp's
+#: own default, kept, so that what was served before still is; a longer one gets a 400 naming the
+#: header (OpenAI's JSON error, not the HTTP parser's plain text).
+MAX_HEADER_BYTES = 8190
+
+#: How deep arrays and objects may nest in an HTTP request body (OpenAI's requests nest 4 deep);
+#: deeper is a 400, not a parser's RecursionError.
+MAX_JSON_DEPTH = 64
+
 # Temperature when a request names none. The two fronts differ on purpose (docs/router.md,
 # docs/worker-contract.md):
 #: - an OpenAI-style request (the router's HTTP front, `--default-temperature`) samples at

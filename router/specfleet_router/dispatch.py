@@ -39,6 +39,7 @@ HEADER_STATE_VERSION = "x-specfleet-state-version"
 HEADER_PROBE = "x-specfleet-probe"
 HEADER_CLUSTER = "x-specfleet-cluster"
 TRACE_KEYS = ("traceparent", "tracestate")
+MAX_TRACE_HEADER = 512  # W3C's tracestate is propagated up to at least 512 characters; a traceparent has 55
 
 
 def other_arm(arm: str) -> str:
@@ -324,5 +325,13 @@ class Router:
 
 
 def forwarded_metadata(get) -> tuple[tuple[str, str], ...]:
-    """W3C trace context to pass on, from a header or metadata getter (`get(key) -> str | None`)."""
-    return tuple((k, v) for k in TRACE_KEYS if (v := get(k)))
+    """W3C trace context to pass on, from a header or metadata getter (`get(key) -> str | None`).
+    A value that gRPC metadata cannot carry (not printable ASCII) or past MAX_TRACE_HEADER is
+    dropped, not refused: W3C has a receiver ignore a trace context it cannot parse (the trace
+    restarts there).
+
+    >>> forwarded_metadata({"traceparent": "00-ab-cd-01", "tracestate": "caf\xe9"}.get)
+    (('traceparent', '00-ab-cd-01'),)
+    """
+    return tuple((k, v) for k in TRACE_KEYS
+                 if (v := get(k)) and len(v) <= MAX_TRACE_HEADER and v.isascii() and v.isprintable())

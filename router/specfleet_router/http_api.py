@@ -31,6 +31,10 @@ from .metrics import RouterMetrics
 
 log = logging.getLogger("specfleet.router.http")
 
+# how long a header may be and still reach the app, so that one past MAX_HEADER_BYTES gets OpenAI's
+# JSON error rather than aiohttp's plain-text 400 (its own default is MAX_HEADER_BYTES); at most
+# 128 headers (aiohttp's count limit) of this size, 32 MiB, is what one request's headers can hold
+HEADER_PARSE_BYTES = 1 << 18
 UNROUTED = {HEADER_ARM: "-", HEADER_METHOD: "-", HEADER_PROMPT_TYPE: "-"}
 STATUS = {"invalid": 400, "overloaded": 429, "unavailable": 503, "cancelled": 503, "timeout": 504, "error": 500}
 CODES = {400: None, 404: "model_not_found", 429: "overloaded", 503: "no_ready_backend", 504: "timeout",
@@ -69,7 +73,8 @@ class HttpFront:
         self.max_request_bytes = max_request_bytes
 
     def app(self) -> web.Application:
-        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._errors_as_openai])
+        app = web.Application(client_max_size=self.max_request_bytes, middlewares=[self._errors_as_openai],
+                              handler_args={"max_field_size": HEADER_PARSE_BYTES})
         app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/v1/models", self.list_models)
@@ -130,12 +135,15 @@ class HttpFront:
     async def _complete(self, request: web.Request, parse) -> web.StreamResponse:
         arrival = time.monotonic()
         rid = request.headers.get("x-request-id", "")
-        rid = rid if 0 < len(rid) <= MAX_REQUEST_ID else uuid.uuid4().hex
+        rid = rid if 0 < len(rid) <= MAX_REQUEST_ID and oa.lone_surrogate(rid) is None else uuid.uuid4().hex
         session = request.headers.get("x-session-id")
         try:
-            body = await request.json(loads=json.loads)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            oa.check_headers(request.headers)
+            body = await request.json(loads=oa.loads)
+        except UnicodeDecodeError as e:
             return self._error(400, f"the request body is not JSON: {e}", None, UNROUTED, rid)
+        except oa.BadRequest as e:
+            return self._error(400, str(e), e.param, UNROUTED, rid)
         try:
             job = parse(body, self.default_temperature)
         except oa.BadRequest as e:

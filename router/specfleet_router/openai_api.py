@@ -18,18 +18,19 @@ specfleet_router.openai_api.BadRequest: messages: must be a non-empty list of me
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from specfleet_api.enums import PromptType
-from specfleet_api.limits import OPENAI_DEFAULT_TEMPERATURE
+from specfleet_api.limits import (INT32_MAX, INT64_MAX, INT64_MIN, MAX_HEADER_BYTES, MAX_JSON_DEPTH,
+                                   OPENAI_DEFAULT_TEMPERATURE)
 from specfleet_proto import worker_pb2 as pb
 
 from .classify import classify, classify_messages
 
 ROLES = ("system", "developer", "user", "assistant")
-INT64 = 2**63
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's limit for /v1/completions' `logprobs`
 MAX_TOP_LOGPROBS = 20  # and for chat's `top_logprobs`
 # fields a client may send that would change the output in ways the worker cannot honour
@@ -122,7 +123,8 @@ def _number(body: dict, name: str, lo: float, hi: float, *, open_low: bool = Fal
     if _absent(body, name):
         return None
     v = body[name]
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+    # an int is exact however large (isfinite would overflow converting it); a float may be inf or nan
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v)):
         raise BadRequest(name, f"must be a number, got {v!r}")
     if v > hi or v < lo or (open_low and v == lo):
         raise BadRequest(name, f"must be in {'(' if open_low else '['}{lo}, {hi}], got {v}")
@@ -135,6 +137,71 @@ def _bool(body: dict, name: str) -> bool | None:
     if not isinstance(body[name], bool):
         raise BadRequest(name, f"must be true or false, got {body[name]!r}")
     return body[name]
+
+
+def lone_surrogate(text: str) -> int | None:
+    """Where `text` holds a lone surrogate, which no UTF-8 string (a protobuf's) can carry: JSON's
+    `\\ud800` escapes decode to one, and so does a header's byte that is not UTF-8.
+
+    >>> lone_surrogate("fine"), lone_surrogate("a\\ud800b")
+    (None, 1)
+    """
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        return e.start
+    return None
+
+
+def _unicode(param: str, where: str, text: str) -> str:
+    at = lone_surrogate(text)
+    if at is not None:
+        raise BadRequest(param, f"{where}: character {at} is a lone surrogate ({text[at]!r}), not valid Unicode")
+    return text
+
+
+def check_headers(headers) -> None:
+    """BadRequest naming the first header (name -> value) longer than MAX_HEADER_BYTES."""
+    for name, value in headers.items():
+        size = len(value.encode("utf-8", "surrogateescape"))  # as the client sent it
+        if size > MAX_HEADER_BYTES:
+            raise BadRequest(name.lower(), f"{name.lower()}: a header of {size} bytes; the limit is {MAX_HEADER_BYTES}")
+
+
+def loads(text: str) -> Any:
+    """A request body's JSON, or BadRequest: not JSON, or arrays and objects nested deeper than
+    MAX_JSON_DEPTH (past about a thousand levels the parser itself would raise RecursionError).
+
+    >>> loads('{"a": [1]}')
+    {'a': [1]}
+    >>> loads("[" * 65 + "]" * 65)
+    Traceback (most recent call last):
+    ...
+    specfleet_router.openai_api.BadRequest: the request body nests arrays and objects deeper than 64 levels
+    """
+    too_deep = BadRequest(None, f"the request body nests arrays and objects deeper than {MAX_JSON_DEPTH} levels")
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise BadRequest(None, f"the request body is not JSON: {e}") from None
+    except RecursionError:
+        raise too_deep from None
+    # the depth is at most the brackets' count: most bodies (a long token id list too) skip the walk
+    if text.count("[") + text.count("{") > MAX_JSON_DEPTH and _nests_deeper(body, MAX_JSON_DEPTH):
+        raise too_deep
+    return body
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether arrays and objects nest more than `limit` deep in `value` (no recursion)."""
+    stack = [(value, 1)] if isinstance(value, (dict, list)) else []
+    while stack:
+        v, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = v.values() if isinstance(v, dict) else v
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
+    return False
 
 
 def _model(body: dict) -> str:
@@ -154,6 +221,7 @@ def _stop(body: dict) -> list[str]:
     for i, s in enumerate(stops):
         if not isinstance(s, str) or not s:
             raise BadRequest("stop", f"stop[{i}] must be a non-empty string, got {s!r}")
+        _unicode("stop", f"stop[{i}]", s)
     return list(stops)
 
 
@@ -174,14 +242,14 @@ def _common(body: dict, job: Job) -> Job:
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise BadRequest("response_format", "only {\"type\": \"text\"} is supported")
-    a, b = _int(body, "max_completion_tokens", 1), _int(body, "max_tokens", 1)
+    a, b = _int(body, "max_completion_tokens", 1, INT32_MAX), _int(body, "max_tokens", 1, INT32_MAX)
     job.max_tokens, job.max_tokens_param = (a, "max_completion_tokens") if a is not None else (b, "max_tokens")
     temperature = _number(body, "temperature", 0.0, 2.0)
     job.temperature = job.temperature if temperature is None else temperature
     job.top_p = _number(body, "top_p", 0.0, 1.0, open_low=True)
-    top_k = _int(body, "top_k", -1)  # vLLM's extension: -1 or 0 is off
+    top_k = _int(body, "top_k", -1, INT32_MAX)  # vLLM's extension: -1 or 0 is off
     job.top_k = None if top_k is None else max(top_k, 0)
-    job.seed = _int(body, "seed", -INT64, INT64 - 1)
+    job.seed = _int(body, "seed", INT64_MIN, INT64_MAX)
     job.stop = _stop(body)
     job.ignore_eos = bool(_bool(body, "ignore_eos"))
     job.stream = bool(_bool(body, "stream"))
@@ -232,7 +300,8 @@ def parse_chat(body: Any, default_temperature: float = OPENAI_DEFAULT_TEMPERATUR
         if role not in ROLES:
             raise BadRequest("messages", f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}")
         # the chat templates know system, not OpenAI's newer name for it
-        out.append({"role": "system" if role == "developer" else role, "content": _content(i, m)})
+        out.append({"role": "system" if role == "developer" else role,
+                    "content": _unicode("messages", f"messages[{i}].content", _content(i, m))})
     job = Job("chat", model, classify_messages(out), messages=out, temperature=default_temperature)
     try:
         _common(body, job)
@@ -259,8 +328,11 @@ def parse_completion(body: Any, default_temperature: float = OPENAI_DEFAULT_TEMP
     if isinstance(prompt, str):
         if not prompt:
             raise BadRequest("prompt", "must not be empty")
-        job.prompt, job.prompt_type = prompt, classify(prompt)
+        job.prompt, job.prompt_type = _unicode("prompt", "prompt", prompt), classify(prompt)
     elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        bad = next((i for i, t in enumerate(prompt) if not 0 <= t <= INT32_MAX), None)
+        if bad is not None:  # the worker knows its vocabulary; a token id is an int32 on the way there
+            raise BadRequest("prompt", f"prompt[{bad}]: a token id is between 0 and {INT32_MAX}, got {prompt[bad]}")
         job.prompt_token_ids = prompt  # no text to classify: `other`
     elif isinstance(prompt, list) and len(prompt) > 1:
         raise BadRequest("prompt", f"one prompt per request is supported, got {len(prompt)}")
@@ -358,6 +430,10 @@ ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error", 429: 
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
-    """OpenAI's error object."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "param": param,
-                      "code": code}}
+    """OpenAI's error object; a 4xx not listed (405, 413) is the client's error all the same.
+
+    >>> error_body(413, "too large")["error"]["type"], error_body(502, "bad gateway")["error"]["type"]
+    ('invalid_request_error', 'server_error')
+    """
+    kind = ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}

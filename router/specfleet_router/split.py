@@ -21,8 +21,13 @@ BASIS_POINTS = 10_000
 
 
 def bucket(session: str) -> int:
-    """A session's fixed place in [0, 10000): the first 8 bytes of its SHA-256."""
-    return int.from_bytes(hashlib.sha256(session.encode()).digest()[:8], "big") % BASIS_POINTS
+    """A session's fixed place in [0, 10000): the first 8 bytes of its SHA-256. Any string has one:
+    a lone surrogate (a JSON `\\ud800`, a header byte that is not UTF-8) is hashed as it stands.
+
+    >>> bucket("\\ud800") == bucket("\\ud800")
+    True
+    """
+    return int.from_bytes(hashlib.sha256(session.encode("utf-8", "surrogatepass")).digest()[:8], "big") % BASIS_POINTS
 
 
 def basis_points(weight_pct: float) -> int:
