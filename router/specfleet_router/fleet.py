@@ -18,7 +18,7 @@ from specfleet_api.windows import cluster_key, drift_key
 from .clusters import ClusterWindows
 from .drift import Drift
 from .metrics import RouterMetrics
-from .state import RedisTask
+from .state import RedisTask, redis_client
 
 log = logging.getLogger("specfleet.router.fleet")
 
@@ -31,15 +31,11 @@ class FleetPublisher(RedisTask):
 
     def __init__(self, url: str, namespace: str, name: str, router: str, metrics: RouterMetrics, *,
                  windows: ClusterWindows | None = None, drift: Drift | None = None, period_s: float = PERIOD_S):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
         self.windows, self.drift, self.metrics, self.period_s = windows, drift, metrics, period_s
         self.cluster_key = cluster_key(namespace, name, router)
         self.drift_key = drift_key(namespace, name, router)
-        self.client = aioredis.from_url(url, socket_timeout=TIMEOUT_S, socket_connect_timeout=TIMEOUT_S,
-                                        retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.timeout_s = TIMEOUT_S
+        self.client = redis_client(url, TIMEOUT_S)
         self.connected = True  # until a write fails: the first failure is an outage to report
 
     def _hashes(self) -> list[tuple[str, dict[str, str]]]:
@@ -74,9 +70,10 @@ class FleetPublisher(RedisTask):
         return True
 
     async def run(self) -> None:
-        while True:
+        while not self.stopping:
             await asyncio.sleep(self.period_s)
-            await self.publish_once()
+            if not self.stopping:
+                await self.publish_once()
 
 
 

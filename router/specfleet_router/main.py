@@ -150,8 +150,7 @@ async def serve(cfg: RouterConfig, drain_s: float, discovery=None) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    done = await server.drain(drain_s)
-    await server.stop(0)
+    done = await server.shutdown(drain_s)
     log.info("stopped", extra={"drained": done})
     return 0 if done else 1
 

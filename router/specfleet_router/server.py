@@ -28,9 +28,11 @@ from .grpc_api import GenerationFront
 from .http_api import HttpFront, Models
 from .metrics import RouterMetrics
 from .openai_api import error_body
-from .state import RedisState, StaticState
+from .state import RedisState, RedisTask, StaticState
 
 log = logging.getLogger("specfleet.router")
+
+SHUTDOWN_TIMEOUT_S = 1.0  # what HTTP handlers still running get at stop
 
 
 @dataclass
@@ -109,7 +111,8 @@ class RouterServer:
         app = front.app()
         app.middlewares.append(self._refuse_while_draining)
         # a client that goes away cancels its handler, and with it the worker's request
-        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0)
+        self.runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                    shutdown_timeout=SHUTDOWN_TIMEOUT_S)
         await self.runner.setup()
         site = web.TCPSite(self.runner, cfg.host, cfg.http_port)
         await site.start()
@@ -151,6 +154,21 @@ class RouterServer:
 
     def in_flight(self) -> int:
         return self.router.in_flight
+
+    def stop_bound_s(self) -> float:
+        """The longest `stop(0)` takes: the HTTP handlers' shutdown timeout, then each Redis task's
+        close (RedisTask.stop_bound_s: bounded by the client's own timeouts, whether Redis is up,
+        dead, paused or unreachable). The rest of a stop cancels tasks and closes channels, and waits
+        on no peer."""
+        redis = [t for t in (self.publisher, self.state) if isinstance(t, RedisTask)]
+        return SHUTDOWN_TIMEOUT_S + sum(t.stop_bound_s() for t in redis)
+
+    async def shutdown(self, drain_s: float) -> bool:
+        """SIGTERM's way out: `drain(drain_s)`, then `stop(0)`; True when the requests in flight all
+        finished. Takes at most drain_s + stop_bound_s()."""
+        done = await self.drain(drain_s)
+        await self.stop(0)
+        return done
 
     async def stop(self, grace_s: float = 0.0) -> None:
         await self.grpc.stop(grace_s)

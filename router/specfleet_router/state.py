@@ -4,7 +4,8 @@ alone, or a deployment's LiveState document in Redis, polled.
 Fail static: the poll runs on its own task and requests only ever read `current`, so nothing in a
 request's path waits on Redis. When Redis is down, paused or read-only the router keeps the last
 state it read and says so (`connected` False, staleness growing); it resyncs at the next poll
-that answers. A missing key or an invalid document changes nothing either.
+that answers. A missing key, an invalid document or an older version changes nothing either.
+Stopping never waits on Redis longer than `stop_bound_s()`, whatever state Redis is in.
 """
 
 from __future__ import annotations
@@ -22,6 +23,10 @@ log = logging.getLogger("specfleet.router.state")
 
 POLL_S = 0.5  # a change is served within POLL_S + one read, well inside the 2 s the fleet promises
 READ_TIMEOUT_S = 1.0
+# A Redis call is at most this many socket steps (connect, write, read), each bounded by the
+# client's timeout; a failed one adds a disconnect, bounded by the connect timeout.
+CALL_STEPS = 4
+RECANCEL_S = 0.05  # how often `close` cancels again a task that a lost cancel left running
 
 
 class StateSource(Protocol):
@@ -57,12 +62,34 @@ def newer(candidate: LiveState, current: LiveState) -> bool:
     return candidate.version < current.version and candidate.updated > current.updated
 
 
+def redis_client(url: str, timeout_s: float):
+    """An asyncio Redis client whose every socket step (connect, write, read) gives up after
+    `timeout_s`, with one try per call: the caller's next period is the retry, and a paused or
+    unreachable Redis must not hold a loop (or its stop) for longer."""
+    import redis.asyncio as aioredis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
+
+
 class RedisTask:
     """A coroutine `run()` that talks to Redis through `self.client` on a task of its own: `start`
-    it, `close` cancels it and closes the client (the state follower and the fleet publisher)."""
+    it; `close` stops it and closes the client within `stop_bound_s()` (the state follower and the
+    fleet publisher). `run()` loops while `stopping` is False.
+
+    A cancel alone does not stop such a task for sure: one that reaches a Redis call as its write
+    completes is lost (redis-py writes through `asyncio.wait_for`, which before Python 3.12 returns
+    a result that finished with the cancel instead of raising it), and the loop then polled on
+    forever while `close` waited for it. So `close` sets `stopping`, which the loop checks, and
+    cancels again until the task has ended, for as long as the call in flight can last; then gives up
+    on it (logged) rather than hold the router's stop."""
 
     task_name = "redis"
     client = None
+    timeout_s: float = READ_TIMEOUT_S  # the client's socket timeouts
+    stopping = False
     _task: asyncio.Task | None = None
 
     async def run(self) -> None:
@@ -71,14 +98,32 @@ class RedisTask:
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self.run(), name=self.task_name)
 
+    def stop_bound_s(self) -> float:
+        """The longest `close` takes: the Redis call in flight (cancelled, or ending by its own
+        timeouts), then closing the client's connections (each disconnect bounded by the connect
+        timeout)."""
+        return CALL_STEPS * self.timeout_s + self.timeout_s
+
     async def close(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
-        await self.client.aclose()
+        self.stopping = True
+        loop = asyncio.get_running_loop()
+        task, end = self._task, loop.time() + CALL_STEPS * self.timeout_s
+        while task is not None and not task.done() and loop.time() < end:
+            task.cancel()
+            await asyncio.wait({task}, timeout=min(RECANCEL_S, max(0.0, end - loop.time())))
+        if task is not None and not task.done():
+            log.error("a redis task did not stop; leaving it", extra={"task": self.task_name,
+                                                                       "within_s": CALL_STEPS * self.timeout_s})
+        elif task is not None and not task.cancelled() and task.exception() is not None:
+            log.error("a redis task failed", extra={"task": self.task_name, "error": repr(task.exception())})
+        closing = loop.create_task(self.client.aclose(), name=f"{self.task_name}-close")
+        await asyncio.wait({closing}, timeout=self.timeout_s)
+        if not closing.done():
+            closing.cancel()
+            log.error("closing a redis client timed out", extra={"task": self.task_name, "within_s": self.timeout_s})
+        elif not closing.cancelled() and closing.exception() is not None:
+            log.warning("closing a redis client failed", extra={"task": self.task_name,
+                                                                 "error": repr(closing.exception())})
 
 
 class RedisState(RedisTask):
@@ -90,16 +135,11 @@ class RedisState(RedisTask):
     def __init__(self, url: str, namespace: str, name: str, initial: LiveState, metrics: RouterMetrics,
                  *, poll_s: float = POLL_S, read_timeout_s: float = READ_TIMEOUT_S,
                  clock: Callable[[], float] = time.monotonic):
-        import redis.asyncio as aioredis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
         self.url, self.key = url, state_key(namespace, name)
         self.current = initial
         self.metrics, self.poll_s, self.clock = metrics, poll_s, clock
-        # one try per poll: the next poll is the retry, and a paused Redis must not stall the loop
-        self.client = aioredis.from_url(url, socket_timeout=read_timeout_s, socket_connect_timeout=read_timeout_s,
-                                        retry=Retry(NoBackoff(), 0), health_check_interval=0)
+        self.timeout_s = read_timeout_s
+        self.client = redis_client(url, read_timeout_s)
         self.connected = False
         self.started = self.last_read = clock()  # stale since start until the first read
         metrics.state_version.set(initial.version)
@@ -145,7 +185,7 @@ class RedisState(RedisTask):
         return True
 
     async def run(self) -> None:
-        while True:
+        while not self.stopping:
             await self.poll_once()
             await asyncio.sleep(self.poll_s)
 

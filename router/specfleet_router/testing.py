@@ -47,6 +47,15 @@ class RunningRouter:
         self.url = f"http://127.0.0.1:{server.http_port}"
         self.base_url = self.url + "/v1"
         self.grpc_target = f"127.0.0.1:{server.grpc_port}"
+        self.stopped = False
+
+    def shutdown(self, drain_s: float = 0.0, timeout_s: float = 60.0) -> float:
+        """Stops the router as SIGTERM does (drain, then stop: RouterServer.shutdown); the seconds
+        it took. The context then has nothing left to stop."""
+        start = time.monotonic()
+        self.stopped = True
+        self.call(self.server.shutdown(drain_s), timeout_s)
+        return time.monotonic() - start
 
     def call(self, coro, timeout_s: float = 10.0):
         """Runs a coroutine on the router's loop and returns its result."""
@@ -94,12 +103,15 @@ def running_router(cfg: RouterConfig | None = None, discovery=None, **kw):
     thread = threading.Thread(target=loop.run_forever, name="router-loop", daemon=True)
     thread.start()
     server = RouterServer(cfg, discovery)
+    running = None
     try:
         asyncio.run_coroutine_threadsafe(server.start(), loop).result(15)
-        yield RunningRouter(server, loop)
+        running = RunningRouter(server, loop)
+        yield running
     finally:
         try:
-            asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(15)
+            if running is None or not running.stopped:
+                asyncio.run_coroutine_threadsafe(server.stop(0), loop).result(15)
         except TimeoutError:
             # say what the stop waits on: the next such failure names its cause
             for task in asyncio.run_coroutine_threadsafe(_all_tasks(), loop).result(5):
