@@ -319,6 +319,10 @@ def run_bench(args) -> int:
                         getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS),
                         getattr(args, "recycle", RECYCLE_TOP))
         bandwidth = memory_bandwidth_gbs()
+    from specfleet_engine.kernels import cpu_gemm
+
+    cpu_kernel = {"path": cpu_gemm.kernel_summary(), "cpu_runs": cpu_gemm.available_isas()}
+    console.print(f"cpu kernel: {cpu_kernel['path']} (this CPU runs: {', '.join(cpu_kernel['cpu_runs']) or 'none'})")
     # warm-up: first calls pay for allocation and kernel selection
     warm = runner.tokenizer.chat("Say hello.")
     for prec, method in configs:
@@ -380,6 +384,7 @@ def run_bench(args) -> int:
                       f"{t['tau_tree']:.2f}); tau higher with trees in {t['categories_tau_up']}/{t['categories']} categories")
     result = {
         "questions": len(questions), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+        "cpu_kernel": cpu_kernel,
         "configs": [f"{p}/{m}" for p, m in configs], "table": table, "quality_agreement_vs_fp32": quality,
         "roofline": roofline, "memory_bandwidth_gb_s": round(bandwidth, 2),
         "spec_equals_plain": {n: len(questions) - mismatches[n] for n in spec_configs},

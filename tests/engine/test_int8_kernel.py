@@ -1,7 +1,10 @@
 """The few-row CPU kernel (kernels/csrc/int8_linear.cpp, built by kernels/cpu_gemm.py) and its torch fallback in quant.py.
 
-The first run compiles the kernel (~15 s) into the cache; later runs load it."""
+Every path of the kernel this CPU runs (avx512, avx2, portable) is compared with a float64
+reference; a path the CPU lacks is skipped, saying so. The first run compiles the kernel (~15 s)
+into the cache; later runs load it."""
 
+import platform
 import shutil
 import warnings
 
@@ -15,8 +18,12 @@ from specfleet_engine.quant import (Int8WeightOnlyLinear, int8_kernel, pack_int8
                                     unpack_int8_weight, weight_bytes)
 
 MODEL_SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # K -> N (SmolLM2-135M)
-ODD_SHAPES = [(1, 1), (7, 5), (40, 17), (33, 33), (130, 100), (64, 31), (100, 65), (17, 1000)]
+# N mod 32 and mod 16 all over (the last block's channels, AVX2's half blocks), K odd and even
+ODD_SHAPES = [(67, 111), (1, 1), (7, 5), (40, 17), (33, 33), (130, 100), (64, 31), (100, 65), (17, 1000), (300, 57)]
 ROWS = [1, 2, 3, 5, 8, 16, 17, 64]
+# every row-tile shape of every path: AVX2 1-2 rows whole blocks, 3-6 half blocks, 7+ split in
+# tiles of at most 6 (7 = 4 + 3, 13 = 5 + 4 + 4); AVX-512 and portable tiles of at most 12
+ALL_ROWS = list(range(1, 18)) + [25, 64]
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +35,45 @@ def ops():
     ops = int8_kernel()
     assert ops is not None, f"a compiler is here but the kernel did not build: {cpu_gemm._KernelState.error}"
     return ops
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.partition(":")[2].split())
+    except OSError:
+        pass
+    return set()
+
+
+#: what each path needs from the CPU, in /proc/cpuinfo's words
+ISA_FLAGS = {"avx512": {"avx512f"}, "avx2": {"avx2", "fma"}, "portable": set()}
+
+
+def cpu_has(isa: str) -> bool:
+    return isa == "portable" or (platform.machine().lower() in ("x86_64", "amd64") and ISA_FLAGS[isa] <= cpu_flags())
+
+
+@pytest.fixture(params=cpu_gemm.ISAS)
+def isa(request, ops):
+    """Each path of the kernel; skipped where the CPU lacks it, a failure where the CPU has it and
+    the kernel does not offer it."""
+    name = request.param
+    if not cpu_has(name):
+        pytest.skip(f"this CPU lacks {name} ({' + '.join(sorted(ISA_FLAGS[name]))} not in /proc/cpuinfo)")
+    assert name in cpu_gemm.available_isas(), f"the CPU has {name} but the kernel does not offer it"
+    return name
+
+
+@pytest.fixture
+def restore_isa(ops):
+    """Puts back the path the ops ran before the test (whatever SPECFLEET_CPU_ISA the test left)."""
+    before = cpu_gemm.active_isa()
+    yield
+    cpu_gemm._KernelState.isa = ops.set_isa(before)
 
 
 _layers = {}
@@ -64,6 +110,7 @@ def assert_matches(y, ref, rtol):
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("k,n", MODEL_SHAPES + ODD_SHAPES, ids=lambda v: str(v))
 def test_kernel_matches_float_reference(ops, k, n, bias):
+    """The layer as models use it: the active path."""
     q, w_ref, b_ref = layer(k, n, bias)
     assert q.weight_packed is not None and q.weight is None  # the kernel's layout is in use
     for m in ROWS:
@@ -71,20 +118,93 @@ def test_kernel_matches_float_reference(ops, k, n, bias):
         y = q(x)
         assert y.shape == (m, n) and y.dtype == torch.float32
         assert_matches(y, reference(x, w_ref, b_ref), 1e-4)
-        # the non-AVX512 build of the same loops (what a CPU without AVX-512 runs)
-        y2 = ops.linear_portable(x, q.weight_packed, q.scales, q.bias)
-        assert_matches(y2, reference(x, w_ref, b_ref), 1e-4)
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
-@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 17), (33, 100)], ids=lambda v: str(v))
-def test_kernel_bf16_activations(ops, k, n, bias):
+@pytest.mark.parametrize("k,n", MODEL_SHAPES + ODD_SHAPES, ids=lambda v: str(v))
+def test_each_path_matches_float_reference(ops, isa, k, n, bias):
+    q, w_ref, b_ref = layer(k, n, bias)
+    for m in ALL_ROWS if k * n < 200_000 else ROWS:
+        x = torch.randn(m, k)
+        y = ops.linear_isa(x, q.weight_packed, q.scales, q.bias, isa)
+        assert y.shape == (m, n) and y.dtype == torch.float32
+        assert_matches(y, reference(x, w_ref, b_ref), 1e-4)
+
+
+@pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
+@pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (40, 17), (33, 100), (67, 111)], ids=lambda v: str(v))
+def test_each_path_bf16_activations(ops, isa, k, n, bias):
     q, w_ref, b_ref = layer(k, n, bias)
     for m in ROWS:
         x = torch.randn(m, k).to(torch.bfloat16)
-        y = q(x)
+        y = ops.linear_isa(x, q.weight_packed, q.scales, q.bias, isa)
         assert y.dtype == torch.bfloat16 and y.shape == (m, n)
         assert_matches(y, reference(x, w_ref, b_ref), 1e-2)  # fp32 math, the output rounded to bf16
+        if isa == cpu_gemm.active_isa():
+            assert torch.equal(q(x), y)
+
+
+def test_available_paths_follow_the_cpu(ops):
+    """The kernel finds at run time what the CPU has, whatever -march built it: every path the
+    CPU's flags allow, best first (this machine's AVX2 included), and nothing else."""
+    assert cpu_gemm.available_isas() == [i for i in cpu_gemm.ISAS if cpu_has(i)]
+    assert cpu_gemm.active_isa() in cpu_gemm.available_isas()
+
+
+def test_linear_runs_the_active_path(ops, restore_isa):
+    """`linear` and `linear_f32` run exactly what select_isa chose (the paths sum in different
+    orders, so their bits tell them apart)."""
+    q, _, _ = layer(576, 960, True)
+    packed = quant.PackedLinear(nn.Linear(576, 96))
+    x = torch.randn(3, 576)
+    outs = {}
+    for isa in cpu_gemm.available_isas():
+        assert cpu_gemm.select_isa(isa) == isa == cpu_gemm.active_isa() == ops.active_isa()
+        outs[isa] = ops.linear_isa(x, q.weight_packed, q.scales, q.bias, isa)
+        assert torch.equal(q(x), outs[isa])
+        assert torch.equal(packed(x), ops.linear_f32_isa(x, packed.weight_packed, 96, packed.bias, isa))
+    first = next(iter(outs.values()))
+    assert len(outs) == 1 or any(not torch.equal(first, y) for y in outs.values()), \
+        "every path gave the same bits: this test cannot tell which one ran"
+
+
+def test_env_var_caps_the_path(ops, monkeypatch, restore_isa):
+    best = cpu_gemm.available_isas()[0]
+    for cap in cpu_gemm.ISAS:
+        monkeypatch.setenv(cpu_gemm.ISA_ENV, cap)
+        expected = next(i for i in cpu_gemm.ISAS[cpu_gemm.ISAS.index(cap):] if cpu_has(i))
+        assert cpu_gemm.select_isa() == expected == cpu_gemm.active_isa() == cpu_gemm.kernel_summary()
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, "")
+    assert cpu_gemm.select_isa() == best  # unset or empty: the best the CPU has
+    # read when the kernel loads: a fresh load under SPECFLEET_CPU_ISA=portable runs portable
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, "portable")
+    for attr, value in [("tried", False), ("ops", None), ("isa", None)]:
+        monkeypatch.setattr(cpu_gemm._KernelState, attr, value)
+    assert cpu_gemm.int8_kernel() is not None
+    assert cpu_gemm.active_isa() == ops.active_isa() == "portable"
+
+
+def test_env_var_bad_value_is_an_error(ops, monkeypatch, restore_isa):
+    monkeypatch.setenv(cpu_gemm.ISA_ENV, "avx3")
+    with pytest.raises(ValueError, match=f"{cpu_gemm.ISA_ENV}='avx3' is not a CPU kernel path"):
+        cpu_gemm.select_isa()
+    for attr, value in [("tried", False), ("ops", None), ("isa", None)]:
+        monkeypatch.setattr(cpu_gemm._KernelState, attr, value)
+    with pytest.raises(ValueError, match=cpu_gemm.ISA_ENV):  # not a silent fall back to torch
+        Int8WeightOnlyLinear(nn.Linear(64, 48))
+
+
+def test_named_path_errors(ops):
+    q, _, _ = layer(40, 17, False)
+    x = torch.randn(2, 40)
+    with pytest.raises(RuntimeError, match="unknown CPU kernel path 'avx3'"):
+        ops.linear_isa(x, q.weight_packed, q.scales, None, "avx3")
+    lacking = [i for i in cpu_gemm.ISAS if i not in cpu_gemm.available_isas()]
+    for isa in lacking:
+        with pytest.raises(RuntimeError, match=f"cannot run the {isa} kernel path"):
+            ops.linear_isa(x, q.weight_packed, q.scales, None, isa)
+    with pytest.raises(ValueError, match="unknown CPU kernel path"):
+        cpu_gemm.select_isa("avx3")
 
 
 def test_kernel_edge_inputs(ops):
@@ -182,26 +302,26 @@ def test_weight_bytes_counts_int8(ops):
         assert weight_bytes(m) == (96 * 64 + 96 * 4 + 96 * 4) + (128 * 64 + 128 * 4)
 
 
-def test_built_for_this_cpu(ops):
-    """-march=native took effect: the AVX-512 path is compiled in exactly where the CPU has it."""
-    assert ops.has_avx512() == (" avx512f " in f" {cpu_gemm._cpu_signature().split('|')[-1]} ")
-
-
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("k,n", [(576, 960), (1536, 576), (576, 3072)] + ODD_SHAPES, ids=lambda v: str(v))
-def test_fp32_packed_linear_matches_nn_linear(ops, k, n, bias):
-    """The same kernel over fp32 weights (PackedLinear, what prepare_model uses for fp32)."""
+def test_fp32_packed_linear_matches_nn_linear(ops, isa, k, n, bias):
+    """The same kernel over fp32 weights (PackedLinear, what prepare_model uses for fp32), each path."""
     torch.manual_seed(k + n)
     lin = nn.Linear(k, n, bias=bias)
     packed = quant.PackedLinear(lin)
     assert torch.equal(packed.weight(), lin.weight)
     w_ref = lin.weight.double()
     b_ref = None if lin.bias is None else lin.bias.double()
-    for m in ROWS:
+    for m in ALL_ROWS if k * n < 200_000 else ROWS:
         x = torch.randn(m, k)
-        assert_matches(packed(x), reference(x, w_ref, b_ref), 1e-5)
-        y2 = ops.linear_f32_portable(x, packed.weight_packed, n, packed.bias)
-        assert_matches(y2, reference(x, w_ref, b_ref), 1e-5)
+        if isa == cpu_gemm.active_isa():
+            assert_matches(packed(x), reference(x, w_ref, b_ref), 1e-5)
+        y = ops.linear_f32_isa(x, packed.weight_packed, n, packed.bias, isa)
+        assert_matches(y, reference(x, w_ref, b_ref), 1e-5)
+        xb = x.bfloat16()
+        yb = ops.linear_f32_isa(xb, packed.weight_packed, n, packed.bias, isa)
+        assert yb.dtype == torch.bfloat16
+        assert_matches(yb, reference(xb, w_ref, b_ref), 1e-2)
 
 
 def test_fp32_kernel_rejects_mismatched_shapes(ops):
@@ -210,3 +330,28 @@ def test_fp32_kernel_rejects_mismatched_shapes(ops):
         packed(torch.randn(2, 63))
     with pytest.raises(RuntimeError, match="do not match"):
         ops.linear_f32(torch.randn(2, 64), packed.weight_packed, 100, None)
+
+
+@pytest.mark.slow
+def test_paths_chosen_at_run_time_not_by_march(ops, tmp_path):
+    """A library built for the oldest x86-64 (no AVX at all in its -march) still holds the AVX2
+    and AVX-512 paths and picks what the CPU has when it runs: the dispatch does not hang on
+    -march=native (compiles the kernel once more, ~40 s)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("x86-64 only: -march=x86-64 is not a target here")
+    import subprocess
+
+    so = tmp_path / "generic.so"
+    cmd = [("-march=x86-64" if a == "-march=native" else a) for a in cpu_gemm._build_command(cpu_gemm._SOURCE, so)]
+    cmd.insert(1, "-DSF_NS=specfleet_int8_generic")  # its ops beside the native library's
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    torch.ops.load_library(str(so))
+    generic = torch.ops.specfleet_int8_generic
+    assert list(generic.cpu_isas()) == cpu_gemm.available_isas()
+    assert generic.active_isa() == cpu_gemm.available_isas()[0]
+    q, w_ref, b_ref = layer(67, 111, True)
+    for isa in generic.cpu_isas():
+        for m in (1, 2, 3, 5, 13):
+            x = torch.randn(m, 67)
+            assert_matches(generic.linear_isa(x, q.weight_packed, q.scales, q.bias, isa), reference(x, w_ref, b_ref), 1e-4)

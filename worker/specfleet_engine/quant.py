@@ -6,7 +6,8 @@ torch's dynamic quantization, activations are not rounded to int8, which is what
 outputs close to fp32.
 
 On the CPU the matmul is our own kernel (kernels/cpu_gemm.py): fp32 activations, fp32
-accumulation, every weight byte read once for all the rows of a step. Where it cannot be built
+accumulation, every weight byte read once for all the rows of a step, through the best path the
+CPU runs (AVX-512, AVX2 + FMA, or portable C++; SPECFLEET_CPU_ISA caps it). Where it cannot be built
 (no compiler, or SPECFLEET_INT8_KERNEL=torch) the layer falls back, with one warning, to
 `torch._weight_int8pack_mm` on bf16 activations. On CUDA (a layer quantized there) the weight is
 dequantized to the activations' dtype for each F.linear: simple and correct, not fast.

@@ -151,6 +151,7 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     import torch
 
     from specfleet_engine.engine import Engine
+    from specfleet_engine.kernels import cpu_gemm
     from specfleet_engine.proposers import default_proposers
 
     if threads:
@@ -172,6 +173,7 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
     k_max = max(cfg.k_max, 8)
     engine.calibrate(sizes=calibration_sizes(max_batch_size * (k_max + 1)))
     log.info("calibrated step costs", extra={"relative_cost_by_rows": engine.costs.relative()})
+    log.info(f"cpu kernel: {cpu_gemm.kernel_summary()}")  # the path our CPU GEMM runs (avx2, ...)
     return engine
 
 

@@ -1,5 +1,5 @@
-"""Our few-row CPU GEMM (csrc/int8_linear.cpp): how it is built, cached and loaded, and the
-weight layout it reads.
+"""Our few-row CPU GEMM (csrc/int8_linear.cpp): how it is built, cached and loaded, which of its
+paths runs, and the weight layout it reads.
 
 One kernel library holds two ops, `linear` (int8 weights, per-channel scales) and `linear_f32`
 (fp32 weights): fp32 accumulation, every weight byte read once for all the rows of a decoding or
@@ -7,6 +7,13 @@ verification step (M = 1..K+1), so verifying a draft costs about what decoding o
 It is compiled on first use with -O3 -march=native into a per-CPU cache; where that cannot be
 done (no compiler, or SPECFLEET_INT8_KERNEL=torch) `int8_kernel()` returns None, warns once, and
 the layers in quant.py fall back to torch's ops (their reference path, same signature).
+
+The library holds three paths ("ISAs"), each compiled for its instruction set whatever -march
+says: "avx512" (AVX-512F), "avx2" (AVX2 + FMA) and "portable" (plain C++ the compiler
+vectorizes). When it loads, the ops run the best one the CPU has (`available_isas()`, best
+first), at most SPECFLEET_CPU_ISA=avx512|avx2|portable where that is set (a cap: an unknown value
+is an error, raised by `int8_kernel()`); `active_isa()` names it. `linear_isa` / `linear_f32_isa`
+run a named path, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from torch import Tensor
 
 BLOCK = 32  # output channels per packed block; must match NB in csrc/int8_linear.cpp
 KERNEL_ENV = "SPECFLEET_INT8_KERNEL"  # "torch": never build or use the kernel
+ISA_ENV = "SPECFLEET_CPU_ISA"  # the best path the ops may run: a cap on what the CPU has
+ISAS = ("avx512", "avx2", "portable")  # the kernel's paths, best first (kIsaNames in the C++)
 _SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
 
 
@@ -56,6 +65,7 @@ class _KernelState:
     ops = None  # torch.ops.specfleet_int8 once loaded
     linear = None  # its linear op, the cheapest callable form of it
     linear_f32 = None  # the same for fp32 weights
+    isa: str | None = None  # the path linear and linear_f32 run
     error: str | None = None
     warned = False
 
@@ -163,20 +173,36 @@ def kernel_disabled() -> bool:
     return os.environ.get(KERNEL_ENV, "").strip().lower() == "torch"
 
 
+def isa_cap() -> str:
+    """The best path SPECFLEET_CPU_ISA allows ("avx512", i.e. no cap, where it is unset)."""
+    value = os.environ.get(ISA_ENV, "").strip().lower()
+    if not value:
+        return ISAS[0]
+    if value not in ISAS:
+        raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not a CPU kernel path: expected one of "
+                         f"{', '.join(ISAS)} (the best path to run, at most), or unset for the best the CPU has")
+    return value
+
+
 def int8_kernel():
-    """torch.ops.specfleet_int8 (building it on the first call), or None where it cannot be had."""
+    """torch.ops.specfleet_int8 (building it on the first call), or None where it cannot be had.
+
+    Loading it picks the path its ops run (`select_isa`); a bad SPECFLEET_CPU_ISA raises
+    ValueError here rather than falling back: it is a configuration error to fix."""
     if kernel_disabled():
         _warn_fallback(f"{KERNEL_ENV}=torch")
         return None
     if not _KernelState.tried:
         with _KernelState.lock:
             if not _KernelState.tried:
+                cap = isa_cap()
                 try:
                     ops = _load_kernel()
                     overload = ops.linear.default
                     _KernelState.linear = getattr(overload, "_op", overload)  # skips a Python wrapper
                     overload = ops.linear_f32.default
                     _KernelState.linear_f32 = getattr(overload, "_op", overload)
+                    _KernelState.isa = ops.set_isa(cap)
                     _KernelState.ops = ops
                 except Exception as e:  # noqa: BLE001 - any failure means: use torch's op
                     _KernelState.error = f"{type(e).__name__}: {e}"
@@ -184,3 +210,40 @@ def int8_kernel():
     if _KernelState.ops is None:
         _warn_fallback(_KernelState.error or "not built")
     return _KernelState.ops
+
+
+def select_isa(cap: str | None = None) -> str | None:
+    """Makes the ops run the best path the CPU has, at most `cap` (default: SPECFLEET_CPU_ISA,
+    read again); returns that path, or None where the kernel cannot be had."""
+    cap = isa_cap() if cap is None else cap
+    if cap not in ISAS:
+        raise ValueError(f"unknown CPU kernel path {cap!r}: expected one of {', '.join(ISAS)}")
+    ops = int8_kernel()
+    if ops is None:
+        return None
+    _KernelState.isa = ops.set_isa(cap)
+    return _KernelState.isa
+
+
+def available_isas() -> list[str]:
+    """The paths this CPU can run, best first (the kernel's own answer; loads it). [] where the
+    kernel cannot be had."""
+    ops = int8_kernel()
+    return list(ops.cpu_isas()) if ops is not None else []
+
+
+def active_isa() -> str | None:
+    """The path `linear` and `linear_f32` run (loads the kernel); None where it cannot be had."""
+    return _KernelState.isa if int8_kernel() is not None else None
+
+
+def kernel_summary() -> str:
+    """What runs the CPU's linear layers, for logs and benchmark results, loading nothing: the
+    kernel's active path ("avx2"), "torch (why)" where it fell back, or "not loaded"."""
+    if _KernelState.ops is not None:
+        return _KernelState.isa or "unknown"
+    if kernel_disabled():
+        return f"torch ({KERNEL_ENV}=torch)"
+    if _KernelState.error:
+        return f"torch (the kernel did not build: {_KernelState.error.splitlines()[0][:200]})"
+    return "not loaded"
