@@ -39,8 +39,11 @@ CLUSTER_Z = 1.96  # alpha's interval (a type's, a cluster's): 95%
 
 DEPLOYMENT = "deployment"
 # A key's evidence adds up over at most this many windows without a verdict (a speedup that stays
-# within its interval of the line, a quiet probe), then starts again from the current window.
+# within its interval of the line), then starts again from the current window; evidence still too
+# thin to judge (a quiet probe: 5% of a slow type may finish one request in many windows) keeps
+# adding up to MAX_THIN_WINDOWS, so a slower machine waits longer instead of never deciding.
 MAX_EVIDENCE_WINDOWS = 12
+MAX_THIN_WINDOWS = 60
 
 
 def type_key(prompt_type: str) -> str:
@@ -173,6 +176,17 @@ def cluster_sample(e: Evidence | None, policy: SloPolicy, alert: str | None = No
     return Sample(alpha=e.alpha, draft_tokens=e.draft_tokens, requests=e.requests, alpha_bounds=alpha_bounds(e))
 
 
+def enough(e: Evidence, policy: SloPolicy) -> bool:
+    """Whether evidence without a verdict lacked clarity rather than data: the requests a speedup
+    needs, or the drafted tokens alpha needs. Evidence short of both is only thin.
+
+    >>> p = SloPolicy(min_requests=4, min_draft_tokens=100)
+    >>> enough(Evidence(requests=4, draft_tokens=10), p), enough(Evidence(requests=1, draft_tokens=10), p)
+    (True, False)
+    """
+    return e.requests >= policy.min_requests or e.draft_tokens >= policy.min_draft_tokens
+
+
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
     """One tick: every key judged when a window has passed since the last judgement (a key with an
     alert, at once); nothing changes on an incomplete observation. `per_type` False (no router
@@ -205,8 +219,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         if not (due or alert):
             return
         pending = evidence.get(key, Evidence())
-        if pending.windows >= MAX_EVIDENCE_WINDOWS:  # what is older says little of now: start afresh
-            pending = Evidence()
+        if pending.windows >= (MAX_EVIDENCE_WINDOWS if enough(pending, policy) else MAX_THIN_WINDOWS):
+            pending = Evidence()  # what is older says little of now: start afresh
         combined = pending.plus(window) if window is not None and not only_alert else pending
         judged = sample(combined, alert) if not only_alert else Sample(alert=alert)
         before = keys.get(key, KeyState())

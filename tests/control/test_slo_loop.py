@@ -285,3 +285,20 @@ def test_windows_too_thin_for_alpha_add_up_to_a_baseline_though_each_one_s_speed
     bad = window(0.05, speedup=1.0, drafted=20, requests=4)
     after = run([obs(code=bad)] * 2, memory=ticks[-1].memory, start=1030.0)
     assert after[-1].memory.fallback_types() == ("code",), after[-1].memory.keys[type_key("code")]
+
+
+def test_a_quiet_probe_adds_up_until_it_can_judge_and_speculation_returns():
+    """A type in fallback on a slow machine: its probes (a few percent of its requests) finish one
+    request every 13 windows. Evidence too thin to judge keeps adding up past the twelve windows
+    an indecisive one is held, so two probes make a verdict and the type recovers."""
+    probe = window(0.6, drafted=10, requests=1)  # minRequests 2: two probes' speedup judges
+    quiet = Window(TypeCounts(requests=3), 1, 10.0)  # plain requests only: nothing speculated
+    start = KeyState(FALLBACK, since=0.0, baseline=0.6)
+    episode = [obs(code=probe if i % 13 == 0 else quiet) for i in range(60)]
+    ticks = run(episode, memory=Memory(keys={type_key("code"): start}))
+    code = modes(ticks, type_key("code"))
+    assert code[0] == FALLBACK and code[-1] == SPECULATIVE, ticks[-1].memory.keys[type_key("code")]
+    assert transitions(ticks) == [("FallbackLeft", "prompt type code")]
+    # the first verdict came with the second probe, not before
+    assert ticks[12].memory.keys[type_key("code")].healthy_since is None
+    assert ticks[13].memory.keys[type_key("code")].healthy_since is not None
