@@ -355,3 +355,19 @@ def test_paths_chosen_at_run_time_not_by_march(ops, tmp_path):
         for m in (1, 2, 3, 5, 13):
             x = torch.randn(m, 67)
             assert_matches(generic.linear_isa(x, q.weight_packed, q.scales, q.bias, isa), reference(x, w_ref, b_ref), 1e-4)
+
+
+def test_fp32_weights_are_packed_only_for_a_simd_path(ops, restore_isa):
+    """The portable loops lose to torch's fp32 GEMM, so fp32 linears stay torch's there (int8
+    weights keep the kernel); a SIMD path packs them."""
+    from specfleet_engine.testing import tiny_model
+
+    for isa in cpu_gemm.available_isas():
+        cpu_gemm.select_isa(isa)
+        model = tiny_model(seed=1)
+        packed = quant.pack_linears(model)
+        assert packed == (isa != "portable"), isa
+        assert isinstance(model.output, quant.PackedLinear) == packed, isa
+    cpu_gemm.select_isa("portable")
+    model = tiny_model(seed=1)
+    assert quant.pack_linears(model, force=True) and isinstance(model.output, quant.PackedLinear)

@@ -69,7 +69,7 @@ def test_fast_layouts_match_the_checkpoint_layout(overrides, linears):
     ref = tiny_model(seed=6, scale=4.0, **overrides)
     fast = interleave_rope(tiny_model(seed=6, scale=4.0, **overrides))
     if linears == "packed":
-        assert pack_linears(fast), "the CPU kernel did not build"
+        assert pack_linears(fast, force=True), "the CPU kernel did not build"
         assert isinstance(fast.output, PackedLinear)
     else:
         transpose_linears(fast)

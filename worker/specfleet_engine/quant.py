@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from .kernels.cpu_gemm import (BLOCK, KERNEL_ENV, _KernelState, int8_kernel, kernel_disabled,  # noqa: F401
+from .kernels.cpu_gemm import (BLOCK, KERNEL_ENV, _KernelState, active_isa, int8_kernel, kernel_disabled,  # noqa: F401
                                kernel_library_path, pack_int8_weight, unpack_int8_weight)
 
 
@@ -145,10 +145,15 @@ class PackedLinear(nn.Module):
         return self.linear(x)
 
 
-def pack_linears(model: nn.Module) -> bool:
+def pack_linears(model: nn.Module, force: bool = False) -> bool:
     """Swaps every fp32 nn.Linear (the LM head included, untied) for PackedLinear; False, and
-    nothing changed, where the kernel cannot be had or the model is not on the CPU."""
+    nothing changed, where the kernel cannot be had, the model is not on the CPU, or (unless
+    `force`) the kernel's path is the portable one: its plain loops lose to torch's fp32 GEMM
+    (2-5x at one row, 2x at a prefill's), while its SIMD paths beat it; int8 weights keep the
+    portable path, which still beats torch's int8 op."""
     if any(not p.is_cpu for p in model.parameters()) or int8_kernel() is None:
+        return False
+    if not force and active_isa() == "portable":
         return False
     replace_linears(model, PackedLinear)
     return True
