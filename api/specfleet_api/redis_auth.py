@@ -98,6 +98,14 @@ def read_secret_file(path: str) -> str:
     return value
 
 
+def write_secret_file(path: str | os.PathLike, value: str) -> None:
+    """Write a password to a file only its owner may read (0600 from its creation on)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        os.fchmod(f.fileno(), 0o600)  # an older file of other modes
+        f.write(value + "\n")
+
+
 def credentials_from_env(env: Mapping[str, str] | None = None) -> dict[str, Any]:
     """redis-py's `username` / `password` keyword arguments from the environment: the username from
     SPECFLEET_REDIS_USERNAME, the password from SPECFLEET_REDIS_PASSWORD or the file named by
