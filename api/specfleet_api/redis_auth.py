@@ -31,7 +31,8 @@ SECRET_USERNAME_KEY, SECRET_PASSWORD_KEY = "username", "password"
 OWN_KEYS = ("window", "worker", "clusters", "drift")
 #: Everything the fleet's routers and workers send: reads of the state, hashes written in a
 #: transaction with a time to live, deleted when a pod leaves. ACL rules apply the key patterns.
-COMMANDS = ("get", "hset", "hgetall", "expire", "pexpire", "del", "exists", "multi", "exec", "discard", "ping")
+COMMANDS = ("get", "hset", "hgetall", "expire", "pexpire", "del", "exists", "multi", "exec", "discard", "ping",
+            "select")  # select: a URL may name a database other than 0
 
 
 def fleet_username(namespace: str, name: str) -> str:
