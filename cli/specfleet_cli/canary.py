@@ -44,6 +44,7 @@ def set_local_gate(run_file: str | None, name: str, gate: str) -> tuple[str | No
     import redis
 
     from specfleet_local import runfile
+    from specfleet_local.redis_server import run_credentials
     from specfleet_local.state import gate_key, loop_key
 
     path = Path(run_file) if run_file else runfile.default_path()
@@ -53,7 +54,7 @@ def set_local_gate(run_file: str | None, name: str, gate: str) -> tuple[str | No
     namespace, _, running = doc["deployment"].partition("/")
     if running != name:
         raise GateError(f"the local fleet is {doc['deployment']}, not {name}")
-    client = redis.Redis.from_url(doc["redis"]["url"], socket_timeout=2)
+    client = redis.Redis.from_url(doc["redis"]["url"], socket_timeout=2, **run_credentials(doc))
     try:
         loop = json.loads(client.get(loop_key(namespace, name)) or "{}")
         if not loop.get("canary"):

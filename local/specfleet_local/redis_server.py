@@ -1,7 +1,8 @@
 """A `redis-server` process of our own on loopback: for `specfleet up` and for tests.
 
 Persistence off (the fleet's state is derived from the resource, never only in Redis), a free
-port picked here, and the process ended when the context exits; `detached` (for `specfleet up`)
+port picked here, on loopback only; with a `password`, every client must log in (it is in a 0600
+config file, never on a command line that `ps` shows), and the process ended when the context exits; `detached` (for `specfleet up`)
 puts it in a session of its own, tied to this process's life (`procs.spawn`). Its clients give up
 on a call after their timeout, never retried (`client`): whoever calls tries again at its next
 period. Chaos tests use `kill`, `pause`, `read_only`, `freeze` and `unreachable` to play the
@@ -17,8 +18,11 @@ import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 from pathlib import Path
+
+from specfleet_api.redis_auth import read_secret_file, write_secret_file
 
 from .procs import spawn
 
@@ -31,14 +35,15 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 class RedisServer:
     def __init__(self, port: int | None = None, host: str = "127.0.0.1", binary: str = "redis-server",
-                 workdir: Path | None = None, detached: bool = False):
+                 workdir: Path | None = None, detached: bool = False, password: str | None = None):
         path = shutil.which(binary)
         if path is None:
             raise FileNotFoundError(f"{binary} not found: install it (Debian: apt-get install redis-server; "
                                     "./dev setup does)")
         self.binary, self.host, self.port = path, host, port or free_port(host)
-        self.workdir, self.detached = workdir, detached
+        self.workdir, self.detached, self.password = workdir, detached, password
         self.proc: subprocess.Popen | None = None
+        self._confdir: str | None = None  # a temporary directory for the config file, without workdir
 
     @property
     def url(self) -> str:
@@ -49,6 +54,13 @@ class RedisServer:
                "--protected-mode", "yes", "--loglevel", "warning"]
         if self.workdir is not None:
             cmd += ["--dir", str(self.workdir)]
+        if self.password:
+            confdir = self.workdir
+            if confdir is None:
+                confdir = self._confdir = tempfile.mkdtemp(prefix="specfleet-redis-")
+            conf = Path(confdir) / "redis.conf"
+            write_secret_file(conf, f"requirepass {self.password}")
+            cmd.insert(1, str(conf))  # redis-server <config file> [options]
         popen = spawn if self.detached else subprocess.Popen
         self.proc = popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         end = time.monotonic() + timeout_s
@@ -58,7 +70,7 @@ class RedisServer:
             try:
                 with socket.create_connection((self.host, self.port), timeout=0.2) as s:
                     s.sendall(b"PING\r\n")
-                    if s.recv(16).startswith(b"+PONG"):
+                    if s.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # it answers: up
                         return self
             except OSError:
                 time.sleep(0.05)
@@ -73,6 +85,8 @@ class RedisServer:
         kw.setdefault("socket_timeout", 2)
         kw.setdefault("socket_connect_timeout", 2)
         kw.setdefault("retry", no_retry())
+        if self.password:
+            kw.setdefault("password", self.password)
         return redis.Redis(host=self.host, port=self.port, **kw)
 
     def kill(self) -> None:
@@ -110,12 +124,22 @@ class RedisServer:
                 self.proc.kill()
                 self.proc.wait(timeout=10)
         self.proc = None
+        if self._confdir is not None:
+            shutil.rmtree(self._confdir, ignore_errors=True)
+            self._confdir = None
 
     def __enter__(self) -> RedisServer:
         return self.start()
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def run_credentials(run: dict | None) -> dict[str, str]:
+    """The admin's login to a running `specfleet up`'s Redis, from its run file (`passwordFile`);
+    {} for a run without one."""
+    path = ((run or {}).get("redis") or {}).get("passwordFile")
+    return {"password": read_secret_file(path)} if path else {}
 
 
 def no_retry():

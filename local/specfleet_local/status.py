@@ -19,11 +19,12 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specfleet_api import redis_auth
 from specfleet_api.enums import PROMPT_TYPES
 from specfleet_api.live_state import ARMS, LiveState, state_key
 
 from . import runfile
-from .redis_server import no_retry
+from .redis_server import no_retry, run_credentials
 from .state import loop_key
 from specfleet_api.windows import Window, read_windows, sum_windows
 
@@ -92,6 +93,13 @@ class Observed:
     now: float = 0.0
 
 
+def _credentials(redis_url: str, run: dict[str, Any] | None) -> dict[str, str]:
+    """The run's admin login for the run's own Redis, else the environment's (docs/redis.md)."""
+    if run and (run.get("redis") or {}).get("url") == redis_url:
+        return run_credentials(run)
+    return redis_auth.credentials_from_env()
+
+
 def observe(namespace: str, name: str, redis_url: str | None, router_url: str | None,
             run: dict[str, Any] | None = None) -> Observed:
     obs = Observed(namespace, name, redis_url, router_url, run, now=time.time())
@@ -99,7 +107,8 @@ def observe(namespace: str, name: str, redis_url: str | None, router_url: str | 
         import redis
 
         # a paused Redis costs 2 s a call, not redis-py's default 10 retries of it
-        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2, retry=no_retry())
+        client = redis.Redis.from_url(redis_url, socket_timeout=2, socket_connect_timeout=2, retry=no_retry(),
+                                      **_credentials(redis_url, run))
         try:
             raw = client.get(state_key(namespace, name))
             if raw is None:

@@ -13,17 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import socket
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 from rich.console import Console
 from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
+from specfleet_api import redis_auth
 from specfleet_api.live_state import state_key
 
 from . import runfile
@@ -198,9 +201,11 @@ class Fleet:
         exit code. Shutdown is the caller's (`shutdown`), whatever happened here."""
         self._say_what_runs()
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.redis = RedisServer(port=self.args.redis_port or None, workdir=self.workdir, detached=True).start()
-        state = initial_state(self.plan.spec)
+        self.redis = RedisServer(port=self.args.redis_port or None, workdir=self.workdir, detached=True,
+                                 password=secrets.token_hex(32)).start()
         client = self.redis.client()
+        self._fleet_user(client)
+        state = initial_state(self.plan.spec)
         gate = gate_key(self.plan.namespace, self.plan.name)
         loop = HoldSpec() if self.args.no_loop else ControlLoop(
             self.plan.spec, readiness=self._readiness,
@@ -231,6 +236,30 @@ class Fleet:
             self.demo.start()
         return self._serve(stop)
 
+    @property
+    def admin_password_file(self) -> Path:
+        return self.workdir / "redis-admin.password"
+
+    @property
+    def fleet_password_file(self) -> Path:
+        return self.workdir / "redis-fleet.password"
+
+    def _fleet_user(self, client) -> None:
+        """The Redis users, as the operator makes them: this process (the loop, `specfleet status`)
+        logs in as the admin; the workers and the router as the fleet's own user, which may only read
+        the live state and write their own windows. Passwords in 0600 files of the run dir."""
+        p = self.plan
+        redis_auth.write_secret_file(self.admin_password_file, self.redis.password)
+        password = redis_auth.fleet_password(self.redis.password, p.namespace, p.name, uuid.uuid4().hex)
+        client.execute_command(*redis_auth.setuser_args(p.namespace, p.name, password))
+        redis_auth.write_secret_file(self.fleet_password_file, password)
+
+    def _redis_env(self) -> dict[str, str]:
+        """Where the workers and the router find Redis, as the fleet's user."""
+        return {redis_auth.URL_ENV: self.redis.url, redis_auth.PASSWORD_ENV: "",  # the file, not an inherited one
+                redis_auth.USERNAME_ENV: redis_auth.fleet_username(self.plan.namespace, self.plan.name),
+                redis_auth.PASSWORD_FILE_ENV: str(self.fleet_password_file)}
+
     def _say_what_runs(self) -> None:
         p, c = self.plan, self.console
         c.print(f"[bold]specfleet up[/bold]: {p.deployment} from {self.args.filename}, model {p.model_name}, "
@@ -256,7 +285,7 @@ class Fleet:
                "--host", HOST, "--grpc-port", str(grpc_port), "--http-port", str(http_port),
                # Admin on a free loopback port: the default one would collide between workers on one host
                "--admin-port", "0", "--drain-seconds", str(a.drain_seconds), "--threads", str(threads), *a.worker_arg]
-        env = {"SPECFLEET_REDIS_URL": self.redis.url, "SPECFLEET_DEPLOYMENT": p.deployment, "POD_NAME": name,
+        env = {**self._redis_env(), "SPECFLEET_DEPLOYMENT": p.deployment, "POD_NAME": name,
                "SPECFLEET_FLEET_WINDOW_S": str(self.window_s),
                "OTEL_EXPORTER_OTLP_ENDPOINT": "", "OTEL_SERVICE_NAME": f"specfleet-{p.name}-{arm}",
                "OMP_NUM_THREADS": str(threads)}
@@ -288,7 +317,8 @@ class Fleet:
         for w in self.workers:
             cmd += ["--backend", f"{w.arm}={HOST}:{w.ports['grpc']}"]
         return Child("router", cmd, self.workdir / "logs" / "router.log",
-                     {"POD_NAME": f"{p.name}-router", "SPECFLEET_FLEET_WINDOW_S": str(self.window_s)})
+                     {"POD_NAME": f"{p.name}-router", "SPECFLEET_FLEET_WINDOW_S": str(self.window_s),
+                      **{k: v for k, v in self._redis_env().items() if k != redis_auth.URL_ENV}})
 
     def _wait(self, done, timeout_s: float, stop: threading.Event, what: str) -> bool:
         """True once done(); False when stopped first; UpError when a process died or time ran out."""
@@ -375,7 +405,8 @@ class Fleet:
         runfile.write(self.run_file, {
             "pid": os.getpid(), "phase": phase, "deployment": p.deployment, "file": str(self.args.filename),
             "model": p.model_name, "started": self.started, "workdir": str(self.workdir),
-            "redis": {"url": self.redis.url, "pid": self.redis.proc.pid},
+            "redis": {"url": self.redis.url, "pid": self.redis.proc.pid,
+                      "passwordFile": str(self.admin_password_file)},
             "router": {"url": url, "openai": f"{url}/v1", "grpc": f"{HOST}:{self.router.ports['grpc']}",
                        "pid": self.router.pid, "log": str(self.router.log_path)},
             "workers": [{"name": w.name, "arm": w.arm, "pid": w.pid,

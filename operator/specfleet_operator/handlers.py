@@ -10,8 +10,6 @@ without patching.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import dataclasses
 import datetime
@@ -37,7 +35,8 @@ FLEET_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}  # worker 
 OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusRule": "observability.prometheusRule",
                   "HorizontalPodAutoscaler": "scaling"}
 WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "CanaryGateInvalid",
-                   "CanaryAnalysisHalted", "InvalidSpec", "Unsupported", "ApplyFailed", "NoDecision"}
+                   "CanaryAnalysisHalted", "InvalidSpec", "Unsupported", "ApplyFailed", "NoDecision",
+                   "RedisUnavailable"}
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -159,7 +158,7 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
                for ref in obj.get("metadata", {}).get("ownerReferences", []))
 
 
-SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations")  # created at startup: see there
+SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations", "redis_secrets")  # created at startup: see there
 
 
 def reconcile_lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
@@ -190,7 +189,9 @@ async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = 
         _event(body, specs.rejection_reason(problems), "; ".join(str(p) for p in problems))
         await write_status(memo, ns, name, problems=problems)
         return
+    secret_error = await _fleet_secret(body, spec, memo)
     results, errors = await _apply_children(body, spec, fleet_state(cstate, spec, memory), memo)
+    errors = [secret_error, *errors] if secret_error else errors
     applied_generations(memo)[(ns, name)] = body.get("metadata", {}).get("generation")
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:
@@ -249,56 +250,64 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
                 if spec.get("canary") else None
             router = await kube.get("apps/v1", "Deployment", namespace, manifests.router_name(name))
             applied = applied_generations(memo).get((namespace, name), sdd["metadata"].get("generation"))
+            # before the status, inside the lock: writes reach Redis in the order of the states they
+            # carry, and the status says what this write met (a Redis away costs its timeout here)
+            health = await publish_live_state(memo, sdd, spec, fleet)
             observed = _observed(sdd, spec, cstate, stable, canary, list(errors), window, router, memory)
-            new = _status(dataclasses.replace(observed, applied_generation=applied), sdd, memory)
+            new = _status(dataclasses.replace(observed, applied_generation=applied, redis=health), sdd, memory)
+            _redis_event(sdd, prev, new)
             if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
                 _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
         if _changed(prev, new):
             await kube.patch(API_VERSION, KIND, namespace, name, {"status": new}, subresource="status")
         metrics.export_state(namespace, name, new)
-        if fleet is not None:
-            # inside the lock, so that writes reach Redis in the order of the states they carry (a
-            # Redis away costs this fleet's next status write its timeout, never a request)
-            await publish_live_state(memo, sdd, spec, fleet)
         return new
 
 
-async def redis_url(memo: Any, namespace: str, spec: dict[str, Any]) -> str | None:
-    """The URL of the fleet's Redis when the operator keeps its live state there, else None. A
-    secretRef is read only where the operator was allowed to (Settings.read_redis_secrets)."""
-    if not manifests.writes_live_state(spec, memo.settings):
+async def redis_target(memo: Any, sdd: Any, spec: dict[str, Any]
+                       ) -> tuple[redis_state.Target | None, redis_state.Health | None]:
+    """Where the fleet's live state and windows are, as the operator reaches them; (None, why) when
+    it cannot (a secretRef it may not read), (None, None) for a fleet without Redis."""
+    return await redis_state.resolve(memo.kube, memo.settings, memo.get("default_redis"), sdd, spec)
+
+
+async def _fleet_secret(body: Any, spec: dict[str, Any], memo: Any) -> str | None:
+    """Create the Secret with the fleet's own Redis user (default Redis only); an error to report."""
+    target, _ = await redis_target(memo, body, spec)
+    if target is None or target.fleet_user is None:
         return None
-    redis = spec["redis"]
-    if "url" in redis:
-        return redis["url"]
-    ref = redis["secretRef"]
-    secret = await memo.kube.get("v1", "Secret", namespace, ref["name"])
-    value = ((secret or {}).get("data") or {}).get(ref.get("key", "url"))
-    try:
-        return base64.b64decode(value).decode() if value else None
-    except (binascii.Error, UnicodeDecodeError):
-        return None
+    secret = redis_state.fleet_secret(body, *target.fleet_user)
+    kopf.adopt(secret, owner=body)
+    return await redis_state.ensure_secret(memo.kube, secret, memo.setdefault("redis_secrets", {}))
+
+
+def _redis_event(sdd: Any, prev: dict[str, Any], new: dict[str, Any]) -> None:
+    """One event when RedisReady changes: a Warning as Redis goes away (or its reason changes), a
+    Normal one when it is back; none while it stays as it was."""
+    before, after = statuses.condition(prev, "RedisReady"), statuses.condition(new, "RedisReady")
+    if after is None or (before or {}).get("status") == after["status"] == "True":
+        return
+    if before is not None and (before["status"], before["reason"]) == (after["status"], after["reason"]):
+        return
+    if after["status"] == "False":
+        _event(sdd, "RedisUnavailable", f"{after['reason']}: {after['message']}")
+    elif before is not None:
+        _event(sdd, "RedisAvailable", after["message"])
 
 
 async def publish_live_state(memo: Any, sdd: dict[str, Any], spec: dict[str, Any],
-                             fleet: manifests.FleetState) -> None:
-    """Write the fleet's live state to its Redis (routers and workers follow it); never raises."""
+                             fleet: manifests.FleetState) -> redis_state.Health | None:
+    """Write the fleet's live state to its Redis (routers and workers follow it); what that met
+    (None: the fleet has no Redis). Never raises."""
     store = memo.get("live_state")
     if store is None:
-        return
+        return None
     ns, name = sdd["metadata"]["namespace"], sdd["metadata"]["name"]
-    try:
-        url = await redis_url(memo, ns, spec)
-    except ApiError as exc:
-        kopf.warn(sdd, reason="LiveStateNotWritten", message=f"cannot read spec.redis.secretRef: {exc}")
-        return
-    if url is None:
-        if manifests.writes_live_state(spec, memo.settings):
-            kopf.warn(sdd, reason="LiveStateNotWritten",
-                      message=f"spec.redis.secretRef: Secret {spec['redis']['secretRef']['name']} has no key "
-                              f"{spec['redis']['secretRef'].get('key', 'url')!r} holding a redis:// URL")
-        return
-    await store.write(url, ns, name, manifests.live_state(spec, fleet))
+    target, problem = await redis_target(memo, sdd, spec)
+    if target is None:
+        return problem
+    await store.write(target, ns, name, manifests.live_state(spec, fleet))
+    return store.health(ns, name)
 
 
 @kopf.on.login()
@@ -314,6 +323,10 @@ async def startup(memo: Any, settings: kopf.OperatorSettings, logger: Any, **_: 
         or kopf.login_with_kubeconfig(settings=settings)
     memo.kube = Kube(connection)  # created here: its session belongs to the operator's event loop
     memo.setdefault("settings", manifests.Settings())
+    # the fleets' default Redis, from the chart's env until the command line carries it
+    memo.setdefault("default_redis", redis_state.DefaultRedis.from_env())
+    if memo.default_redis is not None and not memo.settings.default_redis_url:
+        memo.settings = dataclasses.replace(memo.settings, default_redis_url=memo.default_redis.url)
     memo.setdefault("loop_interval", 15.0)
     memo.setdefault("live_state", redis_state.LiveStateStore())
     memo.setdefault("windows", redis_state.WindowSource())
@@ -376,19 +389,19 @@ async def control_loop(body: kopf.Body, memo: kopf.Memo, stopped: kopf.DaemonSto
             kopf.warn(body, reason="ControlLoop", message=f"control loop tick failed, will retry: {exc}")
 
 
-async def observe(memo: Any, ns: str, name: str, spec: dict[str, Any], drift_epoch: str = "") -> tuple[Observation, bool]:
+async def observe(memo: Any, body: Any, spec: dict[str, Any], drift_epoch: str = "") -> tuple[Observation, bool]:
     """(what the fleet showed, whether it routes per prompt type): its windows in Redis when it
     has one (routers follow a live state there), else no windows (the alerts alone act); the
     alerts firing for it, from the Alertmanager receiver."""
-    try:
-        url = await redis_url(memo, ns, spec)
-    except ApiError as exc:
-        return Observation(complete=False, error=f"cannot read spec.redis.secretRef: {exc}"), True
+    ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
+    target, _ = await redis_target(memo, body, spec)
     arms = ("stable", "canary") if spec.get("canary") else ("stable",)
-    if url is None:
+    if target is None:  # no Redis, or one it cannot reach (RedisReady says why): the alerts alone act
         obs, per_type = Observation(), False
     else:
-        obs, per_type = await memo.windows.observe(url, ns, name, arms, drift_epoch), True
+        obs, per_type = await memo.windows.observe(target, ns, name, arms, drift_epoch), True
+        if memo.get("live_state") is not None:
+            memo.live_state.note_read(target, ns, name, None if obs.complete else obs.error)
     inbox = memo.get("alerts")
     if inbox is not None:
         obs = obs.with_alerts(tuple(inbox.slo_misses(ns, name, time.time())))
@@ -399,6 +412,12 @@ def _readiness(deployment: dict[str, Any] | None) -> tuple[int, int]:
     if deployment is None:
         return 0, 0
     return (deployment.get("status") or {}).get("readyReplicas", 0), (deployment.get("spec") or {}).get("replicas", 0)
+
+
+def _redis_failing(memo: Any, ns: str, name: str) -> bool:
+    store = memo.get("live_state")
+    health = store.health(ns, name) if store is not None else None
+    return health is not None and not health.ok
 
 
 async def tick(body: Any, memo: Any) -> None:
@@ -412,14 +431,15 @@ async def tick(body: Any, memo: Any) -> None:
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     before, memory = canary_state(prev), memory_of(prev)
     now = time.time()
-    obs, per_type = await observe(memo, ns, name, spec, canaries.routing(before, spec).drift_epoch)
+    obs, per_type = await observe(memo, body, spec, canaries.routing(before, spec).drift_epoch)
     kube: Kube = memo.kube
     ready = {"stable": _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "stable")))}
     if spec.get("canary") or before.phase in canaries.LIVE_PHASES:
         ready["canary"] = _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")))
     obs = dataclasses.replace(obs, ready=ready)
     slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type)
-    if not slo.decided:
+    # a Redis away is said once, by RedisReady and its event, not by one event a tick
+    if not slo.decided and not (per_type and _redis_failing(memo, ns, name)):
         _event(body, "NoDecision", f"the fleet's windows could not be read ({obs.error}): nothing decided this tick")
     decision = canaries.tick(spec, body.get("metadata"), prev.get("canary"), canaries.observation(obs, None), now)
     for reason, message in slo.events + decision.events:
@@ -448,10 +468,7 @@ async def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
             raise kopf.TemporaryError(str(exc), delay=5) from exc
     spec = specs.with_defaults(dict(body.get("spec") or {}))
     if memo.get("live_state") is not None and not specs.problems(spec):
-        try:
-            url = await redis_url(memo, ns, spec)
-        except ApiError:
-            url = None  # the Secret went first: the document stays, harmless without routers
-        if url:
-            await memo.live_state.delete(url, ns, name)
+        target, _ = await redis_target(memo, body, spec)  # None: the Secret went first; the document stays
+        if target is not None:
+            await memo.live_state.delete(target, ns, name)
     metrics.forget(ns, name)

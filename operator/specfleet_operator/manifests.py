@@ -18,6 +18,7 @@ import json
 import re
 from typing import Any
 
+from specfleet_api import redis_auth
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
 from specfleet_api.durations import parse_duration
 from specfleet_api.enums import Device
@@ -68,6 +69,9 @@ class Settings:
     # Whether the operator may read the Secret of spec.redis.secretRef (RBAC get on secrets): without
     # it such a fleet's live state is not written, and its router serves the spec's state from flags.
     read_redis_secrets: bool = False
+    # The fleets' default Redis (SPECFLEET_REDIS_URL, no password in it), used by a fleet without
+    # spec.redis: each fleet gets a user of its own there (specfleet_api.redis_auth, docs/redis.md).
+    default_redis_url: str = ""
 
     def worker_fields(self) -> dict[str, Any]:
         """The settings a worker pod is built from (in its config hash: a router setting rolls no worker)."""
@@ -285,6 +289,8 @@ def writes_live_state(spec: dict[str, Any], settings: Settings) -> bool:
     """Whether the operator keeps this fleet's live state in Redis (spec.redis, and for a
     secretRef the right to read that Secret); else the router serves the spec's state from flags."""
     redis = spec.get("redis") or {}
+    if not redis:
+        return bool(settings.default_redis_url)
     return "url" in redis or ("secretRef" in redis and settings.read_redis_secrets)
 
 
@@ -336,8 +342,21 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
                      drift_epoch=state.drift_epoch)
 
 
-def _redis_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
+def redis_secret_name(sdd_name: str) -> str:
+    """The Secret holding the fleet's own Redis user (created by the operator, never read by it)."""
+    return child_name(sdd_name, "redis")
+
+
+def _redis_env(spec: dict[str, Any], sdd: dict[str, Any], settings: Settings) -> list[dict[str, Any]]:
+    """Where the pods find the fleet's Redis: spec.redis as given, else the default Redis with the
+    fleet's own user, its credentials from the fleet's Secret (never a plain value here)."""
     redis = spec.get("redis")
+    if not redis and settings.default_redis_url:
+        secret = redis_secret_name(sdd["metadata"]["name"])
+        return [{"name": redis_auth.URL_ENV, "value": settings.default_redis_url},
+                *({"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
+                  for env, key in ((redis_auth.USERNAME_ENV, redis_auth.SECRET_USERNAME_KEY),
+                                   (redis_auth.PASSWORD_ENV, redis_auth.SECRET_PASSWORD_KEY)))]
     if redis and "url" in redis:
         return [{"name": "SPECFLEET_REDIS_URL", "value": redis["url"]}]
     if redis:
@@ -357,7 +376,7 @@ def _window_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": "SPECFLEET_FLEET_WINDOW_S", "value": f"{parse_duration(window):g}"}] if window else []
 
 
-def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str) -> list[dict[str, Any]]:
+def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str, settings: Settings) -> list[dict[str, Any]]:
     sdd_name = sdd["metadata"]["name"]
     env: list[dict[str, Any]] = [
         {"name": MODEL_CACHE_ENV, "value": MODEL_CACHE},
@@ -368,7 +387,7 @@ def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str) -> list[dict[str,
         {"name": "SPECFLEET_DEPLOYMENT", "value": f"{sdd['metadata']['namespace']}/{sdd_name}"},
         *_window_env(spec),
     ]
-    env += _redis_env(spec)
+    env += _redis_env(spec, sdd, settings)
     endpoint = spec.get("observability", {}).get("otlpEndpoint")
     if endpoint:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": endpoint})
@@ -398,7 +417,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     eff = effective_spec(spec, role, state)
     template = eff.get("template", {})
     image = template.get("image") or settings.worker_image
-    env = _env(eff, sdd, role)
+    env = _env(eff, sdd, role, settings)
     engine = engine_config(spec, role, state)
     resources = worker_resources(template.get("resources"), eff["device"])
     pod_hash = config_hash({"engine": engine, "env": env, "image": image, "resources": resources,
@@ -562,7 +581,7 @@ def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Setti
     env = [{"name": "HOME", "value": "/tmp"},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, *_window_env(spec)]
     if writes_live_state(spec, settings):
-        env += _redis_env(spec)
+        env += _redis_env(spec, sdd, settings)
     http = {"port": "http", "scheme": "HTTP"}
     container = {
         "name": "router",

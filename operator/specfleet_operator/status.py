@@ -65,6 +65,9 @@ class Observed:
     # the canary run's section as specfleet_control.canary.CanaryState.to_status() writes it; None:
     # built from the fields above
     canary_status: dict[str, Any] | None = None
+    # what the last try to reach the fleet's Redis met (redis_state.Health: ok, reason, message);
+    # None: the fleet keeps no live state in Redis, and the status has no RedisReady
+    redis: Any = None
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
@@ -113,8 +116,13 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     progressing = (True, "RollingOut", "workers are being rolled out") if rolling else \
         (False, "RolloutComplete" if not invalid else rejected, "no rollout in progress")
 
+    redis_down = not invalid and o.redis is not None and not o.redis.ok
     if invalid or o.apply_error:
         degraded = (True, rejected if invalid else "ApplyFailed", invalid or o.apply_error or "")
+    elif redis_down:  # the routers and workers serve on the last state they read (fail static)
+        degraded = (True, f"Redis{o.redis.reason}", "the live state cannot be written to Redis: routers and "
+                    "workers serve on the last state they read, and the loop decides nothing on missing windows "
+                    "(see RedisReady)")
     elif o.state.mode == "fallback":
         degraded = (True, "Fallback", "the alpha SLO was missed: workers decode without speculation")
     else:
@@ -141,6 +149,10 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
 
     conds = [_condition(t, *c, gen, prev, now) for t, c in zip(
         CONDITION_TYPES, (ready, progressing, degraded, speculating, canary_cond))]
+    if o.redis is not None and not invalid:
+        conds.append(_condition("RedisReady", o.redis.ok, o.redis.reason, o.redis.message, gen, prev, now))
+    elif prev.get("RedisReady") is not None:
+        conds.append(prev["RedisReady"])  # an invalid spec writes nothing: what was last known stays
     # an invalid spec stops the loop, not its memory: the mode (and the canary run) stay as they were
     mode = (previous or {}).get("mode", o.state.mode) if invalid else o.state.mode
     status: dict[str, Any] = {"conditions": conds, "mode": mode}

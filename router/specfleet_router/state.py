@@ -15,6 +15,7 @@ import logging
 import time
 from typing import Callable, Protocol
 
+from specfleet_api import redis_auth
 from specfleet_api.live_state import LiveState, state_key
 
 from .metrics import RouterMetrics
@@ -65,13 +66,15 @@ def newer(candidate: LiveState, current: LiveState) -> bool:
 def redis_client(url: str, timeout_s: float):
     """An asyncio Redis client whose every socket step (connect, write, read) gives up after
     `timeout_s`, with one try per call: the caller's next period is the retry, and a paused or
-    unreachable Redis must not hold a loop (or its stop) for longer."""
+    unreachable Redis must not hold a loop (or its stop) for longer. It logs in as the fleet's user
+    when the environment holds one (specfleet_api.redis_auth, docs/redis.md)."""
     import redis.asyncio as aioredis
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
     return aioredis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                             retry=Retry(NoBackoff(), 0), health_check_interval=0)
+                             retry=Retry(NoBackoff(), 0), health_check_interval=0,
+                             **redis_auth.credentials_from_env())
 
 
 class RedisTask:

@@ -64,7 +64,7 @@ def test_a_worker_stops_within_its_bound_when_redis_is_dead(fault, h, tmp_path, 
                            env={"SPECFLEET_REDIS_URL": redis_server.url, "SPECFLEET_DEPLOYMENT": "team-a/stop",
                                 "SPECFLEET_FLEET_WINDOW_S": "1", "POD_NAME": "stop-0"}).start(120)
     try:
-        wait(lambda: client.exists("specfleet:worker:stop-0"), 30, "the worker's first fleet statistics")
+        wait(lambda: client.exists("specfleet:v1:team-a/stop:worker:stop-0"), 30, "the worker's first fleet statistics")
         with redis_fault(fault, redis_server.proc.pid, redis_server.host, redis_server.port):
             time.sleep(BLOCKED_S)
             t0 = time.monotonic()

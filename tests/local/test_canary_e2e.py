@@ -26,6 +26,7 @@ import redis
 import yaml
 
 from specfleet_local import runfile
+from specfleet_local.redis_server import run_credentials
 from specfleet_local.state import loop_key
 
 pytestmark = pytest.mark.timeout(900)  # the drift test waits by measured speed
@@ -115,7 +116,7 @@ class Fleet:
                 pytest.fail(f"specfleet up did not serve within 600 s:\n{out.read_text()}")
             time.sleep(0.2)
         self.doc = doc
-        self.redis = redis.Redis.from_url(doc["redis"]["url"], socket_timeout=2)
+        self.redis = redis.Redis.from_url(doc["redis"]["url"], socket_timeout=2, **run_credentials(doc))
         self.stop = threading.Event()
         self.errors: list[str] = []
         self.threads = [threading.Thread(target=self._traffic, args=(i,), daemon=True) for i in range(3)]

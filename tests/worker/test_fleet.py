@@ -55,7 +55,7 @@ def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(c
     client = redis_server.client()
     raw = client.hgetall(KEY)
     assert set(raw) == {b"code", b"chat"}
-    assert 0 < client.ttl(KEY) <= 15 and 0 < client.ttl("specfleet:worker:pod-a") <= 15
+    assert 0 < client.ttl(KEY) <= 15 and 0 < client.ttl("specfleet:v1:default/demo:worker:pod-a") <= 15
     got = {t.decode(): json.loads(v) for t, v in raw.items()}
     for name, responses in (("code", code), ("chat", chat)):
         w = got[name]
@@ -94,7 +94,7 @@ def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(c
     assert got["code"]["plain_seconds"] + got["chat"]["plain_seconds"] == pytest.approx(meter.total_plain)
 
     pub.stop()  # leaving the fleet: both keys go at once
-    assert client.exists(KEY, "specfleet:worker:pod-a") == 0
+    assert client.exists(KEY, "specfleet:v1:default/demo:worker:pod-a") == 0
 
 
 def test_a_worker_that_stops_publishing_drops_out_and_redis_read_only_costs_no_request(canary, redis_server):

@@ -47,11 +47,11 @@ def test_a_tiny_random_worker_process_serves_text_and_messages_and_follows_the_l
         metrics = urllib.request.urlopen(f"{w.http}/metrics", timeout=RPC_S).read().decode()
         assert 'spec_decode_live_state_version{model="tiny-random"} 4.0' in metrics
         assert 'spec_decode_live_state_staleness_seconds{model="tiny-random"}' in metrics
-        while not redis_server.client().exists("specfleet:worker:pod-a"):  # published at start
+        while not redis_server.client().exists("specfleet:v1:default/demo:worker:pod-a"):  # published at start
             assert time.monotonic() - written < 5.0, "the worker did not publish its statistics"
             time.sleep(0.05)
     assert w.proc.returncode == 0
-    assert not redis_server.client().exists("specfleet:worker:pod-a")  # deleted as it left
+    assert not redis_server.client().exists("specfleet:v1:default/demo:worker:pod-a")  # deleted as it left
 
 
 @pytest.mark.parametrize("line, ports", [

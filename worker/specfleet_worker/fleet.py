@@ -3,7 +3,9 @@
 At start and every `period_s` (5 s) after, the worker writes, in one transaction, each key
 expiring after three periods so that a worker that died drops out on its own:
 
-    specfleet:worker:<pod>                                      its summary (a hash of strings)
+    specfleet:worker:<pod>                                      its summary (a hash of strings), or with
+    specfleet:v1:<namespace>/<name>:worker:<pod>                SPECFLEET_DEPLOYMENT set, under its fleet's
+                                                                keys (the only ones its Redis user may write)
     specfleet:v1:<namespace>/<name>:window:<arm>:<pod>          its windows, with SPECFLEET_DEPLOYMENT set:
                                                                 a hash, field = prompt type, value = JSON
 
@@ -30,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from specfleet_api.live_state import window_key
+from specfleet_api.live_state import PREFIX, window_key
 
 from .live import REDIS_URL_ENV, deployment_from_env, redis_client
 from specfleet_api.windows import TypeCounts, publish_period
@@ -107,7 +109,7 @@ class FleetPublisher:
         period_s = publish_period(window_s) if period_s is None else period_s
         self.client, self.worker, self.period_s = client, worker, period_s
         pod = name or os.environ.get("POD_NAME") or socket.gethostname()
-        self.key = KEY_PREFIX + pod
+        self.key = f"{PREFIX}{deployment[0]}/{deployment[1]}:worker:{pod}" if deployment else KEY_PREFIX + pod
         self.window_key = pod_window_key(*deployment, worker.role, pod) if deployment else None
         self.windows = Windows(worker.scheduler.metrics.counts_by_type, window_s)
         self._stop = threading.Event()

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Gauge
 
+from specfleet_api import redis_auth
 from specfleet_api.live_state import LiveState, state_key
 
 from .config import LiveConfig
@@ -48,13 +49,14 @@ def deployment_from_env() -> tuple[str, str] | None:
 
 def redis_client(url: str, timeout_s: float = 1.0):
     """A client whose every call gives up after `timeout_s` and is never retried: the threads
-    that use it (this follower, the fleet publisher) try again at their next period."""
+    that use it (this follower, the fleet publisher) try again at their next period. It logs in
+    as the fleet's user when the environment holds one (specfleet_api.redis_auth, docs/redis.md)."""
     import redis
     from redis.backoff import NoBackoff
     from redis.retry import Retry
 
     return redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
-                                retry=Retry(NoBackoff(), 0))
+                                retry=Retry(NoBackoff(), 0), **redis_auth.credentials_from_env())
 
 
 class LiveStateFollower:
