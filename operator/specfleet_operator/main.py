@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+import urllib.parse
 from typing import Any, Sequence
 
 import kopf
@@ -49,6 +50,11 @@ class Options:
     heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)  # what /healthz reads
     alerts: AlertInbox = dataclasses.field(default_factory=AlertInbox)  # what /alertmanager writes
     alert_token: BearerToken = dataclasses.field(default_factory=BearerToken)  # none: /alertmanager is off
+    # The Redis the install provides (the chart's, or redis.external): a URL without a password, and
+    # the file of a mounted Secret holding it. Handed to the handlers as memo.redis_url and
+    # memo.redis_password_file; None: the install provides none.
+    redis_url: str | None = None
+    redis_password_file: str | None = None
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -100,7 +106,10 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         if leading is not None:
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
-                             heartbeat=options.heartbeat, **{"alerts": options.alerts, **(memo or {})})
+                             heartbeat=options.heartbeat, **{"alerts": options.alerts,
+                                                             "redis_url": options.redis_url,
+                                                             "redis_password_file": options.redis_password_file,
+                                                             **(memo or {})})
         kopf_stop = asyncio.Event()
         running = asyncio.create_task(kopf.operator(
             settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,
@@ -148,6 +157,11 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--read-redis-secrets", action="store_true",
                    help="read the Secret of spec.redis.secretRef to write the live state there (needs RBAC "
                         "get on secrets); without it such fleets' routers take the state from flags")
+    p.add_argument("--redis-url", default=env("SPECFLEET_REDIS_URL", ""),
+                   help="the Redis the install provides, e.g. redis://specfleet-redis.specfleet-system.svc:6379/0 "
+                        "(no password in it: see --redis-password-file)")
+    p.add_argument("--redis-password-file", default=env("SPECFLEET_REDIS_PASSWORD_FILE", ""),
+                   help="file holding that Redis' password (a mounted Secret key)")
     p.add_argument("--no-leader-election", action="store_true", help="run alone (one replica, or local use)")
     p.add_argument("--lease-name", default="specfleet-operator")
     p.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "specfleet-system"))
@@ -168,6 +182,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
+    if urllib.parse.urlsplit(a.redis_url).password is not None:
+        p.error("--redis-url (SPECFLEET_REDIS_URL) holds a password: put it in a Secret, mount it, and "
+                "name the file with --redis-password-file (SPECFLEET_REDIS_PASSWORD_FILE)")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return Options(
         namespaces=tuple(a.namespace),
@@ -179,7 +196,8 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,
         metrics_port=a.metrics_port or None, workers=a.workers,
         heartbeat=Heartbeat(stale_after_s=a.liveness_stale_after), alerts=AlertInbox(ttl_s=a.alert_ttl),
-        alert_token=BearerToken.from_env(a.alertmanager_token_file))
+        alert_token=BearerToken.from_env(a.alertmanager_token_file),
+        redis_url=a.redis_url or None, redis_password_file=a.redis_password_file or None)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
