@@ -224,12 +224,13 @@ def started(pod, tmp_path, password):
         deadline = time.monotonic() + 10
         while True:
             assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
+            assert time.monotonic() < deadline, "the rendered Redis did not start within 10 s"
             try:
                 redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1).ping()
+                break  # up (and open to anyone: the test says so)
             except redis.AuthenticationError:
                 break  # up, and asking for the password
             except redis.ConnectionError:
-                assert time.monotonic() < deadline, "the rendered Redis did not start within 10 s"
                 time.sleep(0.05)
         yield port, mounts
     finally:
@@ -252,3 +253,23 @@ def test_the_rendered_redis_starts_with_auth_on_a_real_server(tmp_path, password
         assert client.config_get("maxmemory")["maxmemory"] == str(200 * 1024 * 1024)
         auth_file = mounts["/run/redis"] / "auth.conf"
         assert auth_file.stat().st_mode & 0o077 == 0  # the password file: the redis user's alone
+
+
+def test_the_examples_use_the_redis_the_chart_creates():
+    """No example names a Redis that nothing creates: each points at the chart's Service."""
+    service = redis_objects(render({}))["Service"]["metadata"]
+    host = f"{service['name']}.{service['namespace']}.svc:6379"
+    examples = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
+    with_redis = 0
+    for path in examples:
+        text = path.read_text()
+        for doc in yaml.safe_load_all(text):
+            r = (doc or {}).get("spec", {}).get("redis")
+            if r is None:
+                continue
+            with_redis += 1
+            if "url" in r:
+                assert host in r["url"], (path.name, r["url"])
+            else:  # a Secret the comment above it says how to fill from the chart's
+                assert f"@{host}/0" in text and f"get secret {service['name']}" in text, path.name
+    assert with_redis >= 3
