@@ -65,6 +65,9 @@ def operator_settings(options: Options) -> kopf.OperatorSettings:
         prefix=GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.peering.standalone = True  # the Lease, not kopf peering, decides who runs
+    # Watching listed namespaces, the operator holds Roles there and nothing cluster-wide: kopf then
+    # finds the CRD once at start (API discovery needs no RBAC) instead of watching CRDs and Namespaces.
+    settings.scanning.disabled = bool(options.namespaces)
     settings.batching.worker_limit = options.workers
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330

@@ -196,15 +196,6 @@ def test_rbac_is_least_privilege_and_matches_the_kustomize_base():
     assert binding["roleRef"]["name"] != "cluster-admin"
 
 
-def test_namespaced_mode_grants_nothing_cluster_wide_but_discovery():
-    docs, _ = render({"watchNamespaces": ["team-a"]})
-    (cluster_role,) = [d for d in docs if d["kind"] == "ClusterRole"]
-    assert cluster_role["rules"] == [{"apiGroups": ["apiextensions.k8s.io"],
-                                      "resources": ["customresourcedefinitions"], "verbs": ["list", "watch"]}]
-    (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
-    assert "--namespace=team-a" in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
-
-
 def test_operator_pods_are_restricted_and_ha():
     docs, _ = render({})
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]

@@ -48,7 +48,7 @@ app.kubernetes.io/part-of: specfleet
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* What kopf needs cluster-wide whatever it watches: discovery of the CRD. */}}
+{{/* What kopf needs to watch every namespace: the CRDs, to notice ours appear or change. */}}
 {{- define "specfleet.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
