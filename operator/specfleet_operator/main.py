@@ -45,6 +45,7 @@ class Options:
     loop_interval_s: float = 15.0
     liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # a pod passes 0.0.0.0: the kubelet, Prometheus, Alertmanager
     workers: int = 32  # concurrent reconciles
     release_on_exit: bool = True  # False mimics a crash: the standby waits the Lease out
     heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)  # what /healthz reads
@@ -175,6 +176,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
                    "(only the leader runs kopf, so probes use /healthz on the metrics port instead)")
     p.add_argument("--metrics-port", type=int, default=8081,
                    help="/metrics and the liveness /healthz; 0 turns them off")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics port listens on; loopback by default, 0.0.0.0 in a pod (the chart "
+                        "and deploy/base pass it) so that probes, Prometheus and Alertmanager reach it")
     p.add_argument("--liveness-stale-after", type=float, default=60.0,
                    help="seconds without an event-loop beat, or of one reconcile, after which /healthz answers 503")
     p.add_argument("--alertmanager-token-file", default=env("SPECFLEET_ALERTMANAGER_TOKEN_FILE", ""),
@@ -197,7 +201,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         leader_election=not a.no_leader_election, lease_name=a.lease_name, lease_namespace=a.lease_namespace,
         identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,
-        metrics_port=a.metrics_port or None, workers=a.workers,
+        metrics_port=a.metrics_port or None, metrics_host=a.metrics_host, workers=a.workers,
         heartbeat=Heartbeat(stale_after_s=a.liveness_stale_after), alerts=AlertInbox(ttl_s=a.alert_ttl),
         alert_token=BearerToken.from_env(a.alertmanager_token_file),
         redis_url=a.redis_url or None, redis_password_file=a.redis_password_file or None)
@@ -209,7 +213,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     leading = threading.Event()  # a standby refuses alerts (503), so Alertmanager retries the leader
     if options.metrics_port:
         from .health import serve
-        serve(options.metrics_port, options.heartbeat, alerts=AlertReceiver(options.alerts, options.alert_token, leading))
+        serve(options.metrics_port, options.heartbeat, addr=options.metrics_host,
+              alerts=AlertReceiver(options.alerts, options.alert_token, leading))
 
     async def main() -> int:
         stop = asyncio.Event()
