@@ -163,7 +163,7 @@ class _QuietHandler(WSGIRequestHandler):
         pass
 
 
-def serve(port: int, heartbeat: Heartbeat, addr: str = "0.0.0.0",
+def serve(port: int, heartbeat: Heartbeat, addr: str = "127.0.0.1",
           alerts: AlertReceiver | None = None) -> ThreadingWSGIServer:
     """Start /metrics, /healthz and /alertmanager on `port` (0: any free one, see server.server_port)
     in a daemon thread."""

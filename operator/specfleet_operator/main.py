@@ -15,6 +15,7 @@ import os
 import signal
 import socket
 import threading
+import urllib.parse
 from typing import Any, Sequence
 
 import kopf
@@ -44,11 +45,17 @@ class Options:
     loop_interval_s: float = 15.0
     liveness: str | None = None  # e.g. http://0.0.0.0:8080/healthz
     metrics_port: int | None = None
+    metrics_host: str = "127.0.0.1"  # a pod passes 0.0.0.0: the kubelet, Prometheus, Alertmanager
     workers: int = 32  # concurrent reconciles
     release_on_exit: bool = True  # False mimics a crash: the standby waits the Lease out
     heartbeat: Heartbeat = dataclasses.field(default_factory=Heartbeat)  # what /healthz reads
     alerts: AlertInbox = dataclasses.field(default_factory=AlertInbox)  # what /alertmanager writes
     alert_token: BearerToken = dataclasses.field(default_factory=BearerToken)  # none: /alertmanager is off
+    # The Redis the install provides (the chart's, or redis.external): a URL without a password, and
+    # the file of a mounted Secret holding it. Handed to the handlers as memo.redis_url and
+    # memo.redis_password_file; None: the install provides none.
+    redis_url: str | None = None
+    redis_password_file: str | None = None
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -59,6 +66,9 @@ def operator_settings(options: Options) -> kopf.OperatorSettings:
         prefix=GROUP, key="last-handled-configuration")
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.peering.standalone = True  # the Lease, not kopf peering, decides who runs
+    # Watching listed namespaces, the operator holds Roles there and nothing cluster-wide: kopf then
+    # finds the CRD once at start (API discovery needs no RBAC) instead of watching CRDs and Namespaces.
+    settings.scanning.disabled = bool(options.namespaces)
     settings.batching.worker_limit = options.workers
     settings.watching.server_timeout = 300
     settings.watching.client_timeout = 330
@@ -100,7 +110,10 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         if leading is not None:
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
-                             heartbeat=options.heartbeat, **{"alerts": options.alerts, **(memo or {})})
+                             heartbeat=options.heartbeat, **{"alerts": options.alerts,
+                                                             "redis_url": options.redis_url,
+                                                             "redis_password_file": options.redis_password_file,
+                                                             **(memo or {})})
         kopf_stop = asyncio.Event()
         running = asyncio.create_task(kopf.operator(
             settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,
@@ -148,6 +161,11 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--read-redis-secrets", action="store_true",
                    help="read the Secret of spec.redis.secretRef to write the live state there (needs RBAC "
                         "get on secrets); without it such fleets' routers take the state from flags")
+    p.add_argument("--redis-url", default=env("SPECFLEET_REDIS_URL", ""),
+                   help="the Redis the install provides, e.g. redis://specfleet-redis.specfleet-system.svc:6379/0 "
+                        "(no password in it: see --redis-password-file)")
+    p.add_argument("--redis-password-file", default=env("SPECFLEET_REDIS_PASSWORD_FILE", ""),
+                   help="file holding that Redis' password (a mounted Secret key)")
     p.add_argument("--no-leader-election", action="store_true", help="run alone (one replica, or local use)")
     p.add_argument("--lease-name", default="specfleet-operator")
     p.add_argument("--lease-namespace", default=env("POD_NAMESPACE", "specfleet-system"))
@@ -158,6 +176,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
                    "(only the leader runs kopf, so probes use /healthz on the metrics port instead)")
     p.add_argument("--metrics-port", type=int, default=8081,
                    help="/metrics and the liveness /healthz; 0 turns them off")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address the metrics port listens on; loopback by default, 0.0.0.0 in a pod (the chart "
+                        "and deploy/base pass it) so that probes, Prometheus and Alertmanager reach it")
     p.add_argument("--liveness-stale-after", type=float, default=60.0,
                    help="seconds without an event-loop beat, or of one reconcile, after which /healthz answers 503")
     p.add_argument("--alertmanager-token-file", default=env("SPECFLEET_ALERTMANAGER_TOKEN_FILE", ""),
@@ -168,6 +189,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
+    if urllib.parse.urlsplit(a.redis_url).password is not None:
+        p.error("--redis-url (SPECFLEET_REDIS_URL) holds a password: put it in a Secret, mount it, and "
+                "name the file with --redis-password-file (SPECFLEET_REDIS_PASSWORD_FILE)")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return Options(
         namespaces=tuple(a.namespace),
@@ -177,9 +201,10 @@ def parse_args(argv: Sequence[str] | None) -> Options:
         leader_election=not a.no_leader_election, lease_name=a.lease_name, lease_namespace=a.lease_namespace,
         identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,
-        metrics_port=a.metrics_port or None, workers=a.workers,
+        metrics_port=a.metrics_port or None, metrics_host=a.metrics_host, workers=a.workers,
         heartbeat=Heartbeat(stale_after_s=a.liveness_stale_after), alerts=AlertInbox(ttl_s=a.alert_ttl),
-        alert_token=BearerToken.from_env(a.alertmanager_token_file))
+        alert_token=BearerToken.from_env(a.alertmanager_token_file),
+        redis_url=a.redis_url or None, redis_password_file=a.redis_password_file or None)
 
 
 def run(argv: Sequence[str] | None = None) -> int:
@@ -188,7 +213,8 @@ def run(argv: Sequence[str] | None = None) -> int:
     leading = threading.Event()  # a standby refuses alerts (503), so Alertmanager retries the leader
     if options.metrics_port:
         from .health import serve
-        serve(options.metrics_port, options.heartbeat, alerts=AlertReceiver(options.alerts, options.alert_token, leading))
+        serve(options.metrics_port, options.heartbeat, addr=options.metrics_host,
+              alerts=AlertReceiver(options.alerts, options.alert_token, leading))
 
     async def main() -> int:
         stop = asyncio.Event()

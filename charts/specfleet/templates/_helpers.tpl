@@ -48,7 +48,7 @@ app.kubernetes.io/part-of: specfleet
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
 
-{{/* What kopf needs cluster-wide whatever it watches: discovery of the CRD. */}}
+{{/* What kopf needs to watch every namespace: the CRDs, to notice ours appear or change. */}}
 {{- define "specfleet.clusterRules" -}}
 - apiGroups: [apiextensions.k8s.io]
   resources: [customresourcedefinitions]
@@ -91,5 +91,62 @@ app.kubernetes.io/part-of: specfleet
 - apiGroups: [""]
   resources: [secrets]
   verbs: [get]
+{{- end }}
+{{- end }}
+
+{{/* The built-in Redis: deployed unless redis.enabled is false or redis.external.url is set. */}}
+{{- define "specfleet.redis.builtin" -}}
+{{- if and .Values.redis.enabled (not .Values.redis.external.url) }}true{{ end }}
+{{- end }}
+
+{{- define "specfleet.redis.fullname" -}}
+{{- include "specfleet.fullname" . | trunc 57 | trimSuffix "-" }}-redis
+{{- end }}
+
+{{- define "specfleet.redis.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "specfleet.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: redis
+{{- end }}
+
+{{- define "specfleet.redis.labels" -}}
+helm.sh/chart: {{ include "specfleet.chart" . }}
+{{ include "specfleet.redis.selectorLabels" . }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: specfleet
+{{- end }}
+
+{{/* The Redis URL the operator is given: no password in it, ever (that comes from a Secret). */}}
+{{- define "specfleet.redis.url" -}}
+{{- if .Values.redis.external.url }}
+{{- .Values.redis.external.url }}
+{{- else }}
+{{- printf "redis://%s.%s.svc:6379/0" (include "specfleet.redis.fullname" .) .Release.Namespace }}
+{{- end }}
+{{- end }}
+
+{{/* The Secret holding the Redis password and its key; empty name: no password (external only). */}}
+{{- define "specfleet.redis.secretName" -}}
+{{- if .Values.redis.external.url }}
+{{- .Values.redis.external.existingSecret }}
+{{- else }}
+{{- default (include "specfleet.redis.fullname" .) .Values.redis.auth.existingSecret }}
+{{- end }}
+{{- end }}
+
+{{- define "specfleet.redis.secretKey" -}}
+{{- if .Values.redis.external.url }}
+{{- .Values.redis.external.key }}
+{{- else }}
+{{- .Values.redis.auth.key }}
+{{- end }}
+{{- end }}
+
+{{- define "specfleet.redis.image" -}}
+{{- $i := .Values.redis.image }}
+{{- if $i.digest }}
+{{- printf "%s:%s@%s" $i.repository $i.tag $i.digest }}
+{{- else }}
+{{- printf "%s:%s" $i.repository $i.tag }}
 {{- end }}
 {{- end }}
