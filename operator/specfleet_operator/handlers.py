@@ -323,8 +323,8 @@ async def startup(memo: Any, settings: kopf.OperatorSettings, logger: Any, **_: 
         or kopf.login_with_kubeconfig(settings=settings)
     memo.kube = Kube(connection)  # created here: its session belongs to the operator's event loop
     memo.setdefault("settings", manifests.Settings())
-    # the fleets' default Redis, from the chart's env until the command line carries it
-    memo.setdefault("default_redis", redis_state.DefaultRedis.from_env())
+    # the fleets' default Redis (main.py: --redis-url, --redis-password-file; their env by default)
+    memo.setdefault("default_redis", None)
     if memo.default_redis is not None and not memo.settings.default_redis_url:
         memo.settings = dataclasses.replace(memo.settings, default_redis_url=memo.default_redis.url)
     memo.setdefault("loop_interval", 15.0)

@@ -19,6 +19,7 @@ import urllib.parse
 from typing import Any, Sequence
 
 import kopf
+from specfleet_api import redis_auth
 
 from . import GROUP
 from . import converge, handlers  # noqa: F401  (registers the handlers with kopf)
@@ -27,6 +28,7 @@ from .health import AlertReceiver, Heartbeat
 from .kube import Kube
 from .leader import LeaseElector
 from .manifests import Settings
+from .redis_state import DefaultRedis
 
 logger = logging.getLogger("specfleet.operator")
 
@@ -52,10 +54,17 @@ class Options:
     alerts: AlertInbox = dataclasses.field(default_factory=AlertInbox)  # what /alertmanager writes
     alert_token: BearerToken = dataclasses.field(default_factory=BearerToken)  # none: /alertmanager is off
     # The Redis the install provides (the chart's, or redis.external): a URL without a password, and
-    # the file of a mounted Secret holding it. Handed to the handlers as memo.redis_url and
-    # memo.redis_password_file; None: the install provides none.
+    # the file of a mounted Secret holding it; the handlers get it as memo.default_redis (the
+    # fleets without spec.redis live there, each as its own Redis user); None: none provided.
     redis_url: str | None = None
     redis_password_file: str | None = None
+
+    def default_redis(self) -> DefaultRedis | None:
+        """The fleets' default Redis with its admin password read from the file (OSError naming it)."""
+        if not self.redis_url:
+            return None
+        password = redis_auth.read_secret_file(self.redis_password_file) if self.redis_password_file else ""
+        return DefaultRedis(self.redis_url, password)
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -111,8 +120,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
                              heartbeat=options.heartbeat, **{"alerts": options.alerts,
-                                                             "redis_url": options.redis_url,
-                                                             "redis_password_file": options.redis_password_file,
+                                                             "default_redis": options.default_redis(),
                                                              **(memo or {})})
         kopf_stop = asyncio.Event()
         running = asyncio.create_task(kopf.operator(

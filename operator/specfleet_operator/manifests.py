@@ -58,8 +58,8 @@ class Settings:
     image_pull_policy: str = "IfNotPresent"
     grpc_port: int = 50051
     http_port: int = 8080
-    # The worker's Admin service, on a port of its own and in no Service: the chart's NetworkPolicy
-    # (networkPolicy.adminPort, same number) admits only the operator to it.
+    # The worker's Admin service (unauthenticated), on a port of its own and in no Service, bound to
+    # the pod's loopback: nothing in the cluster calls it; `kubectl port-forward` reaches it.
     admin_port: int = 50060
     drain_seconds: int = 30
     router_image: str = "ghcr.io/specfleet/router:0.1.0"
@@ -431,7 +431,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "command": ["specfleet"],
         "args": ["serve", "--config", f"{CONFIG_DIR}/engine.json", "--host", "0.0.0.0",
                  "--grpc-port", str(settings.grpc_port), "--http-port", str(settings.http_port),
-                 "--admin-host", "0.0.0.0", "--admin-port", str(settings.admin_port),
+                 "--admin-host", "127.0.0.1", "--admin-port", str(settings.admin_port),
                  "--drain-seconds", str(settings.drain_seconds)],
         "ports": [{"name": "grpc", "containerPort": settings.grpc_port, "protocol": "TCP"},
                   {"name": "http", "containerPort": settings.http_port, "protocol": "TCP"}],

@@ -21,9 +21,8 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
-import os
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable
 
 from specfleet_api import redis_auth
 from specfleet_api.live_state import LiveState, state_key
@@ -60,17 +59,6 @@ class DefaultRedis:
 
     url: str
     password: str = dataclasses.field(default="", repr=False)
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None) -> DefaultRedis | None:
-        """SPECFLEET_REDIS_URL and the file SPECFLEET_REDIS_PASSWORD_FILE; None without a URL.
-        OSError / ValueError naming the file when it is set and cannot be read."""
-        env = os.environ if env is None else env
-        url = env.get(redis_auth.URL_ENV, "")
-        if not url:
-            return None
-        path = env.get(redis_auth.PASSWORD_FILE_ENV, "")
-        return cls(url, redis_auth.read_secret_file(path) if path else "")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -256,20 +256,39 @@ def test_the_rendered_redis_starts_with_auth_on_a_real_server(tmp_path, password
 
 
 def test_the_examples_use_the_redis_the_chart_creates():
-    """No example names a Redis that nothing creates: each points at the chart's Service."""
-    service = redis_objects(render({}))["Service"]["metadata"]
-    host = f"{service['name']}.{service['namespace']}.svc:6379"
-    examples = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
-    with_redis = 0
-    for path in examples:
+    """No example names a Redis that nothing creates: without spec.redis a fleet lives in the
+    chart's (the operator is given its Service), and one that names its own keeps it in a Secret
+    whose comment says how to make it."""
+    docs = render({})
+    service = redis_objects(docs)["Service"]["metadata"]
+    (operator,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value") for e in operator["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["SPECFLEET_REDIS_URL"] == f"redis://{service['name']}.{service['namespace']}.svc:6379/0"
+    own = default = 0
+    for path in sorted((ROOT / "deploy" / "examples").glob("*.yaml")):
         text = path.read_text()
         for doc in yaml.safe_load_all(text):
-            r = (doc or {}).get("spec", {}).get("redis")
-            if r is None:
+            if (doc or {}).get("kind") != "SpecDecodeDeployment":
                 continue
-            with_redis += 1
-            if "url" in r:
-                assert host in r["url"], (path.name, r["url"])
-            else:  # a Secret the comment above it says how to fill from the chart's
-                assert f"@{host}/0" in text and f"get secret {service['name']}" in text, path.name
-    assert with_redis >= 3
+            r = doc["spec"].get("redis")
+            if r is None:
+                default += 1
+                continue
+            own += 1
+            assert "url" not in r, (path.name, "a password-less URL that nothing creates")
+            assert f"create secret generic {r['secretRef']['name']}" in text, path.name
+    assert default >= 2 and own >= 1
+
+
+def test_the_operator_reads_the_admin_password_from_the_mounted_file(tmp_path):
+    """--redis-url and --redis-password-file become the fleets' default Redis the handlers get."""
+    from specfleet_operator.redis_state import DefaultRedis
+
+    secret = tmp_path / "password"
+    secret.write_text("s3cret\n")
+    options = parse_args(["--redis-url", "redis://h:6379/0", "--redis-password-file", str(secret)])
+    assert options.default_redis() == DefaultRedis("redis://h:6379/0", "s3cret")
+    assert parse_args([]).default_redis() is None
+    with pytest.raises(OSError, match="nowhere"):
+        parse_args(["--redis-url", "redis://h:6379/0", "--redis-password-file", str(tmp_path / "nowhere")]
+                   ).default_redis()

@@ -87,6 +87,12 @@ app.kubernetes.io/part-of: specfleet
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
+{{- if or (include "specfleet.redis.builtin" .) .Values.redis.external.url }}
+{{- /* each fleet's Redis user, in a Secret of the fleet's that the operator writes and never reads */}}
+- apiGroups: [""]
+  resources: [secrets]
+  verbs: [create, patch]
+{{- end }}
 {{- if .Values.router.readRedisSecrets }}
 - apiGroups: [""]
   resources: [secrets]
