@@ -92,15 +92,3 @@ def test_network_policies_can_be_turned_off():
     assert not [d for d in render({"networkPolicy": {"enabled": False}, "redis": {"networkPolicy": {"enabled": False}}})
                 if d["kind"] == "NetworkPolicy"]
 
-
-def test_the_workers_admin_service_listens_on_the_pods_loopback_only():
-    """Unauthenticated, so reachable from no other pod whatever the NetworkPolicies of the fleet's
-    namespace say (`kubectl port-forward` still reaches it)."""
-    from specfleet_operator.manifests import deployment
-    from specfleet_operator.spec import with_defaults
-
-    sdd = {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
-           "metadata": {"name": "llama", "namespace": "team-a", "uid": "u1"}}
-    spec = with_defaults({"model": {"name": "smollm2-135m", "uri": "gguf://m.gguf"}, "replicas": 1})
-    args = deployment(sdd, spec, "stable", Settings())["spec"]["template"]["spec"]["containers"][0]["args"]
-    assert args[args.index("--admin-host") + 1] == "127.0.0.1"

@@ -40,7 +40,7 @@ def test_workers_listen_for_admin_on_their_own_port_which_no_service_exposes():
     assert len(workers) == 2  # stable and canary
     for d in workers:
         args = d["spec"]["template"]["spec"]["containers"][0]["args"]
-        assert args[args.index("--admin-port") + 1] == "50070" and args[args.index("--admin-host") + 1] == "0.0.0.0"
+        assert args[args.index("--admin-port") + 1] == "50070" and args[args.index("--admin-host") + 1] == "127.0.0.1"
     for svc in (k for k in kids if k["kind"] == "Service"):
         for port in svc["spec"]["ports"]:
             assert port["port"] != 50070 and port["targetPort"] not in (50070, "admin"), svc["metadata"]["name"]
