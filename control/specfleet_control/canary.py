@@ -20,6 +20,7 @@ import math
 from typing import Any
 
 from specfleet_api.durations import parse_duration
+from specfleet_api.fleet_spec import base_of, lookup, merge, promotion
 from specfleet_api.windows import DriftCounts, Window, sum_windows
 
 from .loop import mean_var, t95
@@ -32,8 +33,6 @@ GATE_ANNOTATION = "serving.specfleet.dev/canary"
 # |t| above which a sampled drift is significant: two-sided p < 0.001 under the normal
 # approximation (the token counts are in the hundreds at least: minPairs requests' tokens)
 T_CRITICAL = 3.29
-# Where an override key lives in the spec (the rest live at the same path).
-_OVERRIDE_PATHS = {"image": ("template", "image")}
 
 
 def gate_from_annotations(metadata: dict[str, Any] | None) -> str | None:
@@ -56,129 +55,6 @@ def gate_from_annotations(metadata: dict[str, Any] | None) -> str | None:
         raise ValueError(f"annotation {GATE_ANNOTATION}: {value!r} is not a canary gate; "
                          f"use pause, resume, promote or abort")
     return gate
-
-
-def _leaves(obj: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
-    out: dict[tuple[str, ...], Any] = {}
-    for key, value in obj.items():
-        if isinstance(value, dict) and value:
-            out.update(_leaves(value, prefix + (key,)))
-        else:
-            out[prefix + (key,)] = value
-    return out
-
-
-def spec_path(override_path: tuple[str, ...]) -> tuple[str, ...]:
-    """Where an override's leaf lives in the spec: `image` is spec.template.image."""
-    return _OVERRIDE_PATHS.get(override_path[0], (override_path[0],)) + override_path[1:]
-
-
-def lookup(obj: Any, path: tuple[str, ...]) -> Any:
-    for key in path:
-        if not isinstance(obj, dict) or key not in obj:
-            return None
-        obj = obj[key]
-    return obj
-
-
-def merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
-    """`over` on top of `base`, recursively (a copy)."""
-    out = copy.deepcopy(base)
-    for key, value in over.items():
-        out[key] = merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) \
-            else copy.deepcopy(value)
-    return out
-
-
-def base_of(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """The spec's values under each leaf of `overrides` (a leaf the spec leaves unset is left out).
-
-    >>> base_of({"speculation": {"kMax": 8}}, {"speculation": {"kMax": 12}, "image": "w:2"})
-    {'speculation': {'kMax': 8}}
-    """
-    out: dict[str, Any] = {}
-    for path in _leaves(overrides):
-        value = lookup(spec, spec_path(path))
-        if value is not None:  # unset in the spec (e.g. template.image: the operator's default)
-            node = out
-            for key in path[:-1]:
-                node = node.setdefault(key, {})
-            node[path[-1]] = copy.deepcopy(value)
-    return out
-
-
-def apply_overrides(spec: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
-    """`spec` with the overrides' leaves set (a copy).
-
-    >>> apply_overrides({"speculation": {"kMin": 1, "kMax": 8}}, {"speculation": {"kMax": 12}, "image": "w:2"})
-    {'speculation': {'kMin': 1, 'kMax': 12}, 'template': {'image': 'w:2'}}
-    """
-    out = copy.deepcopy(spec)
-    for path, value in _leaves(overrides).items():
-        node = out
-        where = spec_path(path)
-        for key in where[:-1]:
-            if not isinstance(node.get(key), dict):
-                node[key] = {}
-            node = node[key]
-        node[where[-1]] = copy.deepcopy(value)
-    return out
-
-
-def _unflatten(leaves: dict[tuple[str, ...], Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for path, value in leaves.items():
-        node = out
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return out
-
-
-def promotion(spec: dict[str, Any], record: dict[str, Any] | None) -> tuple[dict[str, Any] | None,
-                                                                           tuple[tuple[str, str], ...]]:
-    """What is left of a promotion record under the spec now, and the events that say what went.
-
-    Each promoted leaf stays (the stable workers run it) until the spec holds the same value
-    (folded: nothing changes) or sets that field to something else than it held at promotion time
-    (superseded: the spec wins, and the workers follow it). Removing spec.canary changes neither.
-
-    >>> rec = {"overrides": {"speculation": {"kMax": 12}, "draft": {"method": "none"}},
-    ...        "base": {"speculation": {"kMax": 8}, "draft": {"method": "ngram"}}}
-    >>> spec = {"speculation": {"kMax": 8}, "draft": {"method": "ngram"}}
-    >>> promotion(spec, rec)[0] == rec
-    True
-    >>> kept, events = promotion({"speculation": {"kMax": 12}, "draft": {"method": "ngram"}}, rec)
-    >>> kept["overrides"], [r for r, _ in events]
-    ({'draft': {'method': 'none'}}, ['PromotionFolded'])
-    >>> promotion({"speculation": {"kMax": 6}, "draft": {"method": "none"}}, rec)
-    (None, (('PromotionFolded', 'the spec now holds the promoted draft.method none'), ('PromotionSuperseded', 'the spec set speculation.kMax to 6 after the promotion of 12: the stable workers follow the spec')))
-    """
-    if not record or not record.get("overrides"):
-        return None, ()
-    base = record.get("base") or {}
-    kept: dict[tuple[str, ...], Any] = {}
-    folded, superseded = [], []
-    for path, value in _leaves(record["overrides"]).items():
-        now = lookup(spec, spec_path(path))
-        name = ".".join(spec_path(path))
-        if now == value:
-            folded.append(f"{name} {value}")
-        elif now != lookup(base, path):
-            superseded.append(f"{name} to {now} after the promotion of {value}")
-        else:
-            kept[path] = value
-    events = []
-    if folded:
-        events.append(("PromotionFolded", f"the spec now holds the promoted {', '.join(folded)}"))
-    if superseded:
-        events.append(("PromotionSuperseded", f"the spec set {', '.join(superseded)}: the stable workers follow "
-                                              f"the spec"))
-    if not kept:
-        return None, tuple(events)
-    out = dict(record, overrides=_unflatten(kept),
-               base=_unflatten({p: lookup(base, p) for p in kept if lookup(base, p) is not None}))
-    return out, tuple(events)
 
 
 def settle_promotion(spec: dict[str, Any], state: CanaryState) -> tuple[CanaryState, tuple[tuple[str, str], ...]]:
@@ -419,7 +295,7 @@ def routing(state: CanaryState, spec: dict[str, Any]) -> CanaryDecision:
 
 def promotion_record(state: CanaryState, policy: CanaryPolicy, now: float) -> dict[str, Any]:
     """What stable runs after this promotion: the overrides (on top of an earlier promotion's) and
-    the spec's values under them at promotion time (specfleet_operator.manifests.promotion judges
+    the spec's values under them at promotion time (specfleet_api.fleet_spec.promotion judges
     later spec edits against those)."""
     before = state.promoted or {}
     base = merge(policy.base, before.get("base") or {})  # an earlier promotion saw the spec first

@@ -19,8 +19,8 @@ import dataclasses
 from typing import Any
 
 from specfleet_api.durations import parse_duration
+from specfleet_api.fleet_spec import FALLBACK, SPECULATIVE
 
-SPECULATIVE, FALLBACK = "speculative", "fallback"
 HEALTHY, MISSED, UNKNOWN = "healthy", "missed", "unknown"
 
 

@@ -1,9 +1,9 @@
 """What `specfleet up` runs for one SpecDecodeDeployment file: pure, no process started here.
 
 The file is judged as a cluster would judge it (the operator's `with_defaults` and `problems`),
-each arm's engine.json is the one the operator renders (`manifests.engine_config`), and the fields
-that only make sense in a cluster are overridden, each named in an `Override` so that `up` can
-say what it changed. The live state the routers and workers follow comes from `state.py`.
+each arm's engine.json and control.json are the ones the operator renders (specfleet_api.fleet_spec),
+and the fields that only make sense in a cluster are overridden, each named in an `Override` so
+that `up` can say what it changed. The live state the routers and workers follow comes from `state.py`.
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from typing import Any
 
 import yaml
 
+from specfleet_api import fleet_spec
 from specfleet_api.engine_config import EngineConfig, Problem, model_cache
 from specfleet_operator import API_VERSION, KIND
-from specfleet_operator import manifests, spec as specs
+from specfleet_operator import spec as specs
 from specfleet_worker.main import TINY_MODEL
 
 BUNDLED_OR_TEST = ("smollm2-135m", TINY_MODEL)  # model names `--model` takes as they are
@@ -47,7 +48,7 @@ class Override:
 class Arm:
     name: str  # stable | canary
     workers: int
-    engine: dict[str, Any]  # engine.json, as manifests.engine_config renders it
+    engine: dict[str, Any]  # engine.json, as fleet_spec.engine_config renders it
     control: dict[str, Any]  # control.json: what a worker starts from while Redis is away
 
 
@@ -133,12 +134,12 @@ def make_plan(resource: dict[str, Any], source: str = "spec", *, workers_per_arm
     names = ("stable", "canary") if spec.get("canary") else ("stable",)
     arms, problems = [], []
     for arm in names:
-        engine = manifests.engine_config(spec, arm)
+        engine = fleet_spec.engine_config(spec, arm)
         cfg = EngineConfig.from_dict(engine, check=False)
         problems += [f"{arm} workers' engine.json: {p}" for p in cfg.problems()]
         if TINY_MODEL not in (cfg.model_name, cfg.model_uri):
             problems += [f"{arm} workers' engine.json: {p}" for p in cfg.file_problems(model_cache())]
-        control = manifests.control_config(manifests.effective_spec(spec, arm), manifests.FleetState())
+        control = fleet_spec.control_config(spec, fleet_spec.FleetState(), arm)
         arms.append(Arm(arm, workers_per_arm, engine, control))
     if problems:
         hint = " (run a model this machine has with --model, e.g. --model smollm2-135m)" \

@@ -1,6 +1,6 @@
 """The live state on this machine: written to the local Redis, and moved by the control loop.
 
-The state is the operator's (`manifests.live_state`: derived from the spec and the loop's
+The state is the operator's (`fleet_spec.live_state`: derived from the spec and the loop's
 memory). `StateWriter` owns the deployment's key in the local Redis, as the operator does in a
 cluster: it writes the first state, and every period hands what the fleet published (an
 `Observation`: the arms' windows, the routers' clusters and drift pairs) to a `Loop`, whose answer
@@ -21,13 +21,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from specfleet_api import fleet_spec
 from specfleet_api.live_state import PREFIX, LiveState, state_key
 from specfleet_control import canary as canaries
 from specfleet_control import loop as slo_loop
 from specfleet_control import observe
 from specfleet_control.observe import Observation
 from specfleet_control.slo import FALLBACK, SloPolicy
-from specfleet_operator import manifests
 
 log = logging.getLogger("specfleet.local")
 
@@ -35,7 +35,7 @@ log = logging.getLogger("specfleet.local")
 def initial_state(spec: dict[str, Any]) -> LiveState:
     """The state a defaulted spec starts from (version 1, stamped now): the operator's derivation
     with the loop's memory at its start."""
-    return manifests.live_state(spec, manifests.FleetState(), version=1, updated=time.time())
+    return fleet_spec.live_state(spec, fleet_spec.FleetState(), version=1, updated=time.time())
 
 
 def gate_key(namespace: str, name: str) -> str:
@@ -87,9 +87,9 @@ class ControlLoop:
         self.skipped = 0  # ticks on missing data (nothing decided)
         self.clock, self.readiness, self.gate, self.clear_gate = clock, readiness, gate, clear_gate
 
-    def fleet(self) -> manifests.FleetState:
+    def fleet(self) -> fleet_spec.FleetState:
         m, routing = self.memory, canaries.routing(self.canary, self.spec)
-        return manifests.FleetState(mode=FALLBACK if m.whole else "speculative", canary_weight=routing.weight,
+        return fleet_spec.FleetState(mode=FALLBACK if m.whole else "speculative", canary_weight=routing.weight,
                                     canary_phase=self.canary.phase, fallback=m.fallback_types(),
                                     fallback_clusters=m.fallback_clusters(), mirror_share=routing.mirror_share,
                                     drift_epoch=routing.drift_epoch, promoted=self.canary.promoted)
@@ -115,7 +115,7 @@ class ControlLoop:
             self.clear_gate()
         for reason, message in t.events + decision.events:
             self._event(now, reason, message)
-        wanted = manifests.live_state(self.spec, self.fleet())
+        wanted = fleet_spec.live_state(self.spec, self.fleet())
         fields = {f.name: getattr(wanted, f.name) for f in dataclasses.fields(LiveState)
                   if f.name not in ("version", "updated")}
         if all(getattr(state, k) == v for k, v in fields.items()):

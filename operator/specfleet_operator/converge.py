@@ -18,7 +18,7 @@ import kopf
 
 from . import API_VERSION, KIND, handlers, manifests
 from . import spec as specs
-from .kube import PLURALS, ApiError, apply_patch
+from .kube import PLURALS, ApiError, apply_patch, controller_of
 
 logger = logging.getLogger("specfleet.operator.converge")
 CONVERGE_INTERVAL_S = 60.0  # memo.converge_interval unless set
@@ -55,12 +55,15 @@ def desired_children(sdd: dict[str, Any], memo: Any) -> dict[tuple[str, str], di
 
 def drifted(kind: str, name: str, live: dict[str, Any] | None, desired: dict[str, dict[str, Any]],
             uid: str | None) -> str | None:
-    """What is wrong with one live child (None: nothing): missing, hand-edited, or left over."""
+    """What is wrong with one live child (None: nothing): missing, hand-edited, or left over. A
+    child that another owner controls is nothing to converge."""
     want = desired.get((kind, name))
     if want is None:
         return f"{kind} {name} left over" if live is not None and handlers._owned(live, uid) else None
     if live is None:
         return f"{kind} {name} missing"
+    if (controller := controller_of(live)) is not None and controller.get("uid") != uid:
+        return None  # another owner's: reconcile leaves it alone, and the status says so
     patch = apply_patch(live, want)
     fields = sorted(_paths(patch))
     return f"{kind} {name} edited ({', '.join(fields)})" if fields else None

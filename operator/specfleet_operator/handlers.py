@@ -18,6 +18,7 @@ from typing import Any, Sequence
 
 import kopf
 
+from specfleet_api import fleet_spec
 from specfleet_api.windows import Window, sum_windows
 from specfleet_control import canary as canaries
 from specfleet_control import loop as slo_loop
@@ -28,7 +29,7 @@ from . import API_VERSION, GROUP, KIND, PLURAL, VERSION
 from . import manifests, metrics, redis_state
 from . import spec as specs
 from . import status as statuses
-from .kube import ApiError, Kube
+from .kube import ApiError, Kube, OwnedByAnother
 
 SDD = (GROUP, VERSION, PLURAL)
 FLEET_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}  # worker and router Deployments
@@ -36,7 +37,7 @@ OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusR
                   "HorizontalPodAutoscaler": "scaling"}
 WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "CanaryGateInvalid",
                    "CanaryAnalysisHalted", "InvalidSpec", "Unsupported", "ApplyFailed", "NoDecision",
-                   "RedisUnavailable"}
+                   "RedisUnavailable", statuses.OWNED_BY_ANOTHER}
 
 
 def _iso(epoch: float | None) -> str | None:
@@ -60,12 +61,12 @@ def memory_of(status: dict[str, Any]) -> slo_loop.Memory:
 
 
 def fleet_state(cstate: canaries.CanaryState, spec: dict[str, Any], memory: slo_loop.Memory | None = None
-                ) -> manifests.FleetState:
+                ) -> fleet_spec.FleetState:
     """What shapes the children and the live state: the SLO loop's fallbacks and the canary's
     routing (its weight now, the drift mirror share and epoch, a promotion record)."""
     memory = memory or slo_loop.Memory()
     routing = canaries.routing(cstate, spec)
-    return manifests.FleetState(mode=FALLBACK if memory.whole else "speculative", canary_weight=routing.weight,
+    return fleet_spec.FleetState(mode=FALLBACK if memory.whole else "speculative", canary_weight=routing.weight,
                                 canary_phase=cstate.phase, fallback=memory.fallback_types(),
                                 fallback_clusters=memory.fallback_clusters(), mirror_share=routing.mirror_share,
                                 drift_epoch=routing.drift_epoch, promoted=cstate.promoted)
@@ -78,19 +79,19 @@ def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, sta
     memory = memory or memory_of(prev)
     fleet = fleet_state(cstate, spec, memory)
     whole = memory.keys.get(slo_loop.DEPLOYMENT)
-    stable_n, canary_n = manifests.replica_counts(spec, fleet)
+    stable_n, canary_n = fleet_spec.replica_counts(spec, fleet)
     w = window
     live_hash = ((stable or {}).get("spec", {}).get("template", {}).get("metadata", {})
                  .get("annotations", {}).get(manifests.ANNOTATION_CONFIG_HASH))
-    k = manifests.effective_spec(spec, "stable", fleet)["speculation"]
+    k = fleet_spec.k_bounds(spec, fleet)
     return statuses.Observed(
         generation=body.get("metadata", {}).get("generation"),
         apply_error="; ".join(errors) or None,
         stable=statuses.Workers.from_deployment(stable, stable_n),
         canary=statuses.Workers.from_deployment(canary, canary_n) if canary_n else None,
         router=statuses.Workers.from_deployment(router, (spec.get("router") or {}).get("replicas", 2)),
-        state=fleet, draft_method=manifests.effective_spec(spec, "stable", fleet)["draft"]["method"],
-        k_bounds=(k["kMin"], k["kMax"]),
+        state=fleet, draft_method=fleet_spec.effective_spec(spec, "stable", fleet)["draft"]["method"],
+        k_bounds=(k.k_min, k.k_max),
         config_hash=live_hash or prev.get("configHash"),
         alpha=_round(w.alpha) if w and w.alpha is not None else prev.get("alpha"),
         mean_accepted_length=_round(w.tau) if w and w.tau is not None else prev.get("meanAcceptedLength"),
@@ -122,17 +123,20 @@ def _event(body: Any, reason: str, message: str) -> None:
     kopf.event(body, type="Warning" if reason in WARNING_REASONS else "Normal", reason=reason, message=message)
 
 
-async def _apply_children(body: Any, spec: dict[str, Any], fleet: manifests.FleetState, memo: Any
+async def _apply_children(body: Any, spec: dict[str, Any], fleet: fleet_spec.FleetState, memo: Any
                           ) -> tuple[dict[tuple[str, str], tuple[str, dict[str, Any]]], list[str]]:
     kube: Kube = memo.kube
     desired = manifests.children(body, spec, memo.settings, fleet)
     kopf.adopt(desired, owner=body)
     results: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     errors: list[str] = []
+    taken: list[str] = []
     for obj in desired:
         key = (obj["kind"], obj["metadata"]["name"])
         try:
             results[key] = await kube.apply(obj)
+        except OwnedByAnother as exc:
+            taken.append(str(exc))
         except ApiError as exc:
             if exc.status == 404 and obj["kind"] in OPTIONAL_KINDS:
                 errors.append(f"{obj['apiVersion']} {obj['kind']} is not served by this cluster: install it "
@@ -150,6 +154,11 @@ async def _apply_children(body: Any, spec: dict[str, Any], fleet: manifests.Flee
         if live and _owned(live, uid):
             await kube.delete(api_version, kind, body["metadata"]["namespace"], name)
             _event(body, "Removed", f"removed {kind} {name}, no longer in the spec")
+    key = (body["metadata"]["namespace"], body["metadata"]["name"])
+    if tuple(taken) != child_conflicts(memo).get(key, ()):
+        if taken:  # one event per new set of children held by another owner, not one per reconcile
+            _event(body, statuses.OWNED_BY_ANOTHER, "; ".join(taken))
+        child_conflicts(memo)[key] = tuple(taken)
     return results, errors
 
 
@@ -158,7 +167,8 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
                for ref in obj.get("metadata", {}).get("ownerReferences", []))
 
 
-SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations", "redis_secrets")  # created at startup: see there
+SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations", "redis_secrets", "child_conflicts",
+               "legacy_retired")  # created at startup: see there
 
 
 def reconcile_lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
@@ -205,6 +215,32 @@ def applied_generations(memo: Any) -> dict[tuple[str, str], int | None]:
     """(namespace, name) -> the generation whose children this operator last applied, every one
     of them. Unknown (no entry) after a restart, until the resume handler's reconcile."""
     return memo.setdefault("applied_generations", {})
+
+
+def child_conflicts(memo: Any) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(namespace, name) -> the children the last reconcile left alone because another owner
+    controls them (kube.OwnedByAnother, in words): the status says so until they are free."""
+    return memo.setdefault("child_conflicts", {})
+
+
+async def retire_legacy_children(memo: Any, sdd: dict[str, Any]) -> None:
+    """Delete the children this resource owns under the names of an older operator
+    (manifests.legacy_child_refs), once per resource and operator process. Called when the
+    fleet is Ready under the current names, so the old workers and router serve until then."""
+    meta = sdd["metadata"]
+    key = (meta["namespace"], meta["name"], meta.get("uid"))
+    done = memo.setdefault("legacy_retired", {})
+    if done.get(key):
+        return
+    removed = []
+    for api_version, kind, child in manifests.legacy_child_refs(meta["name"]):
+        live = await memo.kube.get(api_version, kind, meta["namespace"], child)
+        if live and _owned(live, meta.get("uid")):
+            await memo.kube.delete(api_version, kind, meta["namespace"], child)
+            removed.append(f"{kind} {child}")
+    if removed:
+        _event(sdd, "Removed", "removed the children named as before the upgrade: " + ", ".join(removed))
+    done[key] = True
 
 
 async def refresh_status(memo: Any, namespace: str, name: str, **kwargs: Any) -> dict[str, Any] | None:
@@ -254,13 +290,18 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
             # carry, and the status says what this write met (a Redis away costs its timeout here)
             health = await publish_live_state(memo, sdd, spec, fleet)
             observed = _observed(sdd, spec, cstate, stable, canary, list(errors), window, router, memory)
-            new = _status(dataclasses.replace(observed, applied_generation=applied, redis=health), sdd, memory)
+            new = _status(dataclasses.replace(observed, applied_generation=applied, redis=health,
+                                              conflicts=child_conflicts(memo).get((namespace, name), ())),
+                          sdd, memory)
             _redis_event(sdd, prev, new)
             if prev.get("configHash") and new.get("configHash") and prev["configHash"] != new["configHash"]:
                 _event(sdd, "Rolled", f"rolling the stable workers: config {prev['configHash']} -> {new['configHash']}")
         if _changed(prev, new):
             await kube.patch(API_VERSION, KIND, namespace, name, {"status": new}, subresource="status")
         metrics.export_state(namespace, name, new)
+        ready = statuses.condition(new, "Ready")
+        if fleet is not None and ready is not None and ready["status"] == "True":
+            await retire_legacy_children(memo, sdd)
         return new
 
 
@@ -296,7 +337,7 @@ def _redis_event(sdd: Any, prev: dict[str, Any], new: dict[str, Any]) -> None:
 
 
 async def publish_live_state(memo: Any, sdd: dict[str, Any], spec: dict[str, Any],
-                             fleet: manifests.FleetState) -> redis_state.Health | None:
+                             fleet: fleet_spec.FleetState) -> redis_state.Health | None:
     """Write the fleet's live state to its Redis (routers and workers follow it); what that met
     (None: the fleet has no Redis). Never raises."""
     store = memo.get("live_state")
@@ -306,7 +347,7 @@ async def publish_live_state(memo: Any, sdd: dict[str, Any], spec: dict[str, Any
     target, problem = await redis_target(memo, sdd, spec)
     if target is None:
         return problem
-    await store.write(target, ns, name, manifests.live_state(spec, fleet))
+    await store.write(target, ns, name, fleet_spec.live_state(spec, fleet))
     return store.health(ns, name)
 
 
@@ -459,7 +500,7 @@ async def tick(body: Any, memo: Any) -> None:
 async def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Delete what this resource owns (garbage collection would too; this does not wait for it)."""
     ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
-    for api_version, kind, child in manifests.child_refs(name):
+    for api_version, kind, child in manifests.child_refs(name) + manifests.legacy_child_refs(name):
         try:
             live = await memo.kube.get(api_version, kind, ns, child)
             if live and _owned(live, uid):

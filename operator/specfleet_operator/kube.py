@@ -5,7 +5,8 @@ Built from kopf's ConnectionInfo.
 
 What `apply` owns: every field of the desired object (a hand edit of one is reverted), and the
 whole of the maps in OWNED_MAPS (a key added there by hand is removed). Everything else on the
-live object (annotations and labels someone added, server defaults, status) is left alone.
+live object (annotations and labels someone added, server defaults, status) is left alone. An
+object controlled by another owner than the desired one's is not written at all (OwnedByAnother).
 """
 from __future__ import annotations
 
@@ -40,6 +41,20 @@ PLURALS = {
     "SpecDecodeDeployment": "specdecodedeployments", "ServiceAccount": "serviceaccounts",
     "Role": "roles", "RoleBinding": "rolebindings", "EndpointSlice": "endpointslices",
 }
+
+
+def controller_of(obj: dict[str, Any]) -> dict[str, Any] | None:
+    """The owner reference that names the object's controller, if any."""
+    return next((ref for ref in obj.get("metadata", {}).get("ownerReferences") or [] if ref.get("controller")), None)
+
+
+class OwnedByAnother(Exception):
+    """`apply` found the object controlled by another owner than the desired one's: left as it is."""
+
+    def __init__(self, kind: str, namespace: str | None, name: str, owner: dict[str, Any]):
+        self.kind, self.namespace, self.name, self.owner = kind, namespace, name, owner
+        super().__init__(f"{kind} {name} is controlled by {owner.get('kind')} {owner.get('name')} "
+                         f"(uid {owner.get('uid')}), not by this resource: left as it is")
 
 
 class ApiError(Exception):
@@ -268,6 +283,8 @@ class Kube:
 
         The annotation LAST_APPLIED keeps what was applied last, so that a field dropped from
         `desired` is removed (as `kubectl apply` does) while fields the server defaults stay.
+        When `desired` names its controller and the live object has another (a different uid),
+        nothing is written: OwnedByAnother.
         """
         meta = desired["metadata"]
         record = json.dumps(desired, sort_keys=True, separators=(",", ":"))
@@ -284,6 +301,9 @@ class Kube:
             if live is None:
                 raise ApiError(409, "Conflict", "the object vanished while being applied",
                                f"{desired['kind']} {meta.get('namespace')}/{meta['name']}")
+        mine, theirs = controller_of(desired), controller_of(live)
+        if mine is not None and theirs is not None and theirs.get("uid") != mine.get("uid"):
+            raise OwnedByAnother(desired["kind"], meta.get("namespace"), meta["name"], theirs)
         patch = apply_patch(live, desired)
         if not patch:
             return "unchanged", live

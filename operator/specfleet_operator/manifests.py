@@ -1,8 +1,10 @@
-"""Pure builders: (SpecDecodeDeployment, fleet state, settings) -> the plain dict of each child,
-and the live state (specfleet_api.live_state) that the router and the workers follow.
+"""Pure builders: (SpecDecodeDeployment, fleet state, settings) -> the plain dict of each child.
+What the spec means (each arm's engine.json and control.json, worker counts, the live state) is
+specfleet_api.fleet_spec's; this module puts it into Kubernetes objects.
 
-Names are deterministic (`<sdd>-stable`, `<sdd>-engine`, ...), so re-applying finds the same
-objects; owner references are added by the handlers (kopf.adopt). No I/O, no kopf, no clock.
+Names are deterministic (`<sdd>--stable`, `<sdd>--engine`, ...; `child_name`), so re-applying finds
+the same objects and no two resources share one; owner references are added by the handlers
+(kopf.adopt). No I/O, no kopf, no clock.
 
 Per resource: the stable and canary worker Deployments, each arm's headless gRPC Service (the
 router discovers the pods through its EndpointSlices), and the router (Deployment, ServiceAccount,
@@ -22,8 +24,9 @@ from specfleet_api import redis_auth
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
 from specfleet_api.durations import parse_duration
 from specfleet_api.enums import Device
-from specfleet_api.live_state import KBounds, LiveState, Routing
-from specfleet_control import canary as canaries
+from specfleet_api.fleet_spec import (
+    ROLES, FleetState, control_config, effective_spec, engine_config, live_state, replica_counts, writes_live_state,
+)
 
 from . import API_VERSION, GROUP, KIND
 
@@ -38,7 +41,6 @@ CONTROL_KEY = "control.json"
 CONTROL_KEYS = {"stable": CONTROL_KEY, "canary": "control-canary.json"}  # each arm's, in the ConfigMap
 WORKER_UID = 65532  # "nonroot" in distroless images
 PRESTOP_SLEEP_S = 5  # lets endpoints drop the pod before SIGTERM starts the drain
-ROLES = ("stable", "canary")
 DISCOVERY_PORT = "grpc"  # the arm Services' port the router's EndpointSlice discovery reads
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
 # A worker without spec.template.resources: sized for the small models the image bundles, served on
@@ -80,69 +82,79 @@ class Settings:
                           "drain_seconds")}
 
 
-@dataclasses.dataclass(frozen=True)
-class FleetState:
-    """The operator's own decisions that shape children: control-loop mode and canary progress."""
-
-    mode: str = "speculative"  # or "fallback": the whole deployment
-    canary_weight: float | None = None  # percent of requests; None: spec.canary.weight (the start)
-    canary_phase: str = "Idle"  # specfleet_control.canary.PHASES
-    fallback: tuple[str, ...] = ()  # prompt types in fallback (the router routes them to `none`)
-    fallback_clusters: tuple[str, ...] = ()  # prompt clusters in fallback
-    mirror_share: float = 0.0  # percent of greedy requests mirrored for the canary's drift check
-    drift_epoch: str = ""  # the canary run the drift counts belong to
-    # what stable runs since a promotion (status.canary.promoted, specfleet_control.canary.promotion)
-    promoted: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
-
-
 def _digest(sdd_name: str) -> str:
     return hashlib.sha256(sdd_name.encode()).hexdigest()[:8]
 
 
 def _dns_base(sdd_name: str) -> tuple[str, bool]:
-    """The resource's name as a DNS-1035 label prefix (lowercase letters, digits and '-', starting
-    with a letter), and whether it had to change. A resource name is a DNS-1123 subdomain, so
-    model-style names (`qwen2.5-7b`, `7b-chat`) need this before they can name a Service."""
+    """The resource's name as a DNS-1035 label prefix (lowercase letters, digits and single '-',
+    starting with a letter), and whether it had to change. A resource name is a DNS-1123 subdomain,
+    so model-style names (`qwen2.5-7b`, `7b-chat`) need this before they can name a Service."""
     base = re.sub(r"-+", "-", re.sub(r"[^a-z0-9-]", "-", sdd_name.lower())).strip("-")
     if not base[:1].isalpha():
         base = f"m-{base}".rstrip("-")
     return base, base != sdd_name
 
 
-def child_name(sdd_name: str, suffix: str) -> str:
-    """`<sdd>-<suffix>` as a valid DNS-1035 label (every child kind accepts one, Services need it).
-    A name that had to change (dots, a leading digit, over 63 characters) gets an 8-character hash
-    of the original, so `qwen2.5-7b` and `qwen2-5-7b` never share children.
+#: Between a resource's name and what names one of its children: a resource whose own name holds
+#: it is named through its hash, so no name of one resource's children is ever another's.
+SEP = "--"
+#: What follows SEP in a child's name, one per kind of child (none is 8 hex digits: a hash).
+SUFFIXES = ("engine", "stable", "canary", "metrics", "canary-metrics", "router", "workers", "alerts", "redis")
+_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
-    >>> child_name("llama", "stable")
-    'llama-stable'
+
+def _plain(sdd_name: str) -> bool:
+    """Whether the name can stand for itself in its children's names: a DNS-1035 label without SEP."""
+    return len(sdd_name) <= 63 and _DNS_1035.fullmatch(sdd_name) is not None and SEP not in sdd_name
+
+
+def _hashed(sdd_name: str, suffix: str) -> str:
+    """`<base>--<hash8>` (`--<suffix>`), cut to 63 characters."""
+    base, _ = _dns_base(sdd_name)
+    tail = f"{SEP}{_digest(sdd_name)}" + (f"{SEP}{suffix}" if suffix else "")
+    return f"{base[:63 - len(tail)].rstrip('-')}{tail}"
+
+
+def child_name(sdd_name: str, suffix: str) -> str:
+    """The name of one of the resource's children, a valid DNS-1035 label: `<sdd>--<suffix>`. A
+    name that cannot stand for itself (dots, a leading digit, SEP, a child's name over 63
+    characters) gives `<base>--<hash8>--<suffix>`, the hash of the full name.
+
+    Split at SEP, a child's name says whose it is: one part, a resource's own name (the front
+    Service); two, a plain name and a suffix, or a base and a hash; three, base, hash and suffix.
+    So two resources share a child's name only if both are hashed, with one base and one hash.
+
+    >>> child_name("llama", "stable"), child_name("llama-canary", "")
+    ('llama--stable', 'llama-canary')
     >>> child_name("qwen2.5-7b", "stable")
-    'qwen2-5-7b-5f5e975c-stable'
+    'qwen2-5-7b--5f5e975c--stable'
     >>> child_name("7b-chat", "router")
-    'm-7b-chat-e14c5e17-router'
+    'm-7b-chat--e14c5e17--router'
     >>> len(child_name("x" * 80, "canary-metrics"))
     63
     """
-    base, changed = _dns_base(sdd_name)
-    name = f"{base}-{suffix}" if suffix else base
-    if not changed and len(name) <= 63:
-        return name
-    tail = f"-{_digest(sdd_name)}" + (f"-{suffix}" if suffix else "")
-    return f"{base[:63 - len(tail)].rstrip('-')}{tail}"
+    if not suffix:
+        return sdd_name if _plain(sdd_name) else _hashed(sdd_name, "")
+    if suffix not in SUFFIXES:
+        raise ValueError(f"no kind of child is named with {suffix!r}: expected one of {SUFFIXES}")
+    name = f"{sdd_name}{SEP}{suffix}"
+    return name if _plain(sdd_name) and len(name) <= 63 else _hashed(sdd_name, suffix)
 
 
 def label_value(sdd_name: str) -> str:
     """The resource's name as a label value (at most 63 characters; a resource name is otherwise
-    already a valid one), shortened with the same hash as child_name.
+    already a valid one). A longer one keeps its first 54 characters and, after a `_` (which no
+    resource name holds, so no other resource's label is ever this one), its hash.
 
     >>> label_value("llama-3.1-8b-instruct")
     'llama-3.1-8b-instruct'
-    >>> len(label_value("x" * 80))
-    63
+    >>> len(label_value("x" * 80)), label_value("x" * 80)[-9:]
+    (63, '_d929cdee')
     """
     if len(sdd_name) <= 63:
         return sdd_name
-    return f"{sdd_name[:54].rstrip('-.')}-{_digest(sdd_name)}"
+    return f"{sdd_name[:54].rstrip('-.')}_{_digest(sdd_name)}"
 
 
 def labels(sdd_name: str, role: str | None = None, component: str = "worker",
@@ -168,7 +180,7 @@ def selector(sdd_name: str, role: str | None = None, component: str = "worker") 
 
 def front_service_name(sdd_name: str) -> str:
     """The Service clients call (the router's): named like the resource where that is a valid
-    Service name."""
+    Service name without SEP."""
     return child_name(sdd_name, "")
 
 
@@ -182,74 +194,6 @@ def router_name(sdd_name: str) -> str:
     return child_name(sdd_name, "router")
 
 
-def promoted_overrides(spec: dict[str, Any], state: FleetState) -> dict[str, Any]:
-    """The overrides stable runs since a promotion, what is left of them under the spec now
-    (specfleet_control.canary.promotion): removing spec.canary never changes them.
-
-    >>> s = {"speculation": {"kMax": 8}}
-    >>> rec = {"overrides": {"speculation": {"kMax": 12}}, "base": {"speculation": {"kMax": 8}}}
-    >>> promoted_overrides(s, FleetState(promoted=rec)), promoted_overrides({"speculation": {"kMax": 6}},
-    ...                                                                     FleetState(promoted=rec))
-    ({'speculation': {'kMax': 12}}, {})
-    """
-    record = state.promoted
-    if record is None and state.canary_phase == "Promoted" and spec.get("canary"):
-        # a status written before promotions were recorded: the canary's overrides, as then
-        over = spec["canary"].get("overrides") or {}
-        record = {"overrides": over, "base": canaries.base_of(spec, over)}
-    kept, _ = canaries.promotion(spec, record)
-    return kept["overrides"] if kept else {}
-
-
-def effective_spec(spec: dict[str, Any], role: str, state: FleetState = FleetState()) -> dict[str, Any]:
-    """The spec a role runs: stable, the base spec with what a promotion left it; the canary,
-    stable's with its own overrides on top."""
-    out = canaries.apply_overrides(spec, promoted_overrides(spec, state))
-    if role == "canary":
-        out = canaries.apply_overrides(out, (spec.get("canary") or {}).get("overrides") or {})
-    return out
-
-
-def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetState()) -> dict[str, Any]:
-    """engine.json as docs/worker-contract.md defines it, for one role."""
-    spec = effective_spec(spec, role, state)
-    model, draft, k = spec["model"], spec["draft"], spec["speculation"]
-    routing = spec.get("routing") or {}
-    speculation = {"kMin": k["kMin"], "kMax": k["kMax"], "kInitial": k["kInitial"], "kPolicy": k["kPolicy"],
-                   "tree": {"branching": k["tree"]["branching"], "depth": k["tree"]["depth"]}}
-    choices = k["tree"].get("choices")
-    if choices:  # absent or []: no static shape, and the file (its hash, the pods) as before the field existed
-        speculation["tree"]["choices"] = choices  # as the spec wrote it: engine.json's reader judges it
-    guard = (k.get("latencyGuard") or {}).get("maxSlowdownPercent")
-    if guard is not None:  # absent: off, and the file (its hash, the pods) as before the field existed
-        speculation["latencyGuard"] = {"maxSlowdownPercent": guard}
-    draft_json = {"method": draft["method"], "uri": draft.get("uri")}
-    corpus = (draft.get("ngram") or {}).get("corpusTokens") or 0
-    if corpus:  # 0: the context only, and the file (its hash, the pods) as before the field existed
-        draft_json["ngram"] = {"corpusTokens": corpus}
-    return {
-        "model": {"name": model["name"], "uri": model["uri"], "tokenizer": model.get("tokenizer")},
-        "draft": draft_json,
-        "speculation": speculation,
-        "routing": {"default": routing.get("default", draft["method"]),
-                    "byPromptType": dict(routing.get("byPromptType", {}))},
-        "quantization": spec["quantization"],
-        "dtype": spec["dtype"],
-        "device": spec["device"],
-        "role": role,
-    }
-
-
-def control_config(spec: dict[str, Any], state: FleetState, role: str = "stable") -> dict[str, Any]:
-    """control.json of one arm: what the control loop moves at run time, outside the config hash
-    so a fallback never restarts a pod (the worker re-reads the mounted file). The canary's has its
-    overrides' K bounds: a worker clamps its K to these, so a shared file would undo them."""
-    spec = effective_spec(spec, role, state)
-    k = spec["speculation"]
-    speculate = state.mode == "speculative" and spec["draft"]["method"] != "none"
-    return {"speculate": speculate, "kMin": k["kMin"], "kMax": k["kMax"] if speculate else 0}
-
-
 def config_hash(obj: Any) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:16]
 
@@ -258,88 +202,10 @@ def _dumps(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True) + "\n"
 
 
-def canary_weight(spec: dict[str, Any], state: FleetState) -> float:
-    """The canary's share of requests in percent (two decimals) now: 0 without a canary or after it."""
-    canary = spec.get("canary")
-    if not canary or state.canary_phase in ("Promoted", "Aborted"):
-        return 0
-    return canary.get("weight", 1) if state.canary_weight is None else state.canary_weight
-
-
-def replica_counts(spec: dict[str, Any], state: FleetState) -> tuple[int | None, int]:
-    """(stable, canary) worker counts. Stable is None under an autoscaler. The router splits
-    requests, so pods no longer carry the share: the canary runs canary.replicas while it lives.
-
-    A canary waiting for its workers routes nothing (weight 0) but has its pods.
-
-    >>> s = {"replicas": 100, "canary": {"weight": 1, "replicas": 2}}
-    >>> replica_counts(s, FleetState()), replica_counts(s, FleetState(canary_phase="Promoted"))
-    ((100, 2), (100, 0))
-    >>> replica_counts(s, FleetState(canary_phase="Waiting", canary_weight=0))
-    (100, 2)
-    """
-    scaling = spec.get("scaling")
-    stable = None if scaling else spec.get("replicas", 1)
-    live = spec.get("canary") and state.canary_phase not in ("Promoted", "Aborted")
-    canary = spec["canary"].get("replicas", 1) if live else 0
-    return stable, canary
-
-
-def writes_live_state(spec: dict[str, Any], settings: Settings) -> bool:
-    """Whether the operator keeps this fleet's live state in Redis (spec.redis, and for a
-    secretRef the right to read that Secret); else the router serves the spec's state from flags."""
-    redis = spec.get("redis") or {}
-    if not redis:
-        return bool(settings.default_redis_url)
-    return "url" in redis or ("secretRef" in redis and settings.read_redis_secrets)
-
-
-def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, updated: float = 0.0) -> LiveState:
-    """The live state (specfleet_api.live_state) derived from the spec and the loop's state: the
-    canary's request share, the routing table, speculation on or off (the loop's fallback) and each
-    arm's K bounds (kMax 0 while speculation is off, as control.json).
-
-    >>> s = {"draft": {"method": "ngram"}, "speculation": {"kMin": 1, "kMax": 8},
-    ...      "routing": {"byPromptType": {"chat": "none"}}, "canary": {"weight": 0.5,
-    ...      "overrides": {"speculation": {"kMax": 12}}}}
-    >>> ls = live_state(s, FleetState())
-    >>> ls.canary_weight, ls.default_method, ls.routes, ls.speculate, ls.k["canary"]
-    (0.5, 'ngram', {'chat': 'none'}, True, KBounds(k_min=1, k_max=12))
-    >>> fb = live_state(s, FleetState(mode="fallback"))
-    >>> fb.speculate, fb.k["stable"], fb.method_for("code")
-    (False, KBounds(k_min=0, k_max=0), 'none')
-    >>> s["slo"] = {"fallback": {"enabled": True, "probeShare": 5}}   # probes keep K in a fallback
-    >>> fb = live_state(s, FleetState(mode="fallback")); fb.k["stable"], fb.route("code", draw=1.0)
-    (KBounds(k_min=1, k_max=8), ('ngram', True))
-    >>> s["canary"]["overrides"]["draft"] = {"method": "none"}          # the canary tries plain decoding
-    >>> ls = live_state(s, FleetState()); ls.method_for("code"), ls.method_for("code", "canary")
-    ('ngram', 'none')
-    """
-    stable = effective_spec(spec, "stable", state)
-    routing = stable.get("routing") or {}
-    speculate = state.mode == "speculative" and stable["draft"]["method"] != "none"
-    fallback = (spec.get("slo") or {}).get("fallback") or {}
-    probe_share = float(fallback.get("probeShare", 0.0)) if fallback.get("enabled", True) else 0.0
-    k = {}
-    for role in ROLES if spec.get("canary") else ("stable",):
-        bounds = effective_spec(spec, role, state)["speculation"]
-        # in a whole-deployment fallback the probes still speculate: the bounds stay, `speculate`
-        # False makes the workers' default plain (a soft off, docs/worker.md)
-        k_max = bounds["kMax"] if speculate or (state.mode == "fallback" and probe_share > 0) else 0
-        k[role] = KBounds(min(bounds["kMin"], k_max), k_max)
-    table = Routing(routing.get("default", stable["draft"]["method"]), dict(routing.get("byPromptType", {})))
-    arms = {}
-    if spec.get("canary"):  # a canary that tries another method gets a table of its own
-        canary = effective_spec(spec, "canary", state)
-        own = canary.get("routing") or {}
-        canary_table = Routing(own.get("default", canary["draft"]["method"]), dict(own.get("byPromptType", {})))
-        if canary_table != table:
-            arms["canary"] = canary_table
-    return LiveState(version=version, canary_weight=round(float(canary_weight(spec, state)), 2),
-                     default_method=table.default_method, routes=table.routes, fallback=tuple(state.fallback),
-                     speculate=speculate, k=k, updated=updated, arms=arms, probe_share=probe_share,
-                     fallback_clusters=tuple(state.fallback_clusters), mirror_share=state.mirror_share,
-                     drift_epoch=state.drift_epoch)
+def keeps_live_state(spec: dict[str, Any], settings: Settings) -> bool:
+    """Whether this operator keeps the fleet's live state in Redis (fleet_spec.writes_live_state
+    with what the operator was given: the right to read Secrets, a default Redis)."""
+    return writes_live_state(spec, settings.read_redis_secrets, bool(settings.default_redis_url))
 
 
 def redis_secret_name(sdd_name: str) -> str:
@@ -565,7 +431,7 @@ def router_args(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
     for role in ROLES:
         args += ["--discover-kubernetes", f"{role}={arm_service_name(name, role)}"]
     live = live_state(spec, state)
-    if not writes_live_state(spec, settings):
+    if not keeps_live_state(spec, settings):
         args += ["--canary-weight", f"{live.canary_weight:g}"]
     args += ["--default-method", live.default_method]
     for prompt_type, method in sorted(live.routes.items()):
@@ -580,7 +446,7 @@ def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Setti
     router = spec.get("router") or {}
     env = [{"name": "HOME", "value": "/tmp"},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, *_window_env(spec)]
-    if writes_live_state(spec, settings):
+    if keeps_live_state(spec, settings):
         env += _redis_env(spec, sdd, settings)
     http = {"port": "http", "scheme": "HTTP"}
     container = {
@@ -808,26 +674,52 @@ def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
 def child_refs(sdd_name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every child the operator may create for an SDD, wanted now or not:
     what a reconcile removes when the spec drops it, and what a delete cleans up."""
-    router = router_name(sdd_name)
+    return _refs(sdd_name, child_name)
+
+
+def _refs(sdd_name: str, name: Any) -> list[tuple[str, str, str]]:
+    router = name(sdd_name, "router")
     return [
-        ("v1", "ConfigMap", child_name(sdd_name, "engine")),
-        ("v1", "Service", front_service_name(sdd_name)),
-        ("v1", "Service", arm_service_name(sdd_name, "stable")),
-        ("v1", "Service", arm_service_name(sdd_name, "canary")),
-        ("v1", "Service", child_name(sdd_name, "metrics")),
-        ("v1", "Service", child_name(sdd_name, "canary-metrics")),
-        ("apps/v1", "Deployment", child_name(sdd_name, "stable")),
-        ("apps/v1", "Deployment", child_name(sdd_name, "canary")),
+        ("v1", "ConfigMap", name(sdd_name, "engine")),
+        ("v1", "Service", name(sdd_name, "")),
+        ("v1", "Service", name(sdd_name, "stable")),
+        ("v1", "Service", name(sdd_name, "canary")),
+        ("v1", "Service", name(sdd_name, "metrics")),
+        ("v1", "Service", name(sdd_name, "canary-metrics")),
+        ("apps/v1", "Deployment", name(sdd_name, "stable")),
+        ("apps/v1", "Deployment", name(sdd_name, "canary")),
         ("apps/v1", "Deployment", router),
         ("v1", "ServiceAccount", router),
         ("rbac.authorization.k8s.io/v1", "Role", router),
         ("rbac.authorization.k8s.io/v1", "RoleBinding", router),
-        ("policy/v1", "PodDisruptionBudget", child_name(sdd_name, "stable")),
+        ("policy/v1", "PodDisruptionBudget", name(sdd_name, "stable")),
         ("policy/v1", "PodDisruptionBudget", router),
-        ("autoscaling/v2", "HorizontalPodAutoscaler", child_name(sdd_name, "stable")),
-        ("monitoring.coreos.com/v1", "ServiceMonitor", child_name(sdd_name, "workers")),
-        ("monitoring.coreos.com/v1", "PrometheusRule", child_name(sdd_name, "alerts")),
+        ("autoscaling/v2", "HorizontalPodAutoscaler", name(sdd_name, "stable")),
+        ("monitoring.coreos.com/v1", "ServiceMonitor", name(sdd_name, "workers")),
+        ("monitoring.coreos.com/v1", "PrometheusRule", name(sdd_name, "alerts")),
     ]
+
+
+def _legacy_name(sdd_name: str, suffix: str) -> str:
+    """The names children had before SEP (`<sdd>-<suffix>`, `<base>-<hash8>-<suffix>`), which
+    another resource's children could also have (`foo-canary`'s Service was `foo`'s canary arm)."""
+    base, changed = _dns_base(sdd_name)
+    name = f"{base}-{suffix}" if suffix else base
+    if not changed and len(name) <= 63:
+        return name
+    tail = f"-{_digest(sdd_name)}" + (f"-{suffix}" if suffix else "")
+    return f"{base[:63 - len(tail)].rstrip('-')}{tail}"
+
+
+def legacy_child_refs(sdd_name: str) -> list[tuple[str, str, str]]:
+    """child_refs under the names of before SEP, less those still in use: what an upgraded
+    operator retires (those this resource owns; a name may now be another resource's child).
+
+    >>> [n for _, k, n in legacy_child_refs("llama") if k == "Service"]
+    ['llama-stable', 'llama-canary', 'llama-metrics', 'llama-canary-metrics']
+    """
+    now = {(kind, name) for _, kind, name in child_refs(sdd_name)}
+    return [ref for ref in _refs(sdd_name, _legacy_name) if (ref[1], ref[2]) not in now]
 
 
 def owner_reference(sdd: dict[str, Any]) -> dict[str, Any]:

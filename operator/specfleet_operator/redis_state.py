@@ -1,4 +1,4 @@
-"""The operator's side of the live state: each fleet's document (manifests.live_state, derived from
+"""The operator's side of the live state: each fleet's document (fleet_spec.live_state, derived from
 its spec and status) written to Redis under specfleet_api.live_state.state_key, for the routers
 and workers that follow it.
 

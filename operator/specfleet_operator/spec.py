@@ -19,8 +19,7 @@ from specfleet_api.engine_config import (
 )
 from specfleet_api.durations import parse_duration
 from specfleet_api.enums import METHODS, PROMPT_TYPES
-
-from . import manifests
+from specfleet_api.fleet_spec import engine_config
 
 __all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "is_percentage", "parse_duration", "problems",
            "rejection_reason", "served_problems", "spec_schema", "with_defaults"]
@@ -129,7 +128,7 @@ def served_problems(spec: dict[str, Any]) -> list[Problem]:
     overrides = (spec.get("canary") or {}).get("overrides", {})
     for role in ("stable", "canary") if spec.get("canary") else ("stable",):
         try:
-            found = EngineConfig.from_dict(manifests.engine_config(spec, role), check=False).problems()
+            found = EngineConfig.from_dict(engine_config(spec, role), check=False).problems()
         except (KeyError, TypeError, ValueError) as exc:
             return [Problem("spec", f"cannot render the {role} workers' engine.json: {exc}")]
         for p in found:

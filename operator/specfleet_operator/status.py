@@ -10,10 +10,13 @@ import dataclasses
 import json
 from typing import Any
 
-from .manifests import FleetState
+from specfleet_api.fleet_spec import FleetState
+
 from .spec import Problem, rejection_reason
 
 CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Speculating", "CanaryProgressing")
+#: The reason of Ready (and Degraded) while a child's name is taken by an object another owner controls.
+OWNED_BY_ANOTHER = "ChildOwnedByAnother"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,12 +51,14 @@ class Observed:
     # `generation`, the workers observed are an older spec's, not yet this one's
     applied_generation: int | None = None
     apply_error: str | None = None
+    # children left alone because another owner controls them (kube.OwnedByAnother, in words)
+    conflicts: tuple[str, ...] = ()
     stable: Workers | None = None
     canary: Workers | None = None
     router: Workers | None = None  # the router Deployment; None: not created yet
     state: FleetState = FleetState()
     draft_method: str = "ngram"
-    k_bounds: tuple[int, int] | None = None
+    k_bounds: tuple[int, int] | None = None  # the stable arm's in force (fleet_spec.k_bounds)
     config_hash: str | None = None
     alpha: float | None = None
     mean_accepted_length: float | None = None
@@ -90,8 +95,11 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     rejected = rejection_reason(o.problems)  # InvalidSpec, or Unsupported: reserved, not served yet
 
     pending = o.applied_generation is not None and gen is not None and o.applied_generation < gen
+    taken = "; ".join(o.conflicts)
     if invalid:
         ready = (False, rejected, invalid)
+    elif taken:
+        ready = (False, OWNED_BY_ANOTHER, taken)
     elif o.apply_error:
         ready = (False, "ApplyFailed", o.apply_error)
     elif stable is None:
@@ -119,6 +127,8 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     redis_down = not invalid and o.redis is not None and not o.redis.ok
     if invalid or o.apply_error:
         degraded = (True, rejected if invalid else "ApplyFailed", invalid or o.apply_error or "")
+    elif taken:
+        degraded = (True, OWNED_BY_ANOTHER, taken)
     elif redis_down:  # the routers and workers serve on the last state they read (fail static)
         degraded = (True, f"Redis{o.redis.reason}", "the live state cannot be written to Redis: routers and "
                     "workers serve on the last state they read, and the loop decides nothing on missing windows "
@@ -163,9 +173,8 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
         if value is not None:
             status[key] = value
     if o.k_bounds is not None:
-        k_max = o.k_bounds[1] if o.state.mode == "speculative" else 0
-        status["kBounds"] = {"min": min(o.k_bounds[0], k_max), "max": k_max}
-        status["kRange"] = f"{status['kBounds']['min']}-{k_max}"
+        status["kBounds"] = {"min": o.k_bounds[0], "max": o.k_bounds[1]}
+        status["kRange"] = f"{o.k_bounds[0]}-{o.k_bounds[1]}"
     if stable is not None:
         status["replicas"] = {"desired": stable.desired + (canary.desired if canary else 0),
                               "ready": stable.ready + (canary.ready if canary else 0)}

@@ -464,7 +464,8 @@ def test_settle_promotion_drops_folded_and_superseded_leaves_once():
 
 
 def test_apply_overrides_puts_the_image_under_the_template():
-    out = c.apply_overrides({"template": {"resources": {}}, "quantization": "none"},
+    from specfleet_api.fleet_spec import apply_overrides
+    out = apply_overrides({"template": {"resources": {}}, "quantization": "none"},
                             {"image": "w:2", "quantization": "int8"})
     assert out == {"template": {"resources": {}, "image": "w:2"}, "quantization": "int8"}
 

@@ -16,7 +16,7 @@ from specfleet_api import windows
 from specfleet_local import demo, plan, state, status
 from specfleet_local.plan import SpecError, load_resource, make_plan
 from specfleet_local.state import StateWriter, initial_state
-from specfleet_operator import manifests
+from specfleet_api import fleet_spec as fs
 from specfleet_operator import spec as specs
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -35,7 +35,7 @@ def test_engine_json_per_arm_is_the_operators():
     spec = specs.with_defaults(resource["spec"])
     assert [a.name for a in p.arms] == ["stable", "canary"] and all(a.workers == 2 for a in p.arms)
     for arm in p.arms:
-        assert arm.engine == manifests.engine_config(spec, arm.name)
+        assert arm.engine == fs.engine_config(spec, arm.name)
     assert p.arm("canary").engine["speculation"]["kMax"] == 12 and p.arm("stable").engine["speculation"]["kMax"] == 8
     assert p.deployment == "default/smollm2-canary"
     assert any("canary steps" in t for t in p.not_run)

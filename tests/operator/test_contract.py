@@ -13,7 +13,7 @@ import sys
 import pytest
 import yaml
 
-from specfleet_operator import manifests
+from specfleet_api import fleet_spec as fs
 from specfleet_operator import spec as specs
 from specfleet_operator.testing import EXAMPLE_VERDICTS as VERDICTS
 from specfleet_worker.main import check_config
@@ -34,7 +34,7 @@ def rendered(path: pathlib.Path, tmp_path: pathlib.Path) -> list[pathlib.Path]:
     out = []
     for role in ("stable", "canary") if spec.get("canary") else ("stable",):
         f = tmp_path / f"{path.stem}-{role}.json"
-        f.write_text(json.dumps(manifests.engine_config(spec, role)))
+        f.write_text(json.dumps(fs.engine_config(spec, role)))
         out.append(f)
     return out
 

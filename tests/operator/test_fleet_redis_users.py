@@ -13,6 +13,7 @@ from specfleet_router.metrics import RouterMetrics
 from specfleet_router.state import RedisState
 
 from specfleet_operator import API_VERSION, KIND
+from specfleet_operator.manifests import child_name, redis_secret_name, router_name
 from specfleet_operator.redis_state import DefaultRedis
 from specfleet_operator.testing import OperatorThread, ready, sdd_body, stored_live_state, wait_for
 
@@ -20,7 +21,7 @@ ADMIN = "admin-secret"
 
 
 def secret_of(cluster, name):
-    secret = cluster.live("v1", "secrets", "default", f"{name}-redis")
+    secret = cluster.live("v1", "secrets", "default", redis_secret_name(name))
     return secret and {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
 
 
@@ -52,18 +53,18 @@ async def test_each_fleet_gets_a_user_that_can_read_its_state_and_forge_nothing(
         sdd = cluster.live(API_VERSION, "specdecodedeployments", "default", "a")
         assert creds == {"username": "specfleet:default:a",
                          "password": redis_auth.fleet_password(ADMIN, "default", "a", sdd["metadata"]["uid"])}
-        secret = cluster.live("v1", "secrets", "default", "a-redis")
+        secret = cluster.live("v1", "secrets", "default", redis_secret_name("a"))
         assert [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [sdd["metadata"]["uid"]]
         assert not [p for m, p in cluster.log if m == "GET" and "/secrets" in p]  # created, never read
-        for deployment in ("a-stable", "a-canary", "a-router"):
+        for deployment in (child_name("a", "stable"), child_name("a", "canary"), router_name("a")):
             env = {e["name"]: e for e in cluster.live("apps/v1", "deployments", "default", deployment)["spec"][
                 "template"]["spec"]["containers"][0]["env"]}
             assert env["SPECFLEET_REDIS_URL"]["value"] == redis_server.url
-            assert env["SPECFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": "a-redis",
+            assert env["SPECFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": redis_secret_name("a"),
                                                                                    "key": "password"}
-            assert env["SPECFLEET_REDIS_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == "a-redis"
+            assert env["SPECFLEET_REDIS_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == redis_secret_name("a")
             assert ADMIN not in str(env) and creds["password"] not in str(env)
-        args = cluster.live("apps/v1", "deployments", "default", "a-router")["spec"]["template"]["spec"][
+        args = cluster.live("apps/v1", "deployments", "default", router_name("a"))["spec"]["template"]["spec"][
             "containers"][0]["args"]
         assert "--canary-weight" not in args  # the router follows Redis, not its flags
 

@@ -8,9 +8,11 @@ import pathlib
 
 import pytest
 import yaml
+from specfleet_api import fleet_spec
 from specfleet_operator import API_VERSION, KIND, converge
 from specfleet_operator import manifests as m
 from specfleet_operator.kube import LAST_APPLIED, apply_patch
+from specfleet_operator.spec import with_defaults
 from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -76,8 +78,8 @@ async def test_every_deleted_child_is_recreated(cluster, kube):
 async def test_a_worker_deployment_scaled_by_hand_is_scaled_back(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo", replicas=2))
     try:
-        await kube.patch("apps/v1", "Deployment", "default", "demo-stable", {"spec": {"replicas": 7}})
-        await wait_for(lambda: child(cluster, "Deployment", "demo-stable")["spec"]["replicas"] == 2, 10,
+        await kube.patch("apps/v1", "Deployment", "default", "demo--stable", {"spec": {"replicas": 7}})
+        await wait_for(lambda: child(cluster, "Deployment", "demo--stable")["spec"]["replicas"] == 2, 10,
                        "replicas back to 2")
     finally:
         await op.stop_and_join()
@@ -86,7 +88,7 @@ async def test_a_worker_deployment_scaled_by_hand_is_scaled_back(cluster, kube):
 async def test_a_changed_container_image_and_args_are_reverted(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo"))
     try:
-        for deployment in ("demo-stable", "demo-router"):
+        for deployment in ("demo--stable", "demo--router"):
             pod = child(cluster, "Deployment", deployment)["spec"]["template"]["spec"]
             container = copy.deepcopy(pod["containers"][0])
             edited = {**container, "image": "evil.example/worker:latest", "args": [*container.get("args", []), "--x"]}
@@ -101,12 +103,12 @@ async def test_a_changed_container_image_and_args_are_reverted(cluster, kube):
 async def test_edited_configmap_data_is_reverted_and_a_stray_key_removed(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo"))
     try:
-        data = dict(child(cluster, "ConfigMap", "demo-engine")["data"])
+        data = dict(child(cluster, "ConfigMap", "demo--engine")["data"])
         engine = json.loads(data["engine.json"])
         engine["speculation"]["kMax"] = 64
-        await kube.patch("v1", "ConfigMap", "default", "demo-engine",
+        await kube.patch("v1", "ConfigMap", "default", "demo--engine",
                          {"data": {"engine.json": json.dumps(engine), "extra.json": "{}"}})
-        await wait_for(lambda: child(cluster, "ConfigMap", "demo-engine")["data"] == data, 10, "data restored")
+        await wait_for(lambda: child(cluster, "ConfigMap", "demo--engine")["data"] == data, 10, "data restored")
     finally:
         await op.stop_and_join()
 
@@ -114,7 +116,7 @@ async def test_edited_configmap_data_is_reverted_and_a_stray_key_removed(cluster
 async def test_an_edited_service_selector_and_port_are_reverted(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo"))
     try:
-        for service in ("demo", "demo-stable"):
+        for service in ("demo", "demo--stable"):
             spec = copy.deepcopy(child(cluster, "Service", service)["spec"])
             ports = [{**p, "port": p["port"] + 1} for p in spec["ports"]]
             await kube.patch("v1", "Service", "default", service, {"spec": {
@@ -130,18 +132,18 @@ async def test_an_owned_child_the_spec_no_longer_wants_is_removed(cluster, kube)
     left the spec is removed again; one that is not the operator's is left alone."""
     op = await started(cluster, kube, sdd_body("demo", canary={"weight": 10}))
     try:
-        stale = copy.deepcopy(child(cluster, "Deployment", "demo-canary"))
+        stale = copy.deepcopy(child(cluster, "Deployment", "demo--canary"))
         await kube.patch(API_VERSION, KIND, "default", "demo", {"spec": {"canary": None}})
-        await wait_for(lambda: child(cluster, "Deployment", "demo-canary") is None, 10, "canary removed")
+        await wait_for(lambda: child(cluster, "Deployment", "demo--canary") is None, 10, "canary removed")
         await wait_for(lambda: ready(cluster, "demo"), 10, "Ready without a canary")
         for key in ("uid", "resourceVersion", "creationTimestamp", "generation"):
             stale["metadata"].pop(key)
         await kube.create(stale)
-        await wait_for(lambda: child(cluster, "Deployment", "demo-canary") is None, 10, "restored canary removed")
+        await wait_for(lambda: child(cluster, "Deployment", "demo--canary") is None, 10, "restored canary removed")
         stale["metadata"]["ownerReferences"] = []  # someone else's, by the same name: not the operator's
         await kube.create(stale)
         await asyncio.sleep(1.0)
-        assert child(cluster, "Deployment", "demo-canary") is not None
+        assert child(cluster, "Deployment", "demo--canary") is not None
     finally:
         await op.stop_and_join()
 
@@ -150,19 +152,19 @@ async def test_what_the_operator_does_not_own_is_left_alone(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo"), {"converge_interval": 0.2})
     try:
         note = {"metadata": {"annotations": {"team.example/owner": "search"}, "labels": {"team": "search"}}}
-        await kube.patch("v1", "Service", "default", "demo-stable", note)
-        await kube.patch("apps/v1", "Deployment", "default", "demo-stable", {
+        await kube.patch("v1", "Service", "default", "demo--stable", note)
+        await kube.patch("apps/v1", "Deployment", "default", "demo--stable", {
             **note, "spec": {"template": {"metadata": {"annotations": {"kubectl.kubernetes.io/restartedAt": "now"}}}}})
-        await kube.patch("v1", "ConfigMap", "default", "demo-engine", note)
-        writes = cluster.writes("PATCH", "/services/demo-stable") + cluster.writes("PATCH", "/configmaps/")
-        deployment_writes = cluster.writes("PATCH", "/deployments/demo-stable")
+        await kube.patch("v1", "ConfigMap", "default", "demo--engine", note)
+        writes = cluster.writes("PATCH", "/services/demo--stable") + cluster.writes("PATCH", "/configmaps/")
+        deployment_writes = cluster.writes("PATCH", "/deployments/demo--stable")
         await asyncio.sleep(1.5)  # several periodic converges and the watches' checks
-        assert cluster.writes("PATCH", "/services/demo-stable") + cluster.writes("PATCH", "/configmaps/") == writes
-        assert cluster.writes("PATCH", "/deployments/demo-stable") == deployment_writes
-        for kind, name in (("Service", "demo-stable"), ("Deployment", "demo-stable"), ("ConfigMap", "demo-engine")):
+        assert cluster.writes("PATCH", "/services/demo--stable") + cluster.writes("PATCH", "/configmaps/") == writes
+        assert cluster.writes("PATCH", "/deployments/demo--stable") == deployment_writes
+        for kind, name in (("Service", "demo--stable"), ("Deployment", "demo--stable"), ("ConfigMap", "demo--engine")):
             meta = child(cluster, kind, name)["metadata"]
             assert meta["annotations"]["team.example/owner"] == "search" and meta["labels"]["team"] == "search"
-        deployment = child(cluster, "Deployment", "demo-stable")
+        deployment = child(cluster, "Deployment", "demo--stable")
         assert deployment["spec"]["template"]["metadata"]["annotations"]["kubectl.kubernetes.io/restartedAt"] == "now"
         assert deployment["status"]["readyReplicas"] == 1  # status is the Deployment controller's
     finally:
@@ -194,8 +196,8 @@ async def test_the_operators_own_writes_end_there(cluster, kube):
         await asyncio.sleep(1.5)  # several periodic converges
         assert writes(cluster) == before, writes(cluster)[len(before):]
         assert len(cluster.log) > reads  # the periodic converge did read
-        await kube.patch("apps/v1", "Deployment", "default", "smollm2-draft-router", {"spec": {"replicas": 9}})
-        await wait_for(lambda: child(cluster, "Deployment", "smollm2-draft-router")["spec"]["replicas"] == 2, 10,
+        await kube.patch("apps/v1", "Deployment", "default", "smollm2-draft--router", {"spec": {"replicas": 9}})
+        await wait_for(lambda: child(cluster, "Deployment", "smollm2-draft--router")["spec"]["replicas"] == 2, 10,
                        "router replicas restored")
         await quiet(cluster)
         settled = writes(cluster)
@@ -210,9 +212,9 @@ async def test_an_autoscaled_deployments_replicas_are_the_autoscalers(cluster, k
     converge never fights it."""
     op = await started(cluster, kube, full_fleet(), {"converge_interval": 0.2})
     try:
-        await kube.patch("apps/v1", "Deployment", "default", "smollm2-draft-stable", {"spec": {"replicas": 5}})
+        await kube.patch("apps/v1", "Deployment", "default", "smollm2-draft--stable", {"spec": {"replicas": 5}})
         await asyncio.sleep(1.5)  # several periodic converges
-        assert child(cluster, "Deployment", "smollm2-draft-stable")["spec"]["replicas"] == 5
+        assert child(cluster, "Deployment", "smollm2-draft--stable")["spec"]["replicas"] == 5
         assert not [e for e in cluster.all_live("v1", "events") if e.get("reason") == "Converged"]  # not drift
     finally:
         await op.stop_and_join()
@@ -224,13 +226,13 @@ async def test_the_periodic_converge_repairs_what_no_watch_saw(cluster, kube):
     op = await started(cluster, kube, sdd_body("demo", replicas=2), {"converge_interval": 0.3})
     try:
         label = "app.kubernetes.io/managed-by"
-        await kube.patch("apps/v1", "Deployment", "default", "demo-stable",
+        await kube.patch("apps/v1", "Deployment", "default", "demo--stable",
                          {"metadata": {"labels": {label: None}}, "spec": {"replicas": 5}})
-        await wait_for(lambda: (d := child(cluster, "Deployment", "demo-stable"))["spec"]["replicas"] == 2
+        await wait_for(lambda: (d := child(cluster, "Deployment", "demo--stable"))["spec"]["replicas"] == 2
                        and d["metadata"]["labels"].get(label) == m.MANAGED_BY, 10, "replicas and label restored")
         (event, *_) = await wait_for(lambda: [e for e in cluster.all_live("v1", "events") if e.get(
             "reason") == "Converged"], 10, "Converged event")
-        assert "Deployment demo-stable edited" in event["message"] and "spec.replicas" in event["message"]
+        assert "Deployment demo--stable edited" in event["message"] and "spec.replicas" in event["message"]
     finally:
         await op.stop_and_join()
 
@@ -242,16 +244,20 @@ async def test_children_converge_to_the_loops_memory_and_stay_there(cluster, kub
     from specfleet_control.slo import FALLBACK, KeyState
     op = await started(cluster, kube, sdd_body("demo"), {"converge_interval": 0.2})
     try:
-        control = lambda: json.loads(child(cluster, "ConfigMap", "demo-engine")["data"][m.CONTROL_KEY])
+        control = lambda: json.loads(child(cluster, "ConfigMap", "demo--engine")["data"][m.CONTROL_KEY])
         assert control()["speculate"] is True
         memory = Memory({DEPLOYMENT: KeyState(mode=FALLBACK, since=1.0, reason="alpha 0.02 < floor")})
         await kube.patch(API_VERSION, KIND, "default", "demo", {"status": {"slo": memory.to_status()}},
                          subresource="status")
-        await wait_for(lambda: control() == {"speculate": False, "kMin": 0, "kMax": 0}, 10, "control.json off")
+        spec = with_defaults(sdd_body("demo")["spec"])
+        off = fleet_spec.live_state(spec, fleet_spec.FleetState(mode=FALLBACK))  # the probes keep the K bounds
+        assert off.k["stable"].k_max > 0
+        await wait_for(lambda: control() == {"speculate": False, "kMin": off.k["stable"].k_min,
+                                             "kMax": off.k["stable"].k_max}, 10, "control.json off")
         await asyncio.sleep(0.5)
-        writes = cluster.writes("PATCH", "/configmaps/demo-engine")
+        writes = cluster.writes("PATCH", "/configmaps/demo--engine")
         await asyncio.sleep(1.5)  # several periodic converges
-        assert cluster.writes("PATCH", "/configmaps/demo-engine") == writes and control()["speculate"] is False
+        assert cluster.writes("PATCH", "/configmaps/demo--engine") == writes and control()["speculate"] is False
     finally:
         await op.stop_and_join()
 

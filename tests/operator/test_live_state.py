@@ -92,7 +92,7 @@ async def test_the_operator_keeps_the_live_state_in_redis(cluster, kube, redis_s
         assert (first.canary_weight, first.routes, first.speculate) == (0.5, {"chat": "none", "code": "ngram"}, True)
         assert first.k == {"stable": KBounds(1, 6), "canary": KBounds(1, 12)} and first.default_method == "ngram"
         await router_takes(first)
-        canary = cluster.live("apps/v1", "deployments", "default", "live-canary")
+        canary = cluster.live("apps/v1", "deployments", "default", "live--canary")
         assert canary["spec"]["replicas"] == 2  # canary.replicas, not a share of the stable pods
 
         await kube.patch(API_VERSION, KIND, "default", "live", {"spec": {"canary": {"weight": 2.5}}})
@@ -126,7 +126,7 @@ async def test_no_redis_no_document_and_the_router_gets_the_state_in_flags(clust
         await kube.create(sdd_body("flags", canary={"weight": 0.25}))
         await wait_for(lambda: ready(cluster, "flags"), 20, "Ready")
         def weight():
-            args = cluster.live("apps/v1", "deployments", "default", "flags-router")["spec"]["template"]["spec"][
+            args = cluster.live("apps/v1", "deployments", "default", "flags--router")["spec"]["template"]["spec"][
                 "containers"][0]["args"]
             return args[args.index("--canary-weight") + 1]
         # 0 while the canary waits for its workers, its share once they are Ready

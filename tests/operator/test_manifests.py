@@ -5,8 +5,11 @@ import re
 
 import kubernetes_validate
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from specfleet_api.live_state import KBounds, LiveState
 
+from specfleet_api import fleet_spec as fs
 from specfleet_operator import manifests as m
 from specfleet_operator.spec import with_defaults
 
@@ -29,11 +32,11 @@ def test_the_docstrings_hold():
 
 def test_children_have_deterministic_names_and_labels():
     kids = by_kind(m.children(SDD, spec(), m.Settings()))
-    assert set(kids) == {("ConfigMap", "demo-engine"), ("Service", "demo"), ("Service", "demo-stable"),
-                         ("Service", "demo-metrics"), ("Deployment", "demo-stable"),
-                         ("PodDisruptionBudget", "demo-stable"), ("ServiceAccount", "demo-router"),
-                         ("Role", "demo-router"), ("RoleBinding", "demo-router"), ("Deployment", "demo-router"),
-                         ("PodDisruptionBudget", "demo-router")}
+    assert set(kids) == {("ConfigMap", "demo--engine"), ("Service", "demo"), ("Service", "demo--stable"),
+                         ("Service", "demo--metrics"), ("Deployment", "demo--stable"),
+                         ("PodDisruptionBudget", "demo--stable"), ("ServiceAccount", "demo--router"),
+                         ("Role", "demo--router"), ("RoleBinding", "demo--router"), ("Deployment", "demo--router"),
+                         ("PodDisruptionBudget", "demo--router")}
     for obj in kids.values():
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["labels"][m.LABEL_SDD] == "demo"
@@ -45,7 +48,7 @@ def test_children_have_deterministic_names_and_labels():
 
 
 def test_engine_json_follows_the_worker_contract():
-    cfg = m.engine_config(spec(routing={"byPromptType": {"code": "ngram"}}), "stable")
+    cfg = fs.engine_config(spec(routing={"byPromptType": {"code": "ngram"}}), "stable")
     assert cfg == {
         "model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf", "tokenizer": None},
         "draft": {"method": "ngram", "uri": None},
@@ -55,7 +58,7 @@ def test_engine_json_follows_the_worker_contract():
         "quantization": "none", "dtype": "auto", "device": "auto", "role": "stable",
     }
     cm = m.engine_configmap(SDD, spec())
-    assert json.loads(cm["data"]["engine.json"]) == m.engine_config(spec(), "stable")
+    assert json.loads(cm["data"]["engine.json"]) == fs.engine_config(spec(), "stable")
     assert json.loads(cm["data"]["control.json"]) == {"speculate": True, "kMin": 0, "kMax": 8}
 
 
@@ -63,12 +66,12 @@ def test_the_latency_guard_reaches_engine_json_only_when_set():
     from specfleet_api.engine_config import EngineConfig
 
     guarded = spec(speculation={"latencyGuard": {"maxSlowdownPercent": 2}})
-    raw = m.engine_config(guarded, "stable")
+    raw = fs.engine_config(guarded, "stable")
     assert raw["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 2}
     assert EngineConfig.from_dict(raw).max_slowdown == 0.02  # the worker reads what the operator wrote
     # absent: off, and engine.json (its hash: the pods) exactly as before the field existed
-    assert "latencyGuard" not in m.engine_config(spec(), "stable")["speculation"]
-    assert "latencyGuard" not in m.engine_config(spec(speculation={"latencyGuard": {}}), "stable")["speculation"]
+    assert "latencyGuard" not in fs.engine_config(spec(), "stable")["speculation"]
+    assert "latencyGuard" not in fs.engine_config(spec(speculation={"latencyGuard": {}}), "stable")["speculation"]
 
     def pod_hash(s):
         return m.deployment(SDD, s, "stable", m.Settings())["spec"]["template"]["metadata"]["annotations"][
@@ -82,8 +85,8 @@ def test_a_canary_may_try_the_latency_guard_and_a_promotion_keeps_it():
     cm = m.engine_configmap(SDD, s)["data"]
     assert json.loads(cm["engine-canary.json"])["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
     assert "latencyGuard" not in json.loads(cm["engine.json"])["speculation"]
-    promoted = m.FleetState(promoted={"overrides": over, "base": {}})
-    assert m.engine_config(spec(), "stable", promoted)["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
+    promoted = fs.FleetState(promoted={"overrides": over, "base": {}})
+    assert fs.engine_config(spec(), "stable", promoted)["speculation"]["latencyGuard"] == {"maxSlowdownPercent": 3}
 
 
 MEDUSA = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
@@ -93,12 +96,12 @@ def test_a_tree_shape_reaches_engine_json_only_when_set():
     from specfleet_api.engine_config import EngineConfig
 
     shaped = spec(speculation={"tree": {"branching": 3, "choices": MEDUSA}})
-    raw = m.engine_config(shaped, "stable")
+    raw = fs.engine_config(shaped, "stable")
     assert raw["speculation"]["tree"] == {"branching": 3, "depth": 0, "choices": MEDUSA}
     assert EngineConfig.from_dict(raw).tree_choices == tuple(map(tuple, MEDUSA))  # the worker reads what was written
     # absent or []: no shape, and engine.json (its hash: the pods) exactly as before the field existed
     for unset in ({"branching": 3}, {"branching": 3, "choices": []}):
-        assert m.engine_config(spec(speculation={"tree": unset}), "stable")["speculation"]["tree"] == \
+        assert fs.engine_config(spec(speculation={"tree": unset}), "stable")["speculation"]["tree"] == \
             {"branching": 3, "depth": 0}
 
     def pod_hash(s):
@@ -125,26 +128,26 @@ def test_a_canary_may_try_a_tree_shape_or_drop_stables_and_a_promotion_keeps_it(
         "speculation": {"tree": {"choices": []}}}}))["data"]
     assert json.loads(cm["engine-canary.json"])["speculation"]["tree"] == {"branching": 3, "depth": 3}
     assert json.loads(cm["engine.json"])["speculation"]["tree"]["choices"] == MEDUSA
-    promoted = m.FleetState(promoted={"overrides": over, "base": {}})
-    assert m.engine_config(spec(), "stable", promoted)["speculation"]["tree"]["choices"] == MEDUSA
+    promoted = fs.FleetState(promoted={"overrides": over, "base": {}})
+    assert fs.engine_config(spec(), "stable", promoted)["speculation"]["tree"]["choices"] == MEDUSA
 
 
 def test_the_ngram_corpus_reaches_engine_json_only_when_set_and_a_canary_may_try_it():
     from specfleet_api.engine_config import EngineConfig
 
     with_corpus = spec(draft={"method": "ngram", "ngram": {"corpusTokens": 16384}})
-    raw = m.engine_config(with_corpus, "stable")
+    raw = fs.engine_config(with_corpus, "stable")
     assert raw["draft"] == {"method": "ngram", "uri": None, "ngram": {"corpusTokens": 16384}}
     assert EngineConfig.from_dict(raw).ngram_corpus_tokens == 16384  # the worker reads what the operator wrote
     # 0 (the CRD's default): engine.json, its hash and the pods exactly as before the field existed
-    assert m.engine_config(spec(draft={"method": "ngram", "ngram": {"corpusTokens": 0}}), "stable")["draft"] == \
-        m.engine_config(spec(), "stable")["draft"] == {"method": "ngram", "uri": None}
+    assert fs.engine_config(spec(draft={"method": "ngram", "ngram": {"corpusTokens": 0}}), "stable")["draft"] == \
+        fs.engine_config(spec(), "stable")["draft"] == {"method": "ngram", "uri": None}
     over = {"draft": {"ngram": {"corpusTokens": 8192}}}
     cm = m.engine_configmap(SDD, spec(canary={"weight": 1, "overrides": over}))["data"]
     assert json.loads(cm["engine-canary.json"])["draft"]["ngram"] == {"corpusTokens": 8192}
     assert "ngram" not in json.loads(cm["engine.json"])["draft"]
-    promoted = m.FleetState(promoted={"overrides": over, "base": {}})
-    assert m.engine_config(spec(), "stable", promoted)["draft"]["ngram"] == {"corpusTokens": 8192}
+    promoted = fs.FleetState(promoted={"overrides": over, "base": {}})
+    assert fs.engine_config(spec(), "stable", promoted)["draft"]["ngram"] == {"corpusTokens": 8192}
 
 
 def test_pods_meet_the_restricted_pod_security_standard():
@@ -193,12 +196,12 @@ def test_config_hash_rolls_on_spec_change_only():
 def test_canary_gets_its_overrides_and_its_own_pod_count():
     s = spec(replicas=100, canary={"weight": 1, "overrides": {"speculation": {"kMax": 12}, "image": "w:2"}})
     kids = by_kind(m.children(SDD, s, m.Settings()))
-    stable, canary = kids[("Deployment", "demo-stable")], kids[("Deployment", "demo-canary")]
+    stable, canary = kids[("Deployment", "demo--stable")], kids[("Deployment", "demo--canary")]
     assert (stable["spec"]["replicas"], canary["spec"]["replicas"]) == (100, 1)  # canary.replicas defaults to 1
     assert canary["spec"]["template"]["spec"]["containers"][0]["image"] == "w:2"
     assert stable["spec"]["selector"]["matchLabels"][m.LABEL_ROLE] == "stable"
     assert canary["spec"]["selector"]["matchLabels"][m.LABEL_ROLE] == "canary"
-    cm = kids[("ConfigMap", "demo-engine")]
+    cm = kids[("ConfigMap", "demo--engine")]
     assert json.loads(cm["data"]["engine-canary.json"])["speculation"]["kMax"] == 12
     assert json.loads(cm["data"]["engine-canary.json"])["role"] == "canary"
     assert json.loads(cm["data"]["engine.json"])["speculation"]["kMax"] == 8
@@ -206,18 +209,18 @@ def test_canary_gets_its_overrides_and_its_own_pod_count():
     # headless Service of their own, which the router discovers
     assert kids[("Service", "demo")]["spec"]["selector"] == {m.LABEL_SDD: "demo", m.LABEL_COMPONENT: "router"}
     for role in ("stable", "canary"):
-        arm = kids[("Service", f"demo-{role}")]["spec"]
+        arm = kids[("Service", f"demo--{role}")]["spec"]
         assert arm["clusterIP"] == "None" and arm["selector"][m.LABEL_ROLE] == role
         assert arm["ports"][0]["name"] == m.DISCOVERY_PORT
     # promotion makes the overrides stable and the canary empty
-    promoted = m.FleetState(canary_phase="Promoted")
-    assert m.engine_config(s, "stable", promoted)["speculation"]["kMax"] == 12
-    assert m.replica_counts(s, promoted) == (100, 0)
+    promoted = fs.FleetState(canary_phase="Promoted")
+    assert fs.engine_config(s, "stable", promoted)["speculation"]["kMax"] == 12
+    assert fs.replica_counts(s, promoted) == (100, 0)
 
 
 def test_fallback_changes_control_json_but_not_the_pods():
     s = spec()
-    fb = m.FleetState(mode="fallback")
+    fb = fs.FleetState(mode="fallback")
     assert json.loads(m.engine_configmap(SDD, s, fb)["data"]["control.json"])["speculate"] is False
     assert m.deployment(SDD, s, "stable", m.Settings()) == m.deployment(SDD, s, "stable", m.Settings(), fb)
 
@@ -227,9 +230,9 @@ def test_scaling_makes_an_autoscaler_and_leaves_replicas_to_it():
     s.pop("replicas")
     s = with_defaults(s)
     kids = by_kind(m.children(SDD, s, m.Settings()))
-    hpa = kids[("HorizontalPodAutoscaler", "demo-stable")]
+    hpa = kids[("HorizontalPodAutoscaler", "demo--stable")]
     assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (2, 6)
-    assert "replicas" not in kids[("Deployment", "demo-stable")]["spec"]
+    assert "replicas" not in kids[("Deployment", "demo--stable")]["spec"]
 
 
 def test_monitoring_objects_only_when_enabled():
@@ -237,10 +240,10 @@ def test_monitoring_objects_only_when_enabled():
     on = by_kind(m.children(SDD, spec(observability={"serviceMonitor": {"enabled": True, "labels": {"r": "p"}},
                                                     "prometheusRule": {"enabled": True}}), m.Settings()))
     assert not any(k[0] in ("ServiceMonitor", "PrometheusRule") for k in off)
-    sm = on[("ServiceMonitor", "demo-workers")]
+    sm = on[("ServiceMonitor", "demo--workers")]
     assert sm["metadata"]["labels"]["r"] == "p"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
-    rules = on[("PrometheusRule", "demo-alerts")]["spec"]["groups"][0]["rules"]
+    rules = on[("PrometheusRule", "demo--alerts")]["spec"]["groups"][0]["rules"]
     assert {r["alert"] for r in rules} == {m.ALERT_ALPHA, m.ALERT_SPEEDUP, m.ALERT_DRAFT_ERRORS, m.ALERT_FALLBACK}
     assert all('namespace="ml"' in r["expr"] for r in rules)  # sdd_namespace="ml" on the operator's gauge
     assert all(r["labels"].get("sdd_namespace", "ml") == "ml" for r in rules)
@@ -259,7 +262,7 @@ def test_redis_secret_and_otlp_reach_the_environment():
 def test_child_names_are_dns_labels(name):
     for suffix in ("stable", "canary", "canary-metrics", "engine", "alerts"):
         child = m.child_name(name, suffix)
-        assert len(child) <= 63 and child.endswith(suffix)
+        assert len(child) <= 63 and child.endswith(suffix) and DNS_1035.match(child)
     assert m.child_name("y" * 63, "stable") != m.child_name("y" * 62 + "z", "stable")
 
 
@@ -268,13 +271,13 @@ def test_the_canary_pod_count_is_canary_replicas_whatever_the_weight(replicas, w
     """The old split gave ceil(replicas x weight / 100) pods: 1% was 50% of the pods at 2 replicas."""
     canary = {"weight": weight} if canary_pods == 1 else {"weight": weight, "replicas": canary_pods}
     s = spec(replicas=replicas, canary=canary)
-    assert m.replica_counts(s, m.FleetState()) == (replicas, canary_pods)
-    assert m.live_state(s, m.FleetState()).canary_weight == weight
+    assert fs.replica_counts(s, fs.FleetState()) == (replicas, canary_pods)
+    assert fs.live_state(s, fs.FleetState()).canary_weight == weight
     kids = by_kind(m.children(SDD, s, m.Settings()))
-    assert kids[("Deployment", "demo-canary")]["spec"]["replicas"] == canary_pods
-    assert kids[("Deployment", "demo-stable")]["spec"]["replicas"] == replicas
+    assert kids[("Deployment", "demo--canary")]["spec"]["replicas"] == canary_pods
+    assert kids[("Deployment", "demo--stable")]["spec"]["replicas"] == replicas
     for phase in ("Promoted", "Aborted"):
-        assert m.replica_counts(s, m.FleetState(canary_phase=phase)) == (replicas, 0)
+        assert fs.replica_counts(s, fs.FleetState(canary_phase=phase)) == (replicas, 0)
 
 
 def test_every_child_validates_against_the_kubernetes_schemas():
@@ -314,6 +317,74 @@ def test_model_style_names_give_valid_child_names_and_labels(name):
     assert f'{m.PROM_LABEL_SDD}="{m.label_value(name)}"' in rule["spec"]["groups"][0]["rules"][0]["expr"]
 
 
+# What the API server takes as a resource's name: a DNS-1123 subdomain (lowercase letters, digits,
+# '-' and '.', alphanumeric at both ends of each dot-separated label), up to 253 characters.
+_LABEL = st.from_regex(r"[a-z0-9]([-a-z0-9]{0,20}[a-z0-9])?", fullmatch=True)
+SDD_NAMES = st.one_of(
+    st.lists(_LABEL, min_size=1, max_size=4).map(".".join),
+    # names built from another's: the children's words, a hash of one, runs of '-', long ones
+    st.tuples(_LABEL, st.lists(st.sampled_from(["", "-", "--", "---", "."]), min_size=1, max_size=3),
+              st.sampled_from(list(m.SUFFIXES) + ["", "x", "5f5e975c", "metrics-canary"]))
+    .map(lambda t: t[0] + "".join(t[1]) + t[2]).filter(lambda n: re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?", n)
+                                                       and ".." not in n and "-." not in n and ".-" not in n),
+    st.builds(lambda a, n: (a * n)[:253], _LABEL, st.integers(1, 40)).filter(lambda n: n[-1].isalnum()),
+)
+
+
+def child_names(name):
+    """Every name the operator gives a child of `name`, whatever the kind."""
+    return {n for _, _, n in m.child_refs(name)}
+
+
+def with_children_of(name):
+    """`name` and names that its children's names would give, as resources of their own."""
+    return [name, *sorted(child_names(name))]
+
+
+@settings(max_examples=1500, deadline=None)
+@given(SDD_NAMES, SDD_NAMES)
+def test_two_resources_never_share_a_child_name(a, b):
+    """Of any kind: the front Service users call, the arms' and the router's objects alike."""
+    assume(a != b)
+    assert not child_names(a) & child_names(b), (a, b)
+    assert m.label_value(a) != m.label_value(b)  # so no selector of one picks the other's pods
+
+
+@settings(max_examples=300, deadline=None)
+@given(SDD_NAMES)
+def test_a_resource_named_like_anothers_child_gets_children_of_its_own(name):
+    """`foo-canary` beside `foo` (the names of before: its Service was foo's canary arm), or a name
+    copied from one of foo's children today."""
+    names = [name, *(f"{name}-{s}" for s in m.SUFFIXES), *with_children_of(name)]
+    for other in {n for n in names if n != name and len(n) <= 253}:
+        assert not child_names(name) & child_names(other), (name, other)
+        assert m.label_value(name) != m.label_value(other)
+
+
+@pytest.mark.parametrize("a, b", [("llama", "llama-canary"), ("llama", "llama-stable"), ("llama", "llama-metrics"),
+                                  ("llama-canary", "llama-canary-metrics"), ("foo", "foo--stable"),
+                                  ("qwen2.5-7b", "qwen2-5-7b--5f5e975c"), ("x" * 80, "x" * 54 + "-d929cdee")])
+def test_names_of_the_incidents_and_their_neighbours(a, b):
+    assert not child_names(a) & child_names(b)
+    assert m.selector(a, "canary") != m.selector(b, "canary") and m.selector(a) != m.selector(b)
+    pods_of_b = m.labels(b, "canary")
+    assert not set(m.selector(a, "canary").items()) <= set(pods_of_b.items())  # a's Service never picks b's pods
+
+
+def test_child_names_split_at_the_separator():
+    assert m.child_name("llama", "stable") == "llama--stable" and m.front_service_name("llama-canary") == "llama-canary"
+    assert m.front_service_name("foo--bar") == m.child_name("foo--bar", "") != "foo--bar"  # SEP is the children's
+    with pytest.raises(ValueError):
+        m.child_name("llama", "nope")
+
+
+def test_the_names_of_before_are_the_ones_an_upgrade_retires():
+    legacy = {(k, n) for _, k, n in m.legacy_child_refs("llama")}
+    assert ("Deployment", "llama-stable") in legacy and ("Service", "llama-canary") in legacy
+    assert ("Service", "llama") not in legacy  # the front Service keeps its name
+    assert not legacy & {(k, n) for _, k, n in m.child_refs("llama")}
+
+
 def test_names_that_differ_only_in_dots_get_different_children():
     assert m.child_name("qwen2.5-7b", "stable") != m.child_name("qwen2-5-7b", "stable")
     assert m.front_service_name("qwen2.5-7b") != m.front_service_name("qwen2-5-7b")
@@ -332,7 +403,7 @@ def test_workers_have_default_resources_that_the_spec_replaces():
     assert canary["spec"]["template"]["spec"]["containers"][0]["resources"] == m.WORKER_RESOURCES
 
 
-@pytest.mark.parametrize("role", m.ROLES)
+@pytest.mark.parametrize("role", fs.ROLES)
 def test_cuda_workers_ask_for_one_gpu_unless_the_spec_names_it(role):
     def resources(**over):
         d = m.deployment(SDD, spec(canary={"weight": 1}, **over), role, m.Settings())
@@ -352,10 +423,10 @@ def test_cuda_workers_ask_for_one_gpu_unless_the_spec_names_it(role):
 
 def test_the_router_is_restricted_probed_and_bounded():
     kids = by_kind(m.children(SDD, spec(router={"replicas": 3}), m.Settings(router_image="r:9")))
-    router = kids[("Deployment", "demo-router")]
+    router = kids[("Deployment", "demo--router")]
     assert router["spec"]["replicas"] == 3
     pod = router["spec"]["template"]["spec"]
-    assert pod["serviceAccountName"] == "demo-router" and pod["automountServiceAccountToken"] is True
+    assert pod["serviceAccountName"] == "demo--router" and pod["automountServiceAccountToken"] is True
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
     (c,) = pod["containers"]
@@ -372,19 +443,19 @@ def test_the_router_is_restricted_probed_and_bounded():
     front = kids[("Service", "demo")]["spec"]["ports"]
     assert {(p["name"], p["port"], p["targetPort"]) for p in front} == {("http", 8000, "http"), ("grpc", 50051, "grpc")}
     # the router's own pods: the Service, the PDB and the Deployment agree on the selector
-    assert kids[("PodDisruptionBudget", "demo-router")]["spec"]["selector"]["matchLabels"] == \
+    assert kids[("PodDisruptionBudget", "demo--router")]["spec"]["selector"]["matchLabels"] == \
         router["spec"]["selector"]["matchLabels"] == kids[("Service", "demo")]["spec"]["selector"]
     assert router["spec"]["selector"]["matchLabels"].items() <= router["spec"]["template"]["metadata"]["labels"].items()
 
 
 def test_the_router_may_only_read_endpointslices_in_its_namespace():
     kids = by_kind(m.children(SDD, spec(), m.Settings()))
-    role, binding = kids[("Role", "demo-router")], kids[("RoleBinding", "demo-router")]
+    role, binding = kids[("Role", "demo--router")], kids[("RoleBinding", "demo--router")]
     assert role["metadata"]["namespace"] == "ml"
     assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
                               "verbs": ["get", "list", "watch"]}]
-    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "demo-router"}
-    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo-router", "namespace": "ml"}]
+    assert binding["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "demo--router"}
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "demo--router", "namespace": "ml"}]
     assert not any(o["kind"] in ("ClusterRole", "ClusterRoleBinding") for o in kids.values())
 
 
@@ -403,20 +474,20 @@ def test_router_flags_without_redis_carry_the_state():
     args = m.router_args(SDD, s, m.Settings())
     flags = _flags(args)
     assert flags["--deployment"] == ["ml/demo"] and flags["--model-alias"] == ["smollm2-135m"]
-    assert flags["--discover-kubernetes"] == ["stable=demo-stable", "canary=demo-canary"]
+    assert flags["--discover-kubernetes"] == ["stable=demo--stable", "canary=demo--canary"]
     assert flags["--canary-weight"] == ["0.25"] and flags["--route"] == ["chat=none", "code=ngram"]
     assert flags["--host"] == ["0.0.0.0"] and "--backend" not in flags
     env = {e["name"] for e in m.router_deployment(SDD, s, m.Settings())["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert "SPECFLEET_REDIS_URL" not in env
     # a canary step (the loop's state) moves the flag: without Redis the router pods roll
-    stepped = m.router_args(SDD, s, m.Settings(), m.FleetState(canary_weight=5, canary_phase="Progressing"))
+    stepped = m.router_args(SDD, s, m.Settings(), fs.FleetState(canary_weight=5, canary_phase="Progressing"))
     assert _flags(stepped)["--canary-weight"] == ["5"]
 
 
 def test_router_with_redis_follows_it_and_its_pods_do_not_roll_on_a_canary_step():
     s = spec(redis={"url": "redis://r:6379/0"}, canary={"weight": 1})
     before = m.router_deployment(SDD, s, m.Settings())
-    after = m.router_deployment(SDD, s, m.Settings(), m.FleetState(canary_weight=25, canary_phase="Progressing"))
+    after = m.router_deployment(SDD, s, m.Settings(), fs.FleetState(canary_weight=25, canary_phase="Progressing"))
     assert before == after and "--canary-weight" not in before["spec"]["template"]["spec"]["containers"][0]["args"]
     env = {e["name"]: e for e in before["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["SPECFLEET_REDIS_URL"]["value"] == "redis://r:6379/0"
@@ -424,10 +495,10 @@ def test_router_with_redis_follows_it_and_its_pods_do_not_roll_on_a_canary_step(
 
 def test_a_redis_secret_is_followed_only_where_the_operator_may_read_it():
     s = spec(redis={"secretRef": {"name": "r", "key": "u"}})
-    assert not m.writes_live_state(s, m.Settings())
+    assert not fs.writes_live_state(s, m.Settings().read_redis_secrets)
     assert "--canary-weight" in m.router_args(SDD, s, m.Settings())
     allowed = m.Settings(read_redis_secrets=True)
-    assert m.writes_live_state(s, allowed) and "--canary-weight" not in m.router_args(SDD, s, allowed)
+    assert fs.writes_live_state(s, allowed.read_redis_secrets) and "--canary-weight" not in m.router_args(SDD, s, allowed)
     env = {e["name"]: e for e in m.router_deployment(SDD, s, allowed)["spec"]["template"]["spec"]["containers"][0]["env"]}
     assert env["SPECFLEET_REDIS_URL"]["valueFrom"]["secretKeyRef"] == {"name": "r", "key": "u"}
 
@@ -447,23 +518,23 @@ def test_live_state_from_spec_and_loop_state():
     s = spec(speculation={"kMin": 1, "kMax": 6, "kInitial": 3},
              routing={"default": "ngram", "byPromptType": {"chat": "none", "code": "ngram"}},
              canary={"weight": 12.5, "overrides": {"speculation": {"kMax": 10}}})
-    live = m.live_state(s, m.FleetState())
+    live = fs.live_state(s, fs.FleetState())
     assert live == LiveState(version=0, canary_weight=12.5, default_method="ngram",
                              routes={"chat": "none", "code": "ngram"}, fallback=(), speculate=True,
                              k={"stable": KBounds(1, 6), "canary": KBounds(1, 10)}, probe_share=5.0)
     assert live.problems() == []  # a document the router and the workers accept
     assert LiveState.from_json(live.to_json()) == live
-    fb = m.live_state(s, m.FleetState(mode="fallback", canary_weight=12.5, canary_phase="Progressing"))
+    fb = fs.live_state(s, fs.FleetState(mode="fallback", canary_weight=12.5, canary_phase="Progressing"))
     # a whole-deployment fallback is a soft off: the probes (5%) keep their K bounds
     assert fb.speculate is False and fb.k == {"stable": KBounds(1, 6), "canary": KBounds(1, 10)}
     assert fb.method_for("code") == "none" and fb.route("code", draw=1.0) == ("ngram", True) and fb.problems() == []
     no_probe = dict(s, slo={"fallback": {"enabled": True, "probeShare": 0}})
-    assert m.live_state(no_probe, m.FleetState(mode="fallback")).k["stable"] == KBounds(0, 0)
-    per_type = m.live_state(s, m.FleetState(fallback=("code",), fallback_clusters=("r/1",)))
+    assert fs.live_state(no_probe, fs.FleetState(mode="fallback")).k["stable"] == KBounds(0, 0)
+    per_type = fs.live_state(s, fs.FleetState(fallback=("code",), fallback_clusters=("r/1",)))
     assert per_type.speculate and per_type.fallback == ("code",) and per_type.fallback_clusters == ("r/1",)
-    promoted = m.live_state(s, m.FleetState(canary_phase="Promoted"))
+    promoted = fs.live_state(s, fs.FleetState(canary_phase="Promoted"))
     assert promoted.canary_weight == 0 and promoted.k["stable"] == KBounds(1, 10)
-    assert m.live_state(spec(draft={"method": "none"}), m.FleetState()).speculate is False
+    assert fs.live_state(spec(draft={"method": "none"}), fs.FleetState()).speculate is False
 
 
 def test_each_arm_gets_its_own_control_json_so_the_canarys_k_is_not_clamped():
@@ -478,7 +549,7 @@ def test_each_arm_gets_its_own_control_json_so_the_canarys_k_is_not_clamped():
         (volume,) = [v for v in m.deployment(SDD, s, role, m.Settings())["spec"]["template"]["spec"]["volumes"]
                      if v["name"] == "config"]
         assert {"key": key, "path": "control.json"} in volume["configMap"]["items"]
-    live = m.live_state(s, m.FleetState())
+    live = fs.live_state(s, fs.FleetState())
     assert (live.k["stable"], live.k["canary"]) == (KBounds(1, 4), KBounds(2, 12))
     # a canary that turns speculation off has it off in its own file only
     off = spec(canary={"overrides": {"draft": {"method": "none"}}})
@@ -489,15 +560,15 @@ def test_each_arm_gets_its_own_control_json_so_the_canarys_k_is_not_clamped():
 
 def test_the_canary_may_run_another_precision():
     s = spec(canary={"overrides": {"quantization": "int8"}})
-    assert m.engine_config(s, "canary")["quantization"] == "int8" and m.engine_config(s, "stable")["quantization"] == "none"
+    assert fs.engine_config(s, "canary")["quantization"] == "int8" and fs.engine_config(s, "stable")["quantization"] == "none"
 
 
 def test_a_waiting_canary_has_its_pods_but_no_requests():
     s = spec(canary={"weight": 5, "replicas": 2})
-    waiting = m.FleetState(canary_phase="Waiting", canary_weight=0)
-    assert m.replica_counts(s, waiting) == (2, 2) and m.live_state(s, waiting).canary_weight == 0
+    waiting = fs.FleetState(canary_phase="Waiting", canary_weight=0)
+    assert fs.replica_counts(s, waiting) == (2, 2) and fs.live_state(s, waiting).canary_weight == 0
     for phase in ("Promoted", "Aborted"):
-        assert m.replica_counts(s, m.FleetState(canary_phase=phase)) == (2, 0)
+        assert fs.replica_counts(s, fs.FleetState(canary_phase=phase)) == (2, 0)
 
 
 RECORD = {"overrides": {"speculation": {"kMax": 12}, "image": "w:2"}, "base": {"speculation": {"kMax": 8}}}
@@ -505,29 +576,29 @@ RECORD = {"overrides": {"speculation": {"kMax": 12}, "image": "w:2"}, "base": {"
 
 def test_removing_the_canary_after_promotion_keeps_stable_as_promoted():
     with_canary = spec(canary={"overrides": {"speculation": {"kMax": 12}, "image": "w:2"}})
-    promoted = m.FleetState(canary_phase="Promoted", promoted=RECORD)
+    promoted = fs.FleetState(canary_phase="Promoted", promoted=RECORD)
     before = m.deployment(SDD, with_canary, "stable", m.Settings(), promoted)
     removed = spec()  # spec.canary deleted; the status keeps the record
-    after = m.deployment(SDD, removed, "stable", m.Settings(), m.FleetState(promoted=RECORD))
+    after = m.deployment(SDD, removed, "stable", m.Settings(), fs.FleetState(promoted=RECORD))
     assert after == before  # not a pod rolls
-    assert m.engine_config(removed, "stable", m.FleetState(promoted=RECORD))["speculation"]["kMax"] == 12
+    assert fs.engine_config(removed, "stable", fs.FleetState(promoted=RECORD))["speculation"]["kMax"] == 12
     assert after["spec"]["template"]["spec"]["containers"][0]["image"] == "w:2"
-    assert json.loads(m.engine_configmap(SDD, removed, m.FleetState(promoted=RECORD))["data"]["control.json"])[
+    assert json.loads(m.engine_configmap(SDD, removed, fs.FleetState(promoted=RECORD))["data"]["control.json"])[
         "kMax"] == 12
 
 
 def test_a_promotion_ends_when_the_spec_holds_it_or_says_otherwise():
     folded = spec(speculation={"kMax": 12}, template={"image": "w:2"})
-    state = m.FleetState(promoted=RECORD)
-    assert m.promoted_overrides(folded, state) == {}
-    assert m.engine_config(folded, "stable", state)["speculation"]["kMax"] == 12
+    state = fs.FleetState(promoted=RECORD)
+    assert fs.promoted_overrides(folded, state) == {}
+    assert fs.engine_config(folded, "stable", state)["speculation"]["kMax"] == 12
     other = spec(speculation={"kMax": 6, "kInitial": 4})  # the user moved kMax after the promotion: the spec wins
-    assert m.promoted_overrides(other, state) == {"image": "w:2"}
-    assert m.engine_config(other, "stable", state)["speculation"]["kMax"] == 6
+    assert fs.promoted_overrides(other, state) == {"image": "w:2"}
+    assert fs.engine_config(other, "stable", state)["speculation"]["kMax"] == 6
 
 
 def test_a_canary_after_a_promotion_starts_from_the_promoted_stable():
     s = spec(canary={"overrides": {"draft": {"method": "none"}}})
-    state = m.FleetState(promoted=RECORD)
-    canary = m.engine_config(s, "canary", state)
+    state = fs.FleetState(promoted=RECORD)
+    canary = fs.engine_config(s, "canary", state)
     assert canary["speculation"]["kMax"] == 12 and canary["draft"]["method"] == "none"

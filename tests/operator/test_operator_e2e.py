@@ -52,34 +52,34 @@ async def test_example_creates_every_child_owned_labelled_and_secured(cluster, k
             print([e.get("message") for e in cluster.all_live("v1", "events")])
             raise
         kids = children_of(cluster, "smollm2-draft")
-        assert set(kids) == {("ConfigMap", "smollm2-draft-engine"), ("Service", "smollm2-draft"),
-                             ("Service", "smollm2-draft-stable"),
-                             ("Service", "smollm2-draft-metrics"), ("Deployment", "smollm2-draft-stable"),
-                             ("PodDisruptionBudget", "smollm2-draft-stable"),
-                             ("HorizontalPodAutoscaler", "smollm2-draft-stable"),
-                             ("ServiceMonitor", "smollm2-draft-workers"), ("PrometheusRule", "smollm2-draft-alerts"),
-                             ("Deployment", "smollm2-draft-router"), ("ServiceAccount", "smollm2-draft-router"),
-                             ("Role", "smollm2-draft-router"), ("RoleBinding", "smollm2-draft-router"),
-                             ("PodDisruptionBudget", "smollm2-draft-router")}
+        assert set(kids) == {("ConfigMap", "smollm2-draft--engine"), ("Service", "smollm2-draft"),
+                             ("Service", "smollm2-draft--stable"),
+                             ("Service", "smollm2-draft--metrics"), ("Deployment", "smollm2-draft--stable"),
+                             ("PodDisruptionBudget", "smollm2-draft--stable"),
+                             ("HorizontalPodAutoscaler", "smollm2-draft--stable"),
+                             ("ServiceMonitor", "smollm2-draft--workers"), ("PrometheusRule", "smollm2-draft--alerts"),
+                             ("Deployment", "smollm2-draft--router"), ("ServiceAccount", "smollm2-draft--router"),
+                             ("Role", "smollm2-draft--router"), ("RoleBinding", "smollm2-draft--router"),
+                             ("PodDisruptionBudget", "smollm2-draft--router")}
         for obj in kids.values():
             (owner,) = obj["metadata"]["ownerReferences"]
             assert owner == {"apiVersion": API_VERSION, "kind": KIND, "name": "smollm2-draft",
                              "uid": created["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
             assert obj["metadata"]["labels"][m.LABEL_SDD] == "smollm2-draft"
-        pod = kids[("Deployment", "smollm2-draft-stable")]["spec"]["template"]["spec"]
+        pod = kids[("Deployment", "smollm2-draft--stable")]["spec"]["template"]["spec"]
         assert pod["securityContext"]["runAsNonRoot"] is True
         assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"]}
         assert pod["containers"][0]["resources"]["requests"]["cpu"] == "4"
         assert pod["containers"][0]["image"] == example("draft-model")["spec"]["template"]["image"]
-        engine = json.loads(kids[("ConfigMap", "smollm2-draft-engine")]["data"]["engine.json"])
+        engine = json.loads(kids[("ConfigMap", "smollm2-draft--engine")]["data"]["engine.json"])
         assert engine["draft"] == {"method": "draft-model", "uri": "gguf:///models/SmolLM2-135M-Instruct.Q8_0.gguf"}
         assert engine["routing"]["byPromptType"] == {"code": "ngram", "chat": "draft-model"}
         assert engine["quantization"] == "int8" and engine["role"] == "stable"
         status = cluster.live(API_VERSION, SDDS, "default", "smollm2-draft")["status"]
         assert status["observedGeneration"] == 1 and status["kRange"] == "1-6"
         assert status["router"] == {"desired": 2, "ready": 2}
-        router = kids[("Deployment", "smollm2-draft-router")]["spec"]["template"]["spec"]
-        assert router["serviceAccountName"] == "smollm2-draft-router"
+        router = kids[("Deployment", "smollm2-draft--router")]["spec"]["template"]["spec"]
+        assert router["serviceAccountName"] == "smollm2-draft--router"
         assert "--discover-kubernetes" in router["containers"][0]["args"]
         await wait_for(lambda: events(cluster, "Created"), 10, "Created event")
     finally:
@@ -93,19 +93,19 @@ async def test_update_rolls_exactly_the_stable_deployment(cluster, kube):
         await kube.create(example("canary-1pct"))
         await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
         before = children_of(cluster, "smollm2-canary")
-        canary_writes = cluster.writes("PATCH", "/deployments/smollm2-canary-canary")
+        canary_writes = cluster.writes("PATCH", "/deployments/smollm2-canary--canary")
         # kMax is overridden by the canary, so only the stable workers' config changes.
         await kube.patch(API_VERSION, KIND, "default", "smollm2-canary", {"spec": {"speculation": {"kMax": 6}}})
-        stable_key = ("Deployment", "smollm2-canary-stable")
+        stable_key = ("Deployment", "smollm2-canary--stable")
         await wait_for(lambda: pod_hash(children_of(cluster, "smollm2-canary")[stable_key]) != pod_hash(
             before[stable_key]), 20, "stable rolled")
         await wait_for(lambda: cluster.live(API_VERSION, SDDS, "default", "smollm2-canary")["status"]
                        .get("observedGeneration") == 2, 20, "generation 2 observed")
         after = children_of(cluster, "smollm2-canary")
-        canary_key = ("Deployment", "smollm2-canary-canary")
+        canary_key = ("Deployment", "smollm2-canary--canary")
         assert pod_hash(after[canary_key]) == pod_hash(before[canary_key])
-        assert cluster.writes("PATCH", "/deployments/smollm2-canary-canary") == canary_writes
-        engine = json.loads(after[("ConfigMap", "smollm2-canary-engine")]["data"]["engine.json"])
+        assert cluster.writes("PATCH", "/deployments/smollm2-canary--canary") == canary_writes
+        engine = json.loads(after[("ConfigMap", "smollm2-canary--engine")]["data"]["engine.json"])
         assert engine["speculation"]["kMax"] == 6
         # kopf posts events from a background queue, after the handler has returned.
         await wait_for(lambda: events(cluster, "Rolled"), 10, "Rolled event")
@@ -135,9 +135,9 @@ async def test_dropping_the_canary_removes_its_children(cluster, kube):
         await kube.create(example("canary-1pct"))
         await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
         await kube.patch(API_VERSION, KIND, "default", "smollm2-canary", {"spec": {"canary": None}})
-        await wait_for(lambda: ("Deployment", "smollm2-canary-canary") not in children_of(cluster, "smollm2-canary"),
+        await wait_for(lambda: ("Deployment", "smollm2-canary--canary") not in children_of(cluster, "smollm2-canary"),
                        20, "canary removed")
-        assert ("Service", "smollm2-canary-canary-metrics") not in children_of(cluster, "smollm2-canary")
+        assert ("Service", "smollm2-canary--canary-metrics") not in children_of(cluster, "smollm2-canary")
     finally:
         await op.stop_and_join()
 
@@ -197,7 +197,7 @@ async def test_what_no_worker_serves_is_held_unsupported_before_any_pod(cluster,
         await kube.patch(API_VERSION, KIND, "default", "from-hub",
                          {"spec": {"model": {"uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}}})
         await wait_for(lambda: ready(cluster, "from-hub"), 20, "from-hub Ready once served")
-        assert ("Deployment", "from-hub-stable") in children_of(cluster, "from-hub")
+        assert ("Deployment", "from-hub--stable") in children_of(cluster, "from-hub")
     finally:
         await op.stop_and_join()
     assert op.result == 0
@@ -214,7 +214,7 @@ async def test_restart_mid_reconcile_creates_no_duplicates_and_no_writes(cluster
     try:
         await wait_for(lambda: all(ready(cluster, n) for n in names), 30, "all Ready after restart")
         deployments = [d["metadata"]["name"] for d in cluster.all_live("apps/v1", "deployments")]
-        assert sorted(deployments) == sorted(f"{n}-{r}" for n in names for r in ("stable", "canary", "router"))
+        assert sorted(deployments) == sorted(f"{n}--{r}" for n in names for r in ("stable", "canary", "router"))
         assert cluster.writes("POST", "/deployments") >= len(deployments)  # a 409 on a retried create is fine
     finally:
         await op2.stop_and_join()
@@ -224,7 +224,7 @@ async def test_restart_mid_reconcile_creates_no_duplicates_and_no_writes(cluster
     op3 = OperatorThread(cluster.endpoint, "op-c").start()  # a restart with nothing to do
     try:
         await wait_for(lambda: op3.ready.is_set(), 10, "op-c ready")
-        await wait_for(lambda: cluster.writes("GET", "/deployments/fleet-5-canary") > 0, 10, "resumed")
+        await wait_for(lambda: cluster.writes("GET", "/deployments/fleet-5--canary") > 0, 10, "resumed")
         time_limit = time.monotonic() + 1.0
         while time.monotonic() < time_limit:
             await __import__("asyncio").sleep(0.1)
@@ -261,7 +261,7 @@ async def test_control_loop_falls_back_per_prompt_type_and_recovers_through_the_
         await kube.create(sdd_body("slo", redis={"url": redis_server.url}, slo=slo))
         await wait_for(lambda: ready(cluster, "slo"), 20, "Ready")
         sdd = lambda: cluster.live(API_VERSION, SDDS, "default", "slo")["status"]
-        hash_before = pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")])
+        hash_before = pod_hash(children_of(cluster, "slo")[("Deployment", "slo--stable")])
         publish_window(client, "default", "slo", "code", alpha=0.6)
         publish_window(client, "default", "slo", "chat", alpha=0.6)
         await wait_for(lambda: sdd().get("slo", {}).get("keys", {}).get("type:code", {}).get("baseline"), 10,
@@ -274,7 +274,7 @@ async def test_control_loop_falls_back_per_prompt_type_and_recovers_through_the_
         assert state.speculate and state.method_for("chat") == "ngram"
         assert state.route("code", draw=1.0) == ("ngram", True)  # the probe
         assert sdd()["mode"] == "speculative"  # the deployment as a whole still speculates
-        assert pod_hash(children_of(cluster, "slo")[("Deployment", "slo-stable")]) == hash_before
+        assert pod_hash(children_of(cluster, "slo")[("Deployment", "slo--stable")]) == hash_before
         await wait_for(lambda: events(cluster, "FallbackEntered"), 10, "FallbackEntered event")
         publish_window(client, "default", "slo", "code", alpha=0.6)  # the probe is healthy again
         await wait_for(lambda: sdd().get("fallback", {}).get("promptTypes") == [], 10, "code back")

@@ -110,6 +110,7 @@ async def test_a_namespaced_operator_reconciles_only_its_namespaces(cluster, kub
     finds the CRD and serves team-a; a fleet in team-b is never touched."""
     import dataclasses
 
+    from specfleet_operator.manifests import child_name
     from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
 
     op = OperatorThread(cluster.endpoint, "op-ns")
@@ -126,8 +127,8 @@ async def test_a_namespaced_operator_reconciles_only_its_namespaces(cluster, kub
         await wait_for(lambda: ready(cluster, "second", "team-a"), 20, "team-a/second Ready")
         outside = cluster.live("serving.specfleet.dev/v1alpha1", "specdecodedeployments", "team-b", "outside")
         assert "status" not in outside and not outside["metadata"].get("finalizers")
-        assert cluster.live("apps/v1", "deployments", "team-b", "outside-stable") is None
-        assert cluster.live("apps/v1", "deployments", "team-a", "first-stable") is not None
+        assert cluster.live("apps/v1", "deployments", "team-b", child_name("outside", "stable")) is None
+        assert cluster.live("apps/v1", "deployments", "team-a", child_name("first", "stable")) is not None
     finally:
         await op.stop_and_join()
     assert op.result == 0

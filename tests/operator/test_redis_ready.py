@@ -7,6 +7,7 @@ import asyncio
 from specfleet_local.redis_server import RedisServer, free_port
 
 from specfleet_operator import API_VERSION, KIND
+from specfleet_operator.manifests import child_name
 from specfleet_operator.testing import OperatorThread, sdd_body, stored_live_state, wait_for
 
 TICK_S = 0.2
@@ -29,7 +30,7 @@ def redis_is(cluster, name, status, reason=None):
 
 async def ticks(cluster, name, n):
     """Wait until the control loop ran `n` more ticks (each reads the stable Deployment)."""
-    path = f"/deployments/{name}-stable"
+    path = f"/deployments/{child_name(name, 'stable')}"
     start = cluster.writes("GET", path)
     await wait_for(lambda: cluster.writes("GET", path) >= start + 2 * n, 30, f"{n} control-loop ticks")
 

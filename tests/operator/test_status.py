@@ -1,5 +1,6 @@
 """The status is one pure function of what was observed."""
-from specfleet_operator.manifests import FleetState
+import pytest
+from specfleet_api.fleet_spec import FleetState
 from specfleet_operator.spec import Problem
 from specfleet_operator.status import Observed, Workers, compute, condition
 
@@ -56,9 +57,10 @@ def test_invalid_spec_names_the_field():
 
 
 def test_fallback_shows_in_mode_conditions_and_k():
+    """k_bounds come in force (fleet_spec.k_bounds): the status says them as they are."""
     s = compute(Observed(generation=1, stable=Workers(1, 1, 1), state=FleetState(mode="fallback"),
-                         k_bounds=(0, 8)), None, T0)
-    assert s["mode"] == "fallback" and s["kBounds"] == {"min": 0, "max": 0}
+                         k_bounds=(0, 0)), None, T0)
+    assert s["mode"] == "fallback" and s["kBounds"] == {"min": 0, "max": 0} and s["kRange"] == "0-0"
     assert condition(s, "Speculating")["status"] == "False"
     assert condition(s, "Degraded")["reason"] == "Fallback"
 
@@ -148,3 +150,27 @@ def test_a_promotion_asks_to_be_folded_into_the_spec_until_it_is():
     done = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
                             canary_status={"phase": "Idle", "step": 0, "weight": 0.0}), None, T0)
     assert "fold" not in condition(done, "CanaryProgressing")["message"]
+
+
+@pytest.mark.parametrize("fallback", [{"enabled": True, "probeShare": 5}, {"enabled": True, "probeShare": 0}])
+@pytest.mark.parametrize("method", ["ngram", "none"])
+@pytest.mark.parametrize("whole", [False, True])
+def test_the_status_k_bounds_are_the_live_states(fallback, method, whole):
+    """status.kBounds is what the workers run with: the live state's stable bounds. It once said
+    kMax 0 in a fallback whose probes still speculated, and kMax 8 with draft.method none."""
+    from specfleet_api import fleet_spec
+    from specfleet_control.loop import DEPLOYMENT, Memory
+    from specfleet_control.slo import FALLBACK, KeyState
+    from specfleet_operator import handlers
+    from specfleet_operator.spec import with_defaults
+    from specfleet_operator.testing import sdd_body
+
+    body = sdd_body("demo", draft={"method": method}, slo={"fallback": fallback})
+    spec = with_defaults(body["spec"])
+    memory = Memory({DEPLOYMENT: KeyState(mode=FALLBACK, since=1.0)}) if whole else Memory()
+    cstate = handlers.canary_state({})
+    observed = handlers._observed(body, spec, cstate, None, None, [], memory=memory)
+    s = compute(observed, None, T0)
+    live = fleet_spec.live_state(spec, handlers.fleet_state(cstate, spec, memory)).k["stable"]
+    assert s["kBounds"] == {"min": live.k_min, "max": live.k_max}
+    assert (s["kBounds"]["max"] > 0) == (method == "ngram" and (not whole or fallback["probeShare"] > 0))
