@@ -11,6 +11,11 @@ def holder(cluster):
     return (lease or {}).get("spec", {}).get("holderIdentity")
 
 
+def handled(cluster, name):
+    sdd = cluster.live("serving.specfleet.dev/v1alpha1", "specdecodedeployments", "default", name) or {}
+    return "serving.specfleet.dev/last-handled-configuration" in sdd.get("metadata", {}).get("annotations", {})
+
+
 async def _failover(cluster, kube, crash):
     a = OperatorThread(cluster.endpoint, "op-a", leader_election=True, lease_duration=LEASE)
     b = OperatorThread(cluster.endpoint, "op-b", leader_election=True, lease_duration=LEASE)
@@ -21,6 +26,9 @@ async def _failover(cluster, kube, crash):
     try:
         await kube.create(sdd_body("one"))
         await wait_for(lambda: ready(cluster, "one"), 20, "Ready under op-a")
+        # and kopf done with the creation (its diff base written): a stop in the midst of that
+        # waits on kopf's shutdown, which is not what this test times
+        await wait_for(lambda: handled(cluster, "one"), 20, "op-a done with the creation")
         assert holder(cluster) == "op-a" and not b.leading.is_set() and not b.ready.is_set()
         stopped = time.monotonic()
         await a.stop_and_join()
