@@ -45,6 +45,9 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"
 # the CPU; no CPU limit, so decoding is not throttled. spec.template.resources replaces it whole.
 WORKER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
+# The init container of spec.model.source.initContainer without resources of its own: an object-store
+# copy is bound by the network and the disk, not the CPU.
+INIT_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 #: What the router's ServiceAccount may do: read the EndpointSlices of its namespace (the operator
 #: holds the same verbs, which Kubernetes requires of whoever grants them).
 ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
@@ -420,6 +423,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     env = _env(eff, sdd, role, settings)
     engine = engine_config(spec, role, state)
     resources = worker_resources(template.get("resources"), eff["device"])
+    weights = model_volume(eff["model"].get("source"))
     pod_hash = config_hash({"engine": engine, "env": env, "image": image, "resources": resources,
                             "settings": settings.worker_fields()})
     stable_n, canary_n = replica_counts(spec, state)
@@ -439,7 +443,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "resources": resources,
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "model-cache", "mountPath": MODEL_CACHE},
+            weights["mount"],
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         # Loading weights can take minutes; the startup probe holds liveness off until then.
@@ -462,10 +466,12 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "volumes": [
             {"name": "config", "configMap": {"name": child_name(name, "engine"), "items": [
                 {"key": engine_key, "path": "engine.json"}, {"key": CONTROL_KEYS[role], "path": CONTROL_KEY}]}},
-            {"name": "model-cache", "emptyDir": {}},
+            weights["volume"],
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         ],
     }
+    if weights["initContainers"]:
+        pod_spec["initContainers"] = weights["initContainers"]
     for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName"):
         if template.get(key):
             pod_spec[key] = copy.deepcopy(template[key])
@@ -490,6 +496,51 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     if replicas is not None:
         body["spec"]["replicas"] = replicas
     return body
+
+
+def model_volume(source: dict[str, Any] | None) -> dict[str, Any]:
+    """The model cache's volume, the worker's mount of it, and the init containers that fill it, from
+    spec.model.source (docs/weights.md): a claim or a Volume mounted read-only, or an emptyDir that
+    the user's init container writes and the worker then reads only. Unset: a writable emptyDir.
+
+    >>> w = model_volume({"pvc": {"claimName": "weights", "subPath": "qwen", "readOnly": True}})
+    >>> w["volume"], w["mount"]
+    ({'name': 'model-cache', 'persistentVolumeClaim': {'claimName': 'weights', 'readOnly': True}}, \
+{'name': 'model-cache', 'mountPath': '/var/cache/specfleet', 'readOnly': True, 'subPath': 'qwen'})
+    """
+    name = "model-cache"
+    source = source or {}
+    mount: dict[str, Any] = {"name": name, "mountPath": MODEL_CACHE}
+    init: list[dict[str, Any]] = []
+    if "pvc" in source:
+        pvc = source["pvc"]
+        read_only = pvc.get("readOnly", True)
+        volume = {"name": name, "persistentVolumeClaim": {"claimName": pvc["claimName"], "readOnly": read_only}}
+        mount.update({"readOnly": read_only, **({"subPath": pvc["subPath"]} if pvc.get("subPath") else {})})
+    elif "volume" in source:
+        volume = {"name": name, **copy.deepcopy(source["volume"])}
+        mount["readOnly"] = True
+    elif "initContainer" in source:
+        spec = source["initContainer"]
+        volume = {"name": name, "emptyDir": {"sizeLimit": spec["sizeLimit"]} if spec.get("sizeLimit") else {}}
+        mount["readOnly"] = True  # what the init container wrote is the worker's to read only
+        container: dict[str, Any] = {
+            "name": "fetch-weights", "image": spec["image"], "imagePullPolicy": "IfNotPresent",
+            "env": [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE}, {"name": "HOME", "value": "/tmp"},
+                    *copy.deepcopy(spec.get("env", []))],
+            "resources": copy.deepcopy(spec.get("resources") or INIT_RESOURCES),
+            "volumeMounts": [{"name": name, "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": _container_security(),
+        }
+        for key in ("command", "args"):
+            if spec.get(key):
+                container[key] = list(spec[key])
+        if spec.get("secretRef"):
+            container["envFrom"] = [{"secretRef": {"name": spec["secretRef"]["name"]}}]
+        init.append(container)
+    else:
+        volume = {"name": name, "emptyDir": {}}
+    return {"volume": volume, "mount": mount, "initContainers": init}
 
 
 def worker_resources(resources: dict[str, Any] | None, device: str) -> dict[str, Any]:

@@ -687,3 +687,60 @@ def test_a_canary_kmax_under_the_stable_shapes_depth_is_the_operators_to_reject(
     problems = specs.problems(doc["spec"])
     assert [(p.field, "deeper than speculation.kMax (2)" in p.message, "(with the overrides)" in p.message)
             for p in problems] == [("spec.canary.overrides", True, True)], problems
+
+
+SOURCE_BAD = {
+    "two sources": ({"pvc": {"claimName": "w"}, "volume": {"csi": {"driver": "d"}}}, "spec.model.source",
+                    "set exactly one of model.source.pvc, model.source.initContainer and model.source.volume"),
+    "no source": ({}, "spec.model.source",
+                  "set exactly one of model.source.pvc, model.source.initContainer and model.source.volume"),
+    "subPath up": ({"pvc": {"claimName": "w", "subPath": "a/../../etc"}}, "spec.model.source.pvc.subPath",
+                   "model.source.pvc.subPath must be a relative path without '..'"),
+    "subPath absolute": ({"pvc": {"claimName": "w", "subPath": "/etc"}}, "spec.model.source.pvc.subPath",
+                         "model.source.pvc.subPath must be a relative path without '..'"),
+    "volume of no kind": ({"volume": {}}, "spec.model.source.volume",
+                          "model.source.volume: set exactly one of persistentVolumeClaim, csi, ephemeral, configMap,"
+                          " secret and projected"),
+    "volume of two kinds": ({"volume": {"csi": {"driver": "d"}, "secret": {"secretName": "s"}}},
+                            "spec.model.source.volume",
+                            "model.source.volume: set exactly one of persistentVolumeClaim, csi, ephemeral, "
+                            "configMap, secret and projected"),
+}
+
+
+@pytest.mark.parametrize("case", SOURCE_BAD, ids=list(SOURCE_BAD))
+def test_a_model_source_is_one_source_and_cel_and_the_operator_agree(case):
+    source, field, message = SOURCE_BAD[case]
+    doc = _with({"model": {"name": "m", "uri": "m.gguf", "source": source}})
+    validate_openapi(doc)
+    assert message in cel_failures(doc)
+    assert specs.Problem(field, message) in specs.problems(doc["spec"])
+
+
+@pytest.mark.parametrize("source", [
+    {"pvc": {"claimName": "w", "subPath": "models/qwen"}},
+    {"initContainer": {"image": "copier:1", "args": ["s3://b/m", "/var/cache/specfleet/m"],
+                       "secretRef": {"name": "s3"}}},
+    {"volume": {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}}},
+])
+def test_a_model_source_passes_schema_cel_and_operator_and_defaults_to_read_only(source):
+    for uri in ("m.gguf", "file://qwen/model.gguf", "gguf:///var/cache/specfleet/m.gguf"):
+        doc = _with({"model": {"name": "m", "uri": uri, "source": source}})
+        validate_openapi(doc)
+        assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    if "pvc" in source:
+        assert doc["spec"]["model"]["source"]["pvc"]["readOnly"] is True
+
+
+def test_with_a_model_source_the_operator_names_a_uri_outside_the_mount():
+    doc = _with({"model": {"name": "m", "uri": "/models/m.gguf", "source": {"pvc": {"claimName": "w"}}}})
+    (problem,) = specs.problems(doc["spec"])
+    assert problem.field == "spec.model.uri" and "mounted at /var/cache/specfleet" in problem.message
+
+
+def test_the_schema_keeps_a_model_source_to_its_fields():
+    for source in ({"pvc": {}}, {"initContainer": {"args": ["x"]}}, {"pvc": {"claimName": "w", "readOnly": "yes"}}):
+        doc = copy.deepcopy(GOOD)
+        doc["spec"]["model"]["source"] = source
+        with pytest.raises(jsonschema.ValidationError):
+            validate_openapi(doc)

@@ -531,3 +531,55 @@ def test_a_canary_after_a_promotion_starts_from_the_promoted_stable():
     state = m.FleetState(promoted=RECORD)
     canary = m.engine_config(s, "canary", state)
     assert canary["speculation"]["kMax"] == 12 and canary["draft"]["method"] == "none"
+
+
+WEIGHT_SOURCES = {
+    "pvc": {"pvc": {"claimName": "weights", "subPath": "qwen2.5-7b"}},
+    "initContainer": {"initContainer": {
+        "image": "amazon/aws-cli:2.17.0", "command": ["aws", "s3", "cp", "--recursive"],
+        "args": ["s3://models/qwen2.5-7b/", "/var/cache/specfleet/qwen2.5-7b/"],
+        "env": [{"name": "AWS_REGION", "value": "eu-west-1"}], "secretRef": {"name": "s3-credentials"},
+        "sizeLimit": "40Gi"}},
+    "volume": {"volume": {"csi": {"driver": "s3.csi.aws.com", "volumeAttributes": {"bucketName": "models"}}}},
+}
+
+
+@pytest.mark.parametrize("kind", WEIGHT_SOURCES)
+def test_a_model_source_mounts_the_weights_read_only_at_the_model_cache(kind):
+    s = spec(model={"name": "qwen", "uri": "qwen2.5-7b/model.gguf", "source": WEIGHT_SOURCES[kind]},
+             canary={"weight": 1})
+    for role in m.ROLES:
+        d = m.deployment(SDD, s, role, m.Settings())
+        kubernetes_validate.validate(d, "1.30", strict=True)
+        pod = d["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        (mount,) = [v for v in c["volumeMounts"] if v["mountPath"] == m.MODEL_CACHE]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert mount["readOnly"] is True and "emptyDir" not in volume or kind == "initContainer"
+        assert not any("hostPath" in v for v in pod["volumes"])
+        if kind == "pvc":
+            assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+            assert mount["subPath"] == "qwen2.5-7b"
+        if kind == "volume":
+            assert volume["csi"]["driver"] == "s3.csi.aws.com"
+        if kind != "initContainer":
+            assert "initContainers" not in pod
+            continue
+        assert volume["emptyDir"] == {"sizeLimit": "40Gi"} and mount["readOnly"] is True
+        (init,) = pod["initContainers"]
+        assert init["image"] == "amazon/aws-cli:2.17.0" and init["args"][0] == "s3://models/qwen2.5-7b/"
+        assert {"name": mount["name"], "mountPath": m.MODEL_CACHE} in init["volumeMounts"]  # it writes, the worker reads
+        assert init["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+        assert {"name": "AWS_REGION", "value": "eu-west-1"} in init["env"]
+        sc = init["securityContext"]  # restricted, like the worker
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert init["resources"] == m.INIT_RESOURCES and init["resources"] is not m.INIT_RESOURCES
+
+
+def test_without_a_model_source_the_model_cache_is_a_writable_empty_dir():
+    pod = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"] and "initContainers" not in pod
+    assert {"name": "model-cache", "mountPath": m.MODEL_CACHE} in pod["containers"][0]["volumeMounts"]
+    writable = m.model_volume({"pvc": {"claimName": "w", "readOnly": False}})
+    assert writable["mount"]["readOnly"] is False and writable["volume"]["persistentVolumeClaim"]["readOnly"] is False
