@@ -472,9 +472,15 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     }
     if weights["initContainers"]:
         pod_spec["initContainers"] = weights["initContainers"]
-    for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName"):
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName", "runtimeClassName",
+                "affinity", "imagePullSecrets"):
         if template.get(key):
             pod_spec[key] = copy.deepcopy(template[key])
+    if template.get("topologySpreadConstraints"):
+        # one without a selector spreads its own arm's pods, which is what a spread over zones means here
+        pod_spec["topologySpreadConstraints"] = [
+            {"labelSelector": {"matchLabels": selector(name, role)}, **copy.deepcopy(c)}
+            for c in template["topologySpreadConstraints"]]
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -545,17 +551,29 @@ def model_volume(source: dict[str, Any] | None) -> dict[str, Any]:
 
 def worker_resources(resources: dict[str, Any] | None, device: str) -> dict[str, Any]:
     """The worker container's resources: the spec's (or the default), and on cuda one GPU when
-    they name none (an extended resource is asked for by its limit; the request follows it).
+    they name none. GPUs are not overcommitted: the request and the limit are written equal (the
+    CRD refuses a spec where they differ), so the pod's GPU count reads the same in both.
 
     >>> worker_resources({"limits": {"memory": "24Gi"}}, "cuda")
-    {'limits': {'memory': '24Gi', 'nvidia.com/gpu': 1}}
-    >>> worker_resources({"limits": {"nvidia.com/gpu": 2}}, "cuda"), worker_resources(None, "auto") == WORKER_RESOURCES
-    ({'limits': {'nvidia.com/gpu': 2}}, True)
+    {'limits': {'memory': '24Gi', 'nvidia.com/gpu': 1}, 'requests': {'nvidia.com/gpu': 1}}
+    >>> worker_resources({"limits": {"nvidia.com/gpu": 2}}, "auto"), worker_resources(None, "auto") == WORKER_RESOURCES
+    ({'limits': {'nvidia.com/gpu': 2}, 'requests': {'nvidia.com/gpu': 2}}, True)
     """
     out = copy.deepcopy(resources or WORKER_RESOURCES)
-    if device == Device.CUDA and not any(GPU_RESOURCE in out.get(key, {}) for key in ("limits", "requests")):
-        out.setdefault("limits", {})[GPU_RESOURCE] = 1
+    limits, requests = out.get("limits", {}), out.get("requests", {})
+    gpus = limits.get(GPU_RESOURCE, requests.get(GPU_RESOURCE))
+    if gpus is None and device == Device.CUDA:
+        gpus = 1
+    if gpus is not None:
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
+        out.setdefault("requests", {})[GPU_RESOURCE] = gpus
     return out
+
+
+def asks_for_gpus(resources: dict[str, Any]) -> bool:
+    """Whether a worker's resources (worker_resources') hold a GPU: a pod the scheduler must place on
+    a GPU node, and that a rollout cannot start beside its predecessor without a spare GPU."""
+    return str(resources.get("limits", {}).get(GPU_RESOURCE, 0)) not in ("0", "")
 
 
 def engine_configmap(sdd: dict[str, Any], spec: dict[str, Any], state: FleetState = FleetState()) -> dict[str, Any]:
@@ -671,6 +689,8 @@ def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Setti
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    **{key: copy.deepcopy(router[key]) for key in ("imagePullSecrets", "nodeSelector", "tolerations")
+                       if router.get(key)},
                 },
             },
         },

@@ -105,6 +105,11 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
         if routed not in METHODS:
             out.append(Problem(f"spec.routing.byPromptType.{prompt_type}", f"{routed!r} is not a draft method"))
     out += _source_problems(model)
+    resources = (spec.get("template") or {}).get("resources") or {}
+    gpu_request = resources.get("requests", {}).get(manifests.GPU_RESOURCE)
+    if gpu_request is not None and str(gpu_request) != str(resources.get("limits", {}).get(manifests.GPU_RESOURCE)):
+        out.append(Problem("spec.template.resources", "template.resources.requests nvidia.com/gpu must equal limits "
+                                                      "nvidia.com/gpu (GPUs are not overcommitted)"))
     out += _canary_problems(spec.get("canary"))
     redis = spec.get("redis")
     if redis is not None and ("url" in redis) == ("secretRef" in redis):

@@ -307,7 +307,9 @@ API_ENUMS = {
 }
 #: Enums that are Kubernetes' own or the operator's (not a worker's): nothing in specfleet_api.
 OTHER_ENUMS = {"spec.template.imagePullPolicy", "spec.template.tolerations[].operator",
-               "spec.template.tolerations[].effect", "spec.canary.analysis.metrics[].name"}
+               "spec.template.tolerations[].effect", "spec.canary.analysis.metrics[].name",
+               "spec.template.topologySpreadConstraints[].whenUnsatisfiable", "spec.router.tolerations[].operator",
+               "spec.router.tolerations[].effect"}
 
 
 def test_the_crd_enums_are_specfleet_apis():
@@ -744,3 +746,35 @@ def test_the_schema_keeps_a_model_source_to_its_fields():
         doc["spec"]["model"]["source"] = source
         with pytest.raises(jsonschema.ValidationError):
             validate_openapi(doc)
+
+
+@pytest.mark.parametrize("resources, ok", [
+    ({"limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1}}, True),
+    ({"limits": {"nvidia.com/gpu": 2}, "requests": {"nvidia.com/gpu": "2"}}, True),
+    ({"limits": {"nvidia.com/gpu": 1}}, True),
+    ({"requests": {"cpu": "1"}, "limits": {"memory": "8Gi"}}, True),
+    ({"limits": {"nvidia.com/gpu": 2}, "requests": {"nvidia.com/gpu": 1}}, False),
+    ({"requests": {"nvidia.com/gpu": 1}}, False),
+])
+def test_a_gpu_request_must_equal_its_limit(resources, ok):
+    doc = _with({"template": {"resources": resources}})
+    validate_openapi(doc)
+    message = "template.resources.requests nvidia.com/gpu must equal limits nvidia.com/gpu"
+    assert any(message in f for f in cel_failures(doc)) != ok
+    assert (specs.Problem("spec.template.resources", f"{message} (GPUs are not overcommitted)")
+            in specs.problems(doc["spec"])) != ok
+
+
+def test_pod_fields_pass_schema_and_cel():
+    doc = _with({"template": {"runtimeClassName": "nvidia", "imagePullSecrets": [{"name": "r"}],
+                              "affinity": {"podAntiAffinity": {}},
+                              "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                             "whenUnsatisfiable": "DoNotSchedule"}]},
+                 "router": {"imagePullSecrets": [{"name": "r"}], "nodeSelector": {"pool": "cpu"},
+                            "tolerations": [{"key": "k", "operator": "Exists"}]}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    for bad in ({"imagePullSecrets": [{}]}, {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "z",
+                                                                            "whenUnsatisfiable": "DoNotSchedule"}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_openapi(_with({"template": bad}))

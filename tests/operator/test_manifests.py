@@ -325,7 +325,7 @@ def test_workers_have_default_resources_that_the_spec_replaces():
     (c,) = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]["containers"]
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
     assert c["resources"] is not m.WORKER_RESOURCES  # a copy: editing one pod's dict cannot move the default
-    gpu = {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}}
+    gpu = {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}, "requests": {"nvidia.com/gpu": 1}}
     custom = m.deployment(SDD, spec(template={"resources": gpu}), "stable", m.Settings())
     assert custom["spec"]["template"]["spec"]["containers"][0]["resources"] == gpu
     canary = m.deployment(SDD, spec(canary={"weight": 1}), "canary", m.Settings())
@@ -339,14 +339,18 @@ def test_cuda_workers_ask_for_one_gpu_unless_the_spec_names_it(role):
         return d["spec"]["template"]["spec"]["containers"][0]["resources"], d
 
     cuda, d = resources(device="cuda")
-    assert cuda == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}
+    assert cuda == {"requests": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": 1},
+                    "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}
     kubernetes_validate.validate(d, "1.30", strict=True)
     assert m.WORKER_RESOURCES == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}  # untouched
     assert resources(device="auto")[0] == resources(device="cpu")[0] == m.WORKER_RESOURCES
     two = {"limits": {"nvidia.com/gpu": 2, "memory": "24Gi"}}
-    assert resources(device="cuda", template={"resources": two})[0] == two
+    for device in ("cuda", "auto"):  # auto asks for GPUs when the spec names them
+        assert resources(device=device, template={"resources": two})[0] == {
+            "limits": {"nvidia.com/gpu": 2, "memory": "24Gi"}, "requests": {"nvidia.com/gpu": 2}}
     mine = {"limits": {"memory": "24Gi"}}
-    assert resources(device="cuda", template={"resources": mine})[0] == {"limits": {"memory": "24Gi", "nvidia.com/gpu": 1}}
+    assert resources(device="cuda", template={"resources": mine})[0] == {
+        "limits": {"memory": "24Gi", "nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1}}
     assert json.loads(m.engine_configmap(SDD, spec(device="cuda"))["data"]["engine.json"])["device"] == "cuda"
 
 
@@ -583,3 +587,37 @@ def test_without_a_model_source_the_model_cache_is_a_writable_empty_dir():
     assert {"name": "model-cache", "mountPath": m.MODEL_CACHE} in pod["containers"][0]["volumeMounts"]
     writable = m.model_volume({"pvc": {"claimName": "w", "readOnly": False}})
     assert writable["mount"]["readOnly"] is False and writable["volume"]["persistentVolumeClaim"]["readOnly"] is False
+
+
+def test_gpu_workers_pass_their_scheduling_fields_and_routers_theirs():
+    spread = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}]}}}
+    gpu_taint = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    pull = [{"name": "registry"}]
+    s = spec(device="cuda", canary={"weight": 1}, template={
+        "runtimeClassName": "nvidia", "nodeSelector": {"nvidia.com/gpu.present": "true"}, "tolerations": gpu_taint,
+        "affinity": affinity, "topologySpreadConstraints": [spread], "imagePullSecrets": pull,
+        "priorityClassName": "inference"},
+        router={"imagePullSecrets": pull, "nodeSelector": {"pool": "cpu"}, "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "edge", "effect": "NoSchedule"}]})
+    for role in m.ROLES:
+        d = m.deployment(SDD, s, role, m.Settings())
+        kubernetes_validate.validate(d, "1.30", strict=True)
+        pod = d["spec"]["template"]["spec"]
+        assert pod["runtimeClassName"] == "nvidia" and pod["affinity"] == affinity and pod["tolerations"] == gpu_taint
+        assert pod["imagePullSecrets"] == pull and pod["priorityClassName"] == "inference"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        (constraint,) = pod["topologySpreadConstraints"]  # spreads its own arm's pods
+        assert constraint == {**spread, "labelSelector": {"matchLabels": m.selector("demo", role)}}
+        res = pod["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 1
+    router = m.router_deployment(SDD, s, m.Settings())
+    kubernetes_validate.validate(router, "1.30", strict=True)
+    pod = router["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == pull and pod["nodeSelector"] == {"pool": "cpu"}
+    assert pod["tolerations"][0]["key"] == "dedicated" and "runtimeClassName" not in pod
+    plain = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
+    assert not {"runtimeClassName", "affinity", "topologySpreadConstraints", "imagePullSecrets"} & set(plain)
+    assert not {"imagePullSecrets", "nodeSelector", "tolerations"} & set(
+        m.router_deployment(SDD, spec(), m.Settings())["spec"]["template"]["spec"])
