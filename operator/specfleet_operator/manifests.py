@@ -489,7 +489,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "spec": {
             "selector": {"matchLabels": selector(name, role)},
             "revisionHistoryLimit": 5,
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": worker_strategy(spec.get("strategy"), resources),
             "template": {
                 "metadata": {"labels": labels(name, role),
                              "annotations": {**template.get("podAnnotations", {}),
@@ -568,6 +568,22 @@ def worker_resources(resources: dict[str, Any] | None, device: str) -> dict[str,
         out.setdefault("limits", {})[GPU_RESOURCE] = gpus
         out.setdefault("requests", {})[GPU_RESOURCE] = gpus
     return out
+
+
+def worker_strategy(strategy: dict[str, Any] | None, resources: dict[str, Any]) -> dict[str, Any]:
+    """spec.strategy as written, else by what the pods ask for: a GPU pod rolls one down at a time
+    with no surge, since a surge pod would wait for a GPU that its predecessor holds; a CPU pod
+    surges one and keeps every old pod until its successor is ready.
+
+    >>> worker_strategy(None, {"limits": {"nvidia.com/gpu": 1}})["rollingUpdate"]
+    {'maxSurge': 0, 'maxUnavailable': 1}
+    >>> worker_strategy(None, WORKER_RESOURCES)["rollingUpdate"], worker_strategy({"type": "Recreate"}, {})
+    ({'maxSurge': 1, 'maxUnavailable': 0}, {'type': 'Recreate'})
+    """
+    if strategy and (strategy.get("type") == "Recreate" or strategy.get("rollingUpdate")):
+        return copy.deepcopy(strategy)
+    surge, unavailable = (0, 1) if asks_for_gpus(resources) else (1, 0)
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
 
 
 def asks_for_gpus(resources: dict[str, Any]) -> bool:

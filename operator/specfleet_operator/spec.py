@@ -105,6 +105,13 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
         if routed not in METHODS:
             out.append(Problem(f"spec.routing.byPromptType.{prompt_type}", f"{routed!r} is not a draft method"))
     out += _source_problems(model)
+    strategy = spec.get("strategy") or {}
+    rolling = strategy.get("rollingUpdate")
+    if rolling and strategy.get("type") != "RollingUpdate":
+        out.append(Problem("spec.strategy.rollingUpdate", "strategy.rollingUpdate is for strategy.type RollingUpdate only"))
+    if rolling and {str(rolling.get("maxSurge")), str(rolling.get("maxUnavailable"))} <= {"0", "0%"}:
+        out.append(Problem("spec.strategy.rollingUpdate", "strategy.rollingUpdate.maxSurge and maxUnavailable cannot "
+                                                          "both be 0 (the rollout could never move)"))
     resources = (spec.get("template") or {}).get("resources") or {}
     gpu_request = resources.get("requests", {}).get(manifests.GPU_RESOURCE)
     if gpu_request is not None and str(gpu_request) != str(resources.get("limits", {}).get(manifests.GPU_RESOURCE)):

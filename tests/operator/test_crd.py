@@ -309,7 +309,7 @@ API_ENUMS = {
 OTHER_ENUMS = {"spec.template.imagePullPolicy", "spec.template.tolerations[].operator",
                "spec.template.tolerations[].effect", "spec.canary.analysis.metrics[].name",
                "spec.template.topologySpreadConstraints[].whenUnsatisfiable", "spec.router.tolerations[].operator",
-               "spec.router.tolerations[].effect"}
+               "spec.router.tolerations[].effect", "spec.strategy.type"}
 
 
 def test_the_crd_enums_are_specfleet_apis():
@@ -778,3 +778,32 @@ def test_pod_fields_pass_schema_and_cel():
                                                                             "whenUnsatisfiable": "DoNotSchedule"}]}):
         with pytest.raises(jsonschema.ValidationError):
             validate_openapi(_with({"template": bad}))
+
+
+@pytest.mark.parametrize("strategy, message", [
+    ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, None),
+    ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "0%", "maxUnavailable": "25%"}}, None),
+    ({"type": "RollingUpdate"}, None),
+    ({"type": "Recreate"}, None),
+    ({"type": "Recreate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+     "strategy.rollingUpdate is for strategy.type RollingUpdate only"),
+    ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}},
+     "strategy.rollingUpdate.maxSurge and maxUnavailable cannot both be 0 (the rollout could never move)"),
+])
+def test_a_rollout_strategy_that_cannot_move_is_refused_by_cel_and_operator(strategy, message):
+    doc = _with({"strategy": strategy})
+    validate_openapi(doc)
+    assert cel_failures(doc) == ([message] if message else [])
+    assert specs.problems(doc["spec"]) == ([specs.Problem("spec.strategy.rollingUpdate", message)] if message else [])
+
+
+@pytest.mark.parametrize("strategy", [{"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                                      {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1}},
+                                      {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": -1, "maxUnavailable": 1}},
+                                      {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "1", "maxUnavailable": 1}},
+                                      {"type": "BlueGreen"}])
+def test_the_schema_keeps_a_strategy_to_a_deployments(strategy):
+    doc = copy.deepcopy(GOOD)
+    doc["spec"]["strategy"] = strategy
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(doc)

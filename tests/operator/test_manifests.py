@@ -7,7 +7,7 @@ import kubernetes_validate
 import pytest
 from specfleet_api.live_state import KBounds, LiveState
 
-from specfleet_operator import manifests as m
+from specfleet_operator import kube, manifests as m
 from specfleet_operator.spec import with_defaults
 
 SDD = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
@@ -621,3 +621,32 @@ def test_gpu_workers_pass_their_scheduling_fields_and_routers_theirs():
     assert not {"runtimeClassName", "affinity", "topologySpreadConstraints", "imagePullSecrets"} & set(plain)
     assert not {"imagePullSecrets", "nodeSelector", "tolerations"} & set(
         m.router_deployment(SDD, spec(), m.Settings())["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize("over, rolling", [
+    ({}, {"maxSurge": 1, "maxUnavailable": 0}),  # CPU: a spare pod is cheap, keep every old one until ready
+    ({"device": "cuda"}, {"maxSurge": 0, "maxUnavailable": 1}),  # GPU: no spare GPU needed
+    ({"template": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"device": "cuda", "strategy": {"type": "RollingUpdate"}}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"device": "cuda", "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
+     {"maxSurge": 1, "maxUnavailable": 0}),
+    ({"strategy": {"type": "Recreate"}}, None),
+])
+def test_the_rollout_strategy_is_the_specs_else_by_whether_pods_hold_a_gpu(over, rolling):
+    s = spec(canary={"weight": 1}, **over)
+    for role in m.ROLES:
+        d = m.deployment(SDD, s, role, m.Settings())
+        kubernetes_validate.validate(d, "1.30", strict=True)
+        expected = {"type": "Recreate"} if rolling is None else {"type": "RollingUpdate", "rollingUpdate": rolling}
+        assert d["spec"]["strategy"] == expected
+    router = m.router_deployment(SDD, s, m.Settings())["spec"]["strategy"]
+    assert router == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+
+
+def test_switching_to_recreate_drops_the_rolling_update_the_api_server_would_refuse():
+    """A Deployment of type Recreate may not keep rollingUpdate: the operator's patch removes it."""
+    before = m.deployment(SDD, spec(), "stable", m.Settings())
+    live = {**before, "metadata": {**before["metadata"], "annotations": {kube.LAST_APPLIED: json.dumps(before)}}}
+    after = m.deployment(SDD, spec(strategy={"type": "Recreate"}), "stable", m.Settings())
+    patch = kube.apply_patch(live, after)
+    assert patch["spec"]["strategy"] == {"type": "Recreate", "rollingUpdate": None}
