@@ -126,6 +126,15 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
             parse_duration(text)
         except ValueError as exc:
             out.append(Problem(field, str(exc)))
+    slo = spec.get("slo") or {}
+    if str(slo.get("window", "5m")).strip("0msh") == "":  # only zeros and units: 0s, 00m, 0h0m
+        out.append(Problem("spec.slo.window", "slo.window must be longer than 0 (the workers publish windows of "
+                                              "this length)"))
+    fallback = slo.get("fallback") or {}
+    if fallback.get("enabled", True) and fallback.get("probeShare", 5) <= 0:
+        out.append(Problem("spec.slo.fallback.probeShare",
+                           "slo.fallback.probeShare must be above 0 while fallback is enabled (the probes are what "
+                           "lets a fallen-back prompt type recover)"))
     return out or served_problems(spec)
 
 

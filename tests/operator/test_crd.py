@@ -190,6 +190,10 @@ BAD = {
         "depth": 2, "choices": [[0], [0, 0], [0, 0, 0]]}}}}}, "longer than speculation.tree.depth"),
     "canary tree path twice": ({"canary": {"overrides": {"speculation": {"tree": {"choices": [[0], [0]]}}}}},
                                "listed twice"),
+    "slo window of 0s": ({"slo": {"window": "0s"}}, "slo.window must be longer than 0"),
+    "slo window of 0m0ms": ({"slo": {"window": "0m00ms"}}, "slo.window must be longer than 0"),
+    "no probes while fallback is enabled": ({"slo": {"fallback": {"probeShare": 0}}},
+                                            "slo.fallback.probeShare must be above 0 while fallback is enabled"),
 }
 
 
@@ -807,3 +811,11 @@ def test_the_schema_keeps_a_strategy_to_a_deployments(strategy):
     doc["spec"]["strategy"] = strategy
     with pytest.raises(jsonschema.ValidationError):
         validate_openapi(doc)
+
+
+@pytest.mark.parametrize("slo", [{"window": "10s"}, {"window": "0m30s"}, {"window": "100ms"},
+                                 {"fallback": {"enabled": False, "probeShare": 0}}, {"fallback": {"probeShare": 0.5}}])
+def test_short_windows_and_small_or_unneeded_probe_shares_are_accepted(slo):
+    doc = _with({"slo": slo})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
