@@ -5,6 +5,7 @@ operator's own checks (spec.problems) must agree with the CEL rules.
 """
 import copy
 import pathlib
+import re
 
 import celpy
 import celpy.celtypes as ct
@@ -819,3 +820,22 @@ def test_short_windows_and_small_or_unneeded_probe_shares_are_accepted(slo):
     doc = _with({"slo": slo})
     validate_openapi(doc)
     assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+
+
+def _doc_specs():
+    for name in ("gpu.md", "weights.md"):
+        for block in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / name).read_text(), re.S):
+            found = yaml.safe_load(block)
+            # a whole resource, a spec, or a model.source fragment
+            spec = found["spec"] if "spec" in found else {"model": {"name": "m", "uri": "m.gguf", **found}}
+            yield pytest.param({"replicas": 1, **spec}, id=f"{name}:{next(iter(found))}")
+
+
+@pytest.mark.parametrize("spec", _doc_specs())
+def test_the_gpu_and_weights_docs_examples_are_accepted_and_render_valid_pods(spec):
+    from specfleet_operator import manifests
+    doc = defaulted({**GOOD, "spec": spec})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    d = manifests.deployment({"metadata": {"name": "x", "namespace": "ml"}}, doc["spec"], "stable", manifests.Settings())
+    kubernetes_validate.validate(d, "1.30", strict=True)
