@@ -839,3 +839,40 @@ def test_the_gpu_and_weights_docs_examples_are_accepted_and_render_valid_pods(sp
     assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
     d = manifests.deployment({"metadata": {"name": "x", "namespace": "ml"}}, doc["spec"], "stable", manifests.Settings())
     kubernetes_validate.validate(d, "1.30", strict=True)
+
+
+pod_strategy = st.fixed_dictionaries({
+    "source": st.sampled_from([None, "pvc", "volume", "both", "neither", "subPath up", "outside"]),
+    "rolling": st.none() | st.tuples(st.sampled_from([0, 1, "0%", "25%"]), st.sampled_from([0, 1, "0%", "25%"])),
+    "recreate": st.booleans(),
+    "window": st.sampled_from(["5m", "0s", "30s", "0m0s"]),
+    "probe": st.tuples(st.booleans(), st.sampled_from([0, 0.5, 5])),
+    "gpus": st.none() | st.tuples(st.integers(1, 2), st.integers(1, 2)),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(pod_strategy)
+def test_operator_checks_agree_with_cel_on_weights_gpus_rollouts_and_the_slo(drawn):
+    """Drawn over an otherwise good spec, so that one broken field decides the verdict."""
+    s = copy.deepcopy(GOOD["spec"])
+    sources = {"pvc": {"pvc": {"claimName": "w"}}, "volume": {"volume": {"csi": {"driver": "d"}}},
+               "both": {"pvc": {"claimName": "w"}, "volume": {"csi": {"driver": "d"}}}, "neither": {},
+               "subPath up": {"pvc": {"claimName": "w", "subPath": "w/../.."}}, "outside": {"pvc": {"claimName": "w"}}}
+    if drawn["source"]:
+        s["model"]["source"] = sources[drawn["source"]]
+    outside = drawn["source"] == "outside"  # the operator's own check: a path CEL cannot judge against the mount
+    if outside:
+        s["model"]["uri"] = "/models/m.gguf"
+    if drawn["rolling"]:
+        s["strategy"] = {"type": "Recreate" if drawn["recreate"] else "RollingUpdate",
+                         "rollingUpdate": dict(zip(("maxSurge", "maxUnavailable"), drawn["rolling"]))}
+    s["slo"] = {"window": drawn["window"], "fallback": dict(zip(("enabled", "probeShare"), drawn["probe"]))}
+    if drawn["gpus"]:
+        s["template"] = {"resources": {"limits": {"nvidia.com/gpu": drawn["gpus"][0]},
+                                       "requests": {"nvidia.com/gpu": drawn["gpus"][1]}}}
+    doc = defaulted({**GOOD, "spec": s})
+    validate_openapi(doc)
+    cel, operator = cel_failures(doc), specs.problems(doc["spec"])
+    assert len(cel) == len(operator) - outside, (cel, operator)
+    assert {p.message for p in operator} >= set(cel)
