@@ -527,22 +527,22 @@ def model_volume(source: dict[str, Any] | None) -> dict[str, Any]:
         volume = {"name": name, **copy.deepcopy(source["volume"])}
         mount["readOnly"] = True
     elif "initContainer" in source:
-        spec = source["initContainer"]
-        volume = {"name": name, "emptyDir": {"sizeLimit": spec["sizeLimit"]} if spec.get("sizeLimit") else {}}
+        fetch = source["initContainer"]
+        volume = {"name": name, "emptyDir": {"sizeLimit": fetch["sizeLimit"]} if fetch.get("sizeLimit") else {}}
         mount["readOnly"] = True  # what the init container wrote is the worker's to read only
         container: dict[str, Any] = {
-            "name": "fetch-weights", "image": spec["image"], "imagePullPolicy": "IfNotPresent",
+            "name": "fetch-weights", "image": fetch["image"], "imagePullPolicy": "IfNotPresent",
             "env": [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE}, {"name": "HOME", "value": "/tmp"},
-                    *copy.deepcopy(spec.get("env", []))],
-            "resources": copy.deepcopy(spec.get("resources") or INIT_RESOURCES),
+                    *copy.deepcopy(fetch.get("env", []))],
+            "resources": copy.deepcopy(fetch.get("resources") or INIT_RESOURCES),
             "volumeMounts": [{"name": name, "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
             "securityContext": _container_security(),
         }
         for key in ("command", "args"):
-            if spec.get(key):
-                container[key] = list(spec[key])
-        if spec.get("secretRef"):
-            container["envFrom"] = [{"secretRef": {"name": spec["secretRef"]["name"]}}]
+            if fetch.get(key):
+                container[key] = list(fetch[key])
+        if fetch.get("secretRef"):
+            container["envFrom"] = [{"secretRef": {"name": fetch["secretRef"]["name"]}}]
         init.append(container)
     else:
         volume = {"name": name, "emptyDir": {}}
