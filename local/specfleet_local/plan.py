@@ -166,6 +166,14 @@ def _cluster_overrides(raw: dict[str, Any], workers: int, redis_url: str) -> lis
                             "this environment's `specfleet serve`"))
     if raw.get("redis"):
         out.append(Override("spec.redis", raw["redis"], redis_url))
+    source = (raw.get("model") or {}).get("source")
+    if source:
+        out.append(Override("spec.model.source", source, "the weights on this machine (SPECFLEET_MODEL_CACHE)"))
+    if raw.get("strategy"):
+        out.append(Override("spec.strategy", raw["strategy"], "ignored (no pods)"))
+    for key in ("imagePullSecrets", "nodeSelector", "tolerations"):
+        if key in (raw.get("router") or {}):
+            out.append(Override(f"spec.router.{key}", raw["router"][key], "ignored (no pods)"))
     template = raw.get("template") or {}
     for key, value in template.items():
         now = {"image": "this environment's `specfleet serve`",

@@ -47,6 +47,9 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"
 # the CPU; no CPU limit, so decoding is not throttled. spec.template.resources replaces it whole.
 WORKER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
+# The init container of spec.model.source.initContainer without resources of its own: an object-store
+# copy is bound by the network and the disk, not the CPU.
+INIT_RESOURCES = {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"memory": "2Gi"}}
 #: What the router's ServiceAccount may do: read the EndpointSlices of its namespace (the operator
 #: holds the same verbs, which Kubernetes requires of whoever grants them).
 ROUTER_RULES = [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"], "verbs": ["get", "list", "watch"]}]
@@ -286,6 +289,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     env = _env(eff, sdd, role, settings)
     engine = engine_config(spec, role, state)
     resources = worker_resources(template.get("resources"), eff["device"])
+    weights = model_volume(eff["model"].get("source"))
     pod_hash = config_hash({"engine": engine, "env": env, "image": image, "resources": resources,
                             "settings": settings.worker_fields()})
     stable_n, canary_n = replica_counts(spec, state)
@@ -305,7 +309,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "resources": resources,
         "volumeMounts": [
             {"name": "config", "mountPath": CONFIG_DIR, "readOnly": True},
-            {"name": "model-cache", "mountPath": MODEL_CACHE},
+            weights["mount"],
             {"name": "tmp", "mountPath": "/tmp"},
         ],
         # Loading weights can take minutes; the startup probe holds liveness off until then.
@@ -328,13 +332,21 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "volumes": [
             {"name": "config", "configMap": {"name": child_name(name, "engine"), "items": [
                 {"key": engine_key, "path": "engine.json"}, {"key": CONTROL_KEYS[role], "path": CONTROL_KEY}]}},
-            {"name": "model-cache", "emptyDir": {}},
+            weights["volume"],
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
         ],
     }
-    for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName"):
+    if weights["initContainers"]:
+        pod_spec["initContainers"] = weights["initContainers"]
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName", "runtimeClassName",
+                "affinity", "imagePullSecrets"):
         if template.get(key):
             pod_spec[key] = copy.deepcopy(template[key])
+    if template.get("topologySpreadConstraints"):
+        # one without a selector spreads its own arm's pods, which is what a spread over zones means here
+        pod_spec["topologySpreadConstraints"] = [
+            {"labelSelector": {"matchLabels": selector(name, role)}, **copy.deepcopy(c)}
+            for c in template["topologySpreadConstraints"]]
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -343,7 +355,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
         "spec": {
             "selector": {"matchLabels": selector(name, role)},
             "revisionHistoryLimit": 5,
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+            "strategy": worker_strategy(spec.get("strategy"), resources),
             "template": {
                 "metadata": {"labels": labels(name, role),
                              "annotations": {**template.get("podAnnotations", {}),
@@ -358,19 +370,92 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     return body
 
 
+def model_volume(source: dict[str, Any] | None) -> dict[str, Any]:
+    """The model cache's volume, the worker's mount of it, and the init containers that fill it, from
+    spec.model.source (docs/weights.md): a claim or a Volume mounted read-only, or an emptyDir that
+    the user's init container writes and the worker then reads only. Unset: a writable emptyDir.
+
+    >>> w = model_volume({"pvc": {"claimName": "weights", "subPath": "qwen", "readOnly": True}})
+    >>> w["volume"], w["mount"]
+    ({'name': 'model-cache', 'persistentVolumeClaim': {'claimName': 'weights', 'readOnly': True}}, \
+{'name': 'model-cache', 'mountPath': '/var/cache/specfleet', 'readOnly': True, 'subPath': 'qwen'})
+    """
+    name = "model-cache"
+    source = source or {}
+    mount: dict[str, Any] = {"name": name, "mountPath": MODEL_CACHE}
+    init: list[dict[str, Any]] = []
+    if "pvc" in source:
+        pvc = source["pvc"]
+        read_only = pvc.get("readOnly", True)
+        volume = {"name": name, "persistentVolumeClaim": {"claimName": pvc["claimName"], "readOnly": read_only}}
+        mount.update({"readOnly": read_only, **({"subPath": pvc["subPath"]} if pvc.get("subPath") else {})})
+    elif "volume" in source:
+        volume = {"name": name, **copy.deepcopy(source["volume"])}
+        mount["readOnly"] = True
+    elif "initContainer" in source:
+        fetch = source["initContainer"]
+        volume = {"name": name, "emptyDir": {"sizeLimit": fetch["sizeLimit"]} if fetch.get("sizeLimit") else {}}
+        mount["readOnly"] = True  # what the init container wrote is the worker's to read only
+        container: dict[str, Any] = {
+            "name": "fetch-weights", "image": fetch["image"], "imagePullPolicy": "IfNotPresent",
+            "env": [{"name": MODEL_CACHE_ENV, "value": MODEL_CACHE}, {"name": "HOME", "value": "/tmp"},
+                    *copy.deepcopy(fetch.get("env", []))],
+            "resources": copy.deepcopy(fetch.get("resources") or INIT_RESOURCES),
+            "volumeMounts": [{"name": name, "mountPath": MODEL_CACHE}, {"name": "tmp", "mountPath": "/tmp"}],
+            "securityContext": _container_security(),
+        }
+        for key in ("command", "args"):
+            if fetch.get(key):
+                container[key] = list(fetch[key])
+        if fetch.get("secretRef"):
+            container["envFrom"] = [{"secretRef": {"name": fetch["secretRef"]["name"]}}]
+        init.append(container)
+    else:
+        volume = {"name": name, "emptyDir": {}}
+    return {"volume": volume, "mount": mount, "initContainers": init}
+
+
 def worker_resources(resources: dict[str, Any] | None, device: str) -> dict[str, Any]:
     """The worker container's resources: the spec's (or the default), and on cuda one GPU when
-    they name none (an extended resource is asked for by its limit; the request follows it).
+    they name none. GPUs are not overcommitted: the request and the limit are written equal (the
+    CRD refuses a spec where they differ), so the pod's GPU count reads the same in both.
 
     >>> worker_resources({"limits": {"memory": "24Gi"}}, "cuda")
-    {'limits': {'memory': '24Gi', 'nvidia.com/gpu': 1}}
-    >>> worker_resources({"limits": {"nvidia.com/gpu": 2}}, "cuda"), worker_resources(None, "auto") == WORKER_RESOURCES
-    ({'limits': {'nvidia.com/gpu': 2}}, True)
+    {'limits': {'memory': '24Gi', 'nvidia.com/gpu': 1}, 'requests': {'nvidia.com/gpu': 1}}
+    >>> worker_resources({"limits": {"nvidia.com/gpu": 2}}, "auto"), worker_resources(None, "auto") == WORKER_RESOURCES
+    ({'limits': {'nvidia.com/gpu': 2}, 'requests': {'nvidia.com/gpu': 2}}, True)
     """
     out = copy.deepcopy(resources or WORKER_RESOURCES)
-    if device == Device.CUDA and not any(GPU_RESOURCE in out.get(key, {}) for key in ("limits", "requests")):
-        out.setdefault("limits", {})[GPU_RESOURCE] = 1
+    limits, requests = out.get("limits", {}), out.get("requests", {})
+    gpus = limits.get(GPU_RESOURCE, requests.get(GPU_RESOURCE))
+    if gpus is None and device == Device.CUDA:
+        gpus = 1
+    if gpus is not None:
+        out.setdefault("limits", {})[GPU_RESOURCE] = gpus
+        out.setdefault("requests", {})[GPU_RESOURCE] = gpus
     return out
+
+
+def worker_strategy(strategy: dict[str, Any] | None, resources: dict[str, Any]) -> dict[str, Any]:
+    """spec.strategy as written, else by what the pods ask for: a GPU pod rolls one down at a time
+    with no surge, since a surge pod would wait for a GPU that its predecessor holds; a CPU pod
+    surges one and keeps every old pod until its successor is ready.
+
+    >>> worker_strategy(None, {"limits": {"nvidia.com/gpu": 1}})["rollingUpdate"]
+    {'maxSurge': 0, 'maxUnavailable': 1}
+    >>> worker_strategy(None, WORKER_RESOURCES)["rollingUpdate"], worker_strategy({"type": "Recreate"}, {})
+    ({'maxSurge': 1, 'maxUnavailable': 0}, {'type': 'Recreate'})
+    """
+    if strategy and (strategy.get("type") == "Recreate" or strategy.get("rollingUpdate")):
+        return copy.deepcopy(strategy)
+    surge, unavailable = (0, 1) if asks_for_gpus(resources) else (1, 0)
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+
+
+def asks_for_gpus(resources: dict[str, Any]) -> bool:
+    """Whether a worker's resources (worker_resources') hold a GPU: a pod the scheduler must place on
+    a GPU node, and that a rollout cannot start beside its predecessor without a spare GPU."""
+    return str(resources.get("limits", {}).get(GPU_RESOURCE, 0)) not in ("0", "")
 
 
 def engine_configmap(sdd: dict[str, Any], spec: dict[str, Any], state: FleetState = FleetState()) -> dict[str, Any]:
@@ -486,6 +571,8 @@ def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Setti
                                         "seccompProfile": {"type": "RuntimeDefault"}},
                     "containers": [container],
                     "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "64Mi"}}],
+                    **{key: copy.deepcopy(router[key]) for key in ("imagePullSecrets", "nodeSelector", "tolerations")
+                       if router.get(key)},
                 },
             },
         },

@@ -15,7 +15,7 @@ from typing import Any
 import yaml
 
 from specfleet_api.engine_config import (
-    INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason,
+    INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason, uri_path,
 )
 from specfleet_api.durations import parse_duration
 from specfleet_api.enums import METHODS, PROMPT_TYPES
@@ -103,6 +103,19 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
     for prompt_type, routed in routes.items():
         if routed not in METHODS:
             out.append(Problem(f"spec.routing.byPromptType.{prompt_type}", f"{routed!r} is not a draft method"))
+    out += _source_problems(model)
+    strategy = spec.get("strategy") or {}
+    rolling = strategy.get("rollingUpdate")
+    if rolling and strategy.get("type") != "RollingUpdate":
+        out.append(Problem("spec.strategy.rollingUpdate", "strategy.rollingUpdate is for strategy.type RollingUpdate only"))
+    if rolling and {str(rolling.get("maxSurge")), str(rolling.get("maxUnavailable"))} <= {"0", "0%"}:
+        out.append(Problem("spec.strategy.rollingUpdate", "strategy.rollingUpdate.maxSurge and maxUnavailable cannot "
+                                                          "both be 0 (the rollout could never move)"))
+    resources = (spec.get("template") or {}).get("resources") or {}
+    gpu_request = resources.get("requests", {}).get(manifests.GPU_RESOURCE)
+    if gpu_request is not None and str(gpu_request) != str(resources.get("limits", {}).get(manifests.GPU_RESOURCE)):
+        out.append(Problem("spec.template.resources", "template.resources.requests nvidia.com/gpu must equal limits "
+                                                      "nvidia.com/gpu (GPUs are not overcommitted)"))
     out += _canary_problems(spec.get("canary"))
     redis = spec.get("redis")
     if redis is not None and ("url" in redis) == ("secretRef" in redis):
@@ -112,6 +125,15 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
             parse_duration(text)
         except ValueError as exc:
             out.append(Problem(field, str(exc)))
+    slo = spec.get("slo") or {}
+    if str(slo.get("window", "5m")).strip("0msh") == "":  # only zeros and units: 0s, 00m, 0h0m
+        out.append(Problem("spec.slo.window", "slo.window must be longer than 0 (the workers publish windows of "
+                                              "this length)"))
+    fallback = slo.get("fallback") or {}
+    if fallback.get("enabled", True) and fallback.get("probeShare", 5) <= 0:
+        out.append(Problem("spec.slo.fallback.probeShare",
+                           "slo.fallback.probeShare must be above 0 while fallback is enabled (the probes are what "
+                           "lets a fallen-back prompt type recover)"))
     return out or served_problems(spec)
 
 
@@ -164,6 +186,40 @@ def is_percentage(weight: float) -> bool:
     """
     hundredfold = float(weight) * 100.0
     return abs(float(int(hundredfold + 0.5)) - hundredfold) < 1e-6
+
+
+#: The kinds of Volume spec.model.source.volume may be: those the restricted Pod Security Standard allows
+#: (less emptyDir, which would hold no weights, and downwardAPI).
+SOURCE_VOLUME_KINDS = ("persistentVolumeClaim", "csi", "ephemeral", "configMap", "secret", "projected")
+
+
+def _source_problems(model: dict[str, Any]) -> list[Problem]:
+    """spec.model.source as its CEL rules judge it, and a model.uri that looks outside the mount.
+
+    >>> [str(p) for p in _source_problems({"uri": "/models/m.gguf", "source": {"pvc": {"claimName": "w"}}})]
+    ['spec.model.uri: with model.source the weights are mounted at /var/cache/specfleet: name a path relative to it (m.gguf) or under it, not /models/m.gguf']
+    """
+    source = model.get("source")
+    if source is None:
+        return []
+    kinds = [k for k in ("pvc", "initContainer", "volume") if k in source]
+    if len(kinds) != 1:
+        return [Problem("spec.model.source",
+                        "set exactly one of model.source.pvc, model.source.initContainer and model.source.volume")]
+    out = []
+    sub_path = (source.get("pvc") or {}).get("subPath")
+    if sub_path is not None and (sub_path.startswith("/") or ".." in sub_path.split("/")):
+        out.append(Problem("spec.model.source.pvc.subPath", "model.source.pvc.subPath must be a relative path without '..'"))
+    if "volume" in source and sum(k in source["volume"] for k in SOURCE_VOLUME_KINDS) != 1:
+        out.append(Problem("spec.model.source.volume",
+                           f"model.source.volume: set exactly one of {', '.join(SOURCE_VOLUME_KINDS[:-1])} "
+                           f"and {SOURCE_VOLUME_KINDS[-1]}"))
+    path = uri_path(model.get("uri") or "")
+    cache = manifests.MODEL_CACHE
+    if path and path.startswith("/") and not path.startswith(cache.rstrip("/") + "/"):
+        out.append(Problem("spec.model.uri", f"with model.source the weights are mounted at {cache}: name a path "
+                                             f"relative to it ({path.rsplit('/', 1)[-1]}) or under it, not {path}"))
+    return out
 
 
 def _canary_problems(canary: dict[str, Any] | None) -> list[Problem]:

@@ -54,6 +54,12 @@ def test_cluster_fields_are_overridden_and_named():
             "spec.observability.otlpEndpoint", "spec.observability.serviceMonitor",
             "spec.observability.prometheusRule", "spec.model"} <= said, said
     assert all(a.engine["model"] == {"name": "tiny-random", "uri": "tiny-random", "tokenizer": None} for a in p.arms)
+    resource = load_resource(EXAMPLES / "ngram.yaml")
+    resource["spec"].update(strategy={"type": "Recreate"}, router={"nodeSelector": {"pool": "cpu"}})
+    resource["spec"]["model"]["source"] = {"pvc": {"claimName": "weights"}}
+    said = {o.field: o for o in make_plan(resource).overrides}
+    assert {"spec.model.source", "spec.strategy", "spec.router.nodeSelector"} <= set(said), said
+    assert "SPECFLEET_MODEL_CACHE" in said["spec.model.source"].now
 
 
 def test_canary_replicas_and_image_are_overridden(tmp_path):

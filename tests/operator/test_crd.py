@@ -5,6 +5,7 @@ operator's own checks (spec.problems) must agree with the CEL rules.
 """
 import copy
 import pathlib
+import re
 
 import celpy
 import celpy.celtypes as ct
@@ -190,6 +191,10 @@ BAD = {
         "depth": 2, "choices": [[0], [0, 0], [0, 0, 0]]}}}}}, "longer than speculation.tree.depth"),
     "canary tree path twice": ({"canary": {"overrides": {"speculation": {"tree": {"choices": [[0], [0]]}}}}},
                                "listed twice"),
+    "slo window of 0s": ({"slo": {"window": "0s"}}, "slo.window must be longer than 0"),
+    "slo window of 0m0ms": ({"slo": {"window": "0m00ms"}}, "slo.window must be longer than 0"),
+    "no probes while fallback is enabled": ({"slo": {"fallback": {"probeShare": 0}}},
+                                            "slo.fallback.probeShare must be above 0 while fallback is enabled"),
 }
 
 
@@ -307,7 +312,9 @@ API_ENUMS = {
 }
 #: Enums that are Kubernetes' own or the operator's (not a worker's): nothing in specfleet_api.
 OTHER_ENUMS = {"spec.template.imagePullPolicy", "spec.template.tolerations[].operator",
-               "spec.template.tolerations[].effect", "spec.canary.analysis.metrics[].name"}
+               "spec.template.tolerations[].effect", "spec.canary.analysis.metrics[].name",
+               "spec.template.topologySpreadConstraints[].whenUnsatisfiable", "spec.router.tolerations[].operator",
+               "spec.router.tolerations[].effect", "spec.strategy.type"}
 
 
 def test_the_crd_enums_are_specfleet_apis():
@@ -687,3 +694,185 @@ def test_a_canary_kmax_under_the_stable_shapes_depth_is_the_operators_to_reject(
     problems = specs.problems(doc["spec"])
     assert [(p.field, "deeper than speculation.kMax (2)" in p.message, "(with the overrides)" in p.message)
             for p in problems] == [("spec.canary.overrides", True, True)], problems
+
+
+SOURCE_BAD = {
+    "two sources": ({"pvc": {"claimName": "w"}, "volume": {"csi": {"driver": "d"}}}, "spec.model.source",
+                    "set exactly one of model.source.pvc, model.source.initContainer and model.source.volume"),
+    "no source": ({}, "spec.model.source",
+                  "set exactly one of model.source.pvc, model.source.initContainer and model.source.volume"),
+    "subPath up": ({"pvc": {"claimName": "w", "subPath": "a/../../etc"}}, "spec.model.source.pvc.subPath",
+                   "model.source.pvc.subPath must be a relative path without '..'"),
+    "subPath absolute": ({"pvc": {"claimName": "w", "subPath": "/etc"}}, "spec.model.source.pvc.subPath",
+                         "model.source.pvc.subPath must be a relative path without '..'"),
+    "volume of no kind": ({"volume": {}}, "spec.model.source.volume",
+                          "model.source.volume: set exactly one of persistentVolumeClaim, csi, ephemeral, configMap,"
+                          " secret and projected"),
+    "volume of two kinds": ({"volume": {"csi": {"driver": "d"}, "secret": {"secretName": "s"}}},
+                            "spec.model.source.volume",
+                            "model.source.volume: set exactly one of persistentVolumeClaim, csi, ephemeral, "
+                            "configMap, secret and projected"),
+}
+
+
+@pytest.mark.parametrize("case", SOURCE_BAD, ids=list(SOURCE_BAD))
+def test_a_model_source_is_one_source_and_cel_and_the_operator_agree(case):
+    source, field, message = SOURCE_BAD[case]
+    doc = _with({"model": {"name": "m", "uri": "m.gguf", "source": source}})
+    validate_openapi(doc)
+    assert message in cel_failures(doc)
+    assert specs.Problem(field, message) in specs.problems(doc["spec"])
+
+
+@pytest.mark.parametrize("source", [
+    {"pvc": {"claimName": "w", "subPath": "models/qwen"}},
+    {"initContainer": {"image": "copier:1", "args": ["s3://b/m", "/var/cache/specfleet/m"],
+                       "secretRef": {"name": "s3"}}},
+    {"volume": {"persistentVolumeClaim": {"claimName": "w", "readOnly": True}}},
+])
+def test_a_model_source_passes_schema_cel_and_operator_and_defaults_to_read_only(source):
+    for uri in ("m.gguf", "file://qwen/model.gguf", "gguf:///var/cache/specfleet/m.gguf"):
+        doc = _with({"model": {"name": "m", "uri": uri, "source": source}})
+        validate_openapi(doc)
+        assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    if "pvc" in source:
+        assert doc["spec"]["model"]["source"]["pvc"]["readOnly"] is True
+
+
+def test_with_a_model_source_the_operator_names_a_uri_outside_the_mount():
+    doc = _with({"model": {"name": "m", "uri": "/models/m.gguf", "source": {"pvc": {"claimName": "w"}}}})
+    (problem,) = specs.problems(doc["spec"])
+    assert problem.field == "spec.model.uri" and "mounted at /var/cache/specfleet" in problem.message
+
+
+def test_the_schema_keeps_a_model_source_to_its_fields():
+    for source in ({"pvc": {}}, {"initContainer": {"args": ["x"]}}, {"pvc": {"claimName": "w", "readOnly": "yes"}}):
+        doc = copy.deepcopy(GOOD)
+        doc["spec"]["model"]["source"] = source
+        with pytest.raises(jsonschema.ValidationError):
+            validate_openapi(doc)
+
+
+@pytest.mark.parametrize("resources, ok", [
+    ({"limits": {"nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1}}, True),
+    ({"limits": {"nvidia.com/gpu": 2}, "requests": {"nvidia.com/gpu": "2"}}, True),
+    ({"limits": {"nvidia.com/gpu": 1}}, True),
+    ({"requests": {"cpu": "1"}, "limits": {"memory": "8Gi"}}, True),
+    ({"limits": {"nvidia.com/gpu": 2}, "requests": {"nvidia.com/gpu": 1}}, False),
+    ({"requests": {"nvidia.com/gpu": 1}}, False),
+])
+def test_a_gpu_request_must_equal_its_limit(resources, ok):
+    doc = _with({"template": {"resources": resources}})
+    validate_openapi(doc)
+    message = "template.resources.requests nvidia.com/gpu must equal limits nvidia.com/gpu"
+    assert any(message in f for f in cel_failures(doc)) != ok
+    assert (specs.Problem("spec.template.resources", f"{message} (GPUs are not overcommitted)")
+            in specs.problems(doc["spec"])) != ok
+
+
+def test_pod_fields_pass_schema_and_cel():
+    doc = _with({"template": {"runtimeClassName": "nvidia", "imagePullSecrets": [{"name": "r"}],
+                              "affinity": {"podAntiAffinity": {}},
+                              "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "zone",
+                                                             "whenUnsatisfiable": "DoNotSchedule"}]},
+                 "router": {"imagePullSecrets": [{"name": "r"}], "nodeSelector": {"pool": "cpu"},
+                            "tolerations": [{"key": "k", "operator": "Exists"}]}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    for bad in ({"imagePullSecrets": [{}]}, {"topologySpreadConstraints": [{"maxSkew": 0, "topologyKey": "z",
+                                                                            "whenUnsatisfiable": "DoNotSchedule"}]}):
+        with pytest.raises(jsonschema.ValidationError):
+            validate_openapi(_with({"template": bad}))
+
+
+@pytest.mark.parametrize("strategy, message", [
+    ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}, None),
+    ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "0%", "maxUnavailable": "25%"}}, None),
+    ({"type": "RollingUpdate"}, None),
+    ({"type": "Recreate"}, None),
+    ({"type": "Recreate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": 1}},
+     "strategy.rollingUpdate is for strategy.type RollingUpdate only"),
+    ({"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 0, "maxUnavailable": "0%"}},
+     "strategy.rollingUpdate.maxSurge and maxUnavailable cannot both be 0 (the rollout could never move)"),
+])
+def test_a_rollout_strategy_that_cannot_move_is_refused_by_cel_and_operator(strategy, message):
+    doc = _with({"strategy": strategy})
+    validate_openapi(doc)
+    assert cel_failures(doc) == ([message] if message else [])
+    assert specs.problems(doc["spec"]) == ([specs.Problem("spec.strategy.rollingUpdate", message)] if message else [])
+
+
+@pytest.mark.parametrize("strategy", [{"rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+                                      {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1}},
+                                      {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": -1, "maxUnavailable": 1}},
+                                      {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": "1", "maxUnavailable": 1}},
+                                      {"type": "BlueGreen"}])
+def test_the_schema_keeps_a_strategy_to_a_deployments(strategy):
+    doc = copy.deepcopy(GOOD)
+    doc["spec"]["strategy"] = strategy
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(doc)
+
+
+@pytest.mark.parametrize("slo", [{"window": "10s"}, {"window": "0m30s"}, {"window": "100ms"},
+                                 {"fallback": {"enabled": False, "probeShare": 0}}, {"fallback": {"probeShare": 0.5}}])
+def test_short_windows_and_small_or_unneeded_probe_shares_are_accepted(slo):
+    doc = _with({"slo": slo})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+
+
+def _doc_specs():
+    for name in ("gpu.md", "weights.md"):
+        for block in re.findall(r"```yaml\n(.*?)```", (ROOT / "docs" / name).read_text(), re.S):
+            found = yaml.safe_load(block)
+            # a whole resource, a spec, or a model.source fragment
+            spec = found["spec"] if "spec" in found else {"model": {"name": "m", "uri": "m.gguf", **found}}
+            yield pytest.param({"replicas": 1, **spec}, id=f"{name}:{next(iter(found))}")
+
+
+@pytest.mark.parametrize("spec", _doc_specs())
+def test_the_gpu_and_weights_docs_examples_are_accepted_and_render_valid_pods(spec):
+    from specfleet_operator import manifests
+    doc = defaulted({**GOOD, "spec": spec})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    d = manifests.deployment({"metadata": {"name": "x", "namespace": "ml"}}, doc["spec"], "stable", manifests.Settings())
+    kubernetes_validate.validate(d, "1.30", strict=True)
+
+
+pod_strategy = st.fixed_dictionaries({
+    "source": st.sampled_from([None, "pvc", "volume", "both", "neither", "subPath up", "outside"]),
+    "rolling": st.none() | st.tuples(st.sampled_from([0, 1, "0%", "25%"]), st.sampled_from([0, 1, "0%", "25%"])),
+    "recreate": st.booleans(),
+    "window": st.sampled_from(["5m", "0s", "30s", "0m0s"]),
+    "probe": st.tuples(st.booleans(), st.sampled_from([0, 0.5, 5])),
+    "gpus": st.none() | st.tuples(st.integers(1, 2), st.integers(1, 2)),
+})
+
+
+@settings(max_examples=150, deadline=None)
+@given(pod_strategy)
+def test_operator_checks_agree_with_cel_on_weights_gpus_rollouts_and_the_slo(drawn):
+    """Drawn over an otherwise good spec, so that one broken field decides the verdict."""
+    s = copy.deepcopy(GOOD["spec"])
+    sources = {"pvc": {"pvc": {"claimName": "w"}}, "volume": {"volume": {"csi": {"driver": "d"}}},
+               "both": {"pvc": {"claimName": "w"}, "volume": {"csi": {"driver": "d"}}}, "neither": {},
+               "subPath up": {"pvc": {"claimName": "w", "subPath": "w/../.."}}, "outside": {"pvc": {"claimName": "w"}}}
+    if drawn["source"]:
+        s["model"]["source"] = sources[drawn["source"]]
+    outside = drawn["source"] == "outside"  # the operator's own check: a path CEL cannot judge against the mount
+    if outside:
+        s["model"]["uri"] = "/models/m.gguf"
+    if drawn["rolling"]:
+        s["strategy"] = {"type": "Recreate" if drawn["recreate"] else "RollingUpdate",
+                         "rollingUpdate": dict(zip(("maxSurge", "maxUnavailable"), drawn["rolling"]))}
+    s["slo"] = {"window": drawn["window"], "fallback": dict(zip(("enabled", "probeShare"), drawn["probe"]))}
+    if drawn["gpus"]:
+        s["template"] = {"resources": {"limits": {"nvidia.com/gpu": drawn["gpus"][0]},
+                                       "requests": {"nvidia.com/gpu": drawn["gpus"][1]}}}
+    doc = defaulted({**GOOD, "spec": s})
+    validate_openapi(doc)
+    cel, operator = cel_failures(doc), specs.problems(doc["spec"])
+    assert len(cel) == len(operator) - outside, (cel, operator)
+    assert {p.message for p in operator} >= set(cel)

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specfleet_api.live_state import KBounds, LiveState
 
 from specfleet_api import fleet_spec as fs
-from specfleet_operator import manifests as m
+from specfleet_operator import kube, manifests as m
 from specfleet_operator.spec import with_defaults
 
 SDD = {"metadata": {"name": "demo", "namespace": "ml", "uid": "u-1"}}
@@ -396,7 +396,7 @@ def test_workers_have_default_resources_that_the_spec_replaces():
     (c,) = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]["containers"]
     assert c["resources"] == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
     assert c["resources"] is not m.WORKER_RESOURCES  # a copy: editing one pod's dict cannot move the default
-    gpu = {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}}
+    gpu = {"limits": {"nvidia.com/gpu": 1, "memory": "24Gi"}, "requests": {"nvidia.com/gpu": 1}}
     custom = m.deployment(SDD, spec(template={"resources": gpu}), "stable", m.Settings())
     assert custom["spec"]["template"]["spec"]["containers"][0]["resources"] == gpu
     canary = m.deployment(SDD, spec(canary={"weight": 1}), "canary", m.Settings())
@@ -410,14 +410,18 @@ def test_cuda_workers_ask_for_one_gpu_unless_the_spec_names_it(role):
         return d["spec"]["template"]["spec"]["containers"][0]["resources"], d
 
     cuda, d = resources(device="cuda")
-    assert cuda == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}
+    assert cuda == {"requests": {"cpu": "1", "memory": "2Gi", "nvidia.com/gpu": 1},
+                    "limits": {"memory": "8Gi", "nvidia.com/gpu": 1}}
     kubernetes_validate.validate(d, "1.30", strict=True)
     assert m.WORKER_RESOURCES == {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}  # untouched
     assert resources(device="auto")[0] == resources(device="cpu")[0] == m.WORKER_RESOURCES
     two = {"limits": {"nvidia.com/gpu": 2, "memory": "24Gi"}}
-    assert resources(device="cuda", template={"resources": two})[0] == two
+    for device in ("cuda", "auto"):  # auto asks for GPUs when the spec names them
+        assert resources(device=device, template={"resources": two})[0] == {
+            "limits": {"nvidia.com/gpu": 2, "memory": "24Gi"}, "requests": {"nvidia.com/gpu": 2}}
     mine = {"limits": {"memory": "24Gi"}}
-    assert resources(device="cuda", template={"resources": mine})[0] == {"limits": {"memory": "24Gi", "nvidia.com/gpu": 1}}
+    assert resources(device="cuda", template={"resources": mine})[0] == {
+        "limits": {"memory": "24Gi", "nvidia.com/gpu": 1}, "requests": {"nvidia.com/gpu": 1}}
     assert json.loads(m.engine_configmap(SDD, spec(device="cuda"))["data"]["engine.json"])["device"] == "cuda"
 
 
@@ -602,3 +606,118 @@ def test_a_canary_after_a_promotion_starts_from_the_promoted_stable():
     state = fs.FleetState(promoted=RECORD)
     canary = fs.engine_config(s, "canary", state)
     assert canary["speculation"]["kMax"] == 12 and canary["draft"]["method"] == "none"
+
+
+WEIGHT_SOURCES = {
+    "pvc": {"pvc": {"claimName": "weights", "subPath": "qwen2.5-7b"}},
+    "initContainer": {"initContainer": {
+        "image": "amazon/aws-cli:2.17.0", "command": ["aws", "s3", "cp", "--recursive"],
+        "args": ["s3://models/qwen2.5-7b/", "/var/cache/specfleet/qwen2.5-7b/"],
+        "env": [{"name": "AWS_REGION", "value": "eu-west-1"}], "secretRef": {"name": "s3-credentials"},
+        "sizeLimit": "40Gi"}},
+    "volume": {"volume": {"csi": {"driver": "s3.csi.aws.com", "volumeAttributes": {"bucketName": "models"}}}},
+}
+
+
+@pytest.mark.parametrize("kind", WEIGHT_SOURCES)
+def test_a_model_source_mounts_the_weights_read_only_at_the_model_cache(kind):
+    s = spec(model={"name": "qwen", "uri": "qwen2.5-7b/model.gguf", "source": WEIGHT_SOURCES[kind]},
+             canary={"weight": 1})
+    for role in m.ROLES:
+        d = m.deployment(SDD, s, role, m.Settings())
+        kubernetes_validate.validate(d, "1.30", strict=True)
+        pod = d["spec"]["template"]["spec"]
+        (c,) = pod["containers"]
+        (mount,) = [v for v in c["volumeMounts"] if v["mountPath"] == m.MODEL_CACHE]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+        assert mount["readOnly"] is True and "emptyDir" not in volume or kind == "initContainer"
+        assert not any("hostPath" in v for v in pod["volumes"])
+        if kind == "pvc":
+            assert volume["persistentVolumeClaim"] == {"claimName": "weights", "readOnly": True}
+            assert mount["subPath"] == "qwen2.5-7b"
+        if kind == "volume":
+            assert volume["csi"]["driver"] == "s3.csi.aws.com"
+        if kind != "initContainer":
+            assert "initContainers" not in pod
+            continue
+        assert volume["emptyDir"] == {"sizeLimit": "40Gi"} and mount["readOnly"] is True
+        (init,) = pod["initContainers"]
+        assert init["image"] == "amazon/aws-cli:2.17.0" and init["args"][0] == "s3://models/qwen2.5-7b/"
+        assert {"name": mount["name"], "mountPath": m.MODEL_CACHE} in init["volumeMounts"]  # it writes, the worker reads
+        assert init["envFrom"] == [{"secretRef": {"name": "s3-credentials"}}]
+        assert {"name": "AWS_REGION", "value": "eu-west-1"} in init["env"]
+        sc = init["securityContext"]  # restricted, like the worker
+        assert sc["allowPrivilegeEscalation"] is False and sc["capabilities"] == {"drop": ["ALL"]}
+        assert sc["runAsNonRoot"] is True and sc["seccompProfile"] == {"type": "RuntimeDefault"}
+        assert init["resources"] == m.INIT_RESOURCES and init["resources"] is not m.INIT_RESOURCES
+
+
+def test_without_a_model_source_the_model_cache_is_a_writable_empty_dir():
+    pod = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
+    assert {"name": "model-cache", "emptyDir": {}} in pod["volumes"] and "initContainers" not in pod
+    assert {"name": "model-cache", "mountPath": m.MODEL_CACHE} in pod["containers"][0]["volumeMounts"]
+    writable = m.model_volume({"pvc": {"claimName": "w", "readOnly": False}})
+    assert writable["mount"]["readOnly"] is False and writable["volume"]["persistentVolumeClaim"]["readOnly"] is False
+
+
+def test_gpu_workers_pass_their_scheduling_fields_and_routers_theirs():
+    spread = {"maxSkew": 1, "topologyKey": "topology.kubernetes.io/zone", "whenUnsatisfiable": "ScheduleAnyway"}
+    affinity = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In", "values": ["NVIDIA-H100-80GB-HBM3"]}]}]}}}
+    gpu_taint = [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    pull = [{"name": "registry"}]
+    s = spec(device="cuda", canary={"weight": 1}, template={
+        "runtimeClassName": "nvidia", "nodeSelector": {"nvidia.com/gpu.present": "true"}, "tolerations": gpu_taint,
+        "affinity": affinity, "topologySpreadConstraints": [spread], "imagePullSecrets": pull,
+        "priorityClassName": "inference"},
+        router={"imagePullSecrets": pull, "nodeSelector": {"pool": "cpu"}, "tolerations": [
+            {"key": "dedicated", "operator": "Equal", "value": "edge", "effect": "NoSchedule"}]})
+    for role in m.ROLES:
+        d = m.deployment(SDD, s, role, m.Settings())
+        kubernetes_validate.validate(d, "1.30", strict=True)
+        pod = d["spec"]["template"]["spec"]
+        assert pod["runtimeClassName"] == "nvidia" and pod["affinity"] == affinity and pod["tolerations"] == gpu_taint
+        assert pod["imagePullSecrets"] == pull and pod["priorityClassName"] == "inference"
+        assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+        (constraint,) = pod["topologySpreadConstraints"]  # spreads its own arm's pods
+        assert constraint == {**spread, "labelSelector": {"matchLabels": m.selector("demo", role)}}
+        res = pod["containers"][0]["resources"]
+        assert res["limits"]["nvidia.com/gpu"] == res["requests"]["nvidia.com/gpu"] == 1
+    router = m.router_deployment(SDD, s, m.Settings())
+    kubernetes_validate.validate(router, "1.30", strict=True)
+    pod = router["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == pull and pod["nodeSelector"] == {"pool": "cpu"}
+    assert pod["tolerations"][0]["key"] == "dedicated" and "runtimeClassName" not in pod
+    plain = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
+    assert not {"runtimeClassName", "affinity", "topologySpreadConstraints", "imagePullSecrets"} & set(plain)
+    assert not {"imagePullSecrets", "nodeSelector", "tolerations"} & set(
+        m.router_deployment(SDD, spec(), m.Settings())["spec"]["template"]["spec"])
+
+
+@pytest.mark.parametrize("over, rolling", [
+    ({}, {"maxSurge": 1, "maxUnavailable": 0}),  # CPU: a spare pod is cheap, keep every old one until ready
+    ({"device": "cuda"}, {"maxSurge": 0, "maxUnavailable": 1}),  # GPU: no spare GPU needed
+    ({"template": {"resources": {"limits": {"nvidia.com/gpu": 2}}}}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"device": "cuda", "strategy": {"type": "RollingUpdate"}}, {"maxSurge": 0, "maxUnavailable": 1}),
+    ({"device": "cuda", "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}}},
+     {"maxSurge": 1, "maxUnavailable": 0}),
+    ({"strategy": {"type": "Recreate"}}, None),
+])
+def test_the_rollout_strategy_is_the_specs_else_by_whether_pods_hold_a_gpu(over, rolling):
+    s = spec(canary={"weight": 1}, **over)
+    for role in m.ROLES:
+        d = m.deployment(SDD, s, role, m.Settings())
+        kubernetes_validate.validate(d, "1.30", strict=True)
+        expected = {"type": "Recreate"} if rolling is None else {"type": "RollingUpdate", "rollingUpdate": rolling}
+        assert d["spec"]["strategy"] == expected
+    router = m.router_deployment(SDD, s, m.Settings())["spec"]["strategy"]
+    assert router == {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}}
+
+
+def test_switching_to_recreate_drops_the_rolling_update_the_api_server_would_refuse():
+    """A Deployment of type Recreate may not keep rollingUpdate: the operator's patch removes it."""
+    before = m.deployment(SDD, spec(), "stable", m.Settings())
+    live = {**before, "metadata": {**before["metadata"], "annotations": {kube.LAST_APPLIED: json.dumps(before)}}}
+    after = m.deployment(SDD, spec(strategy={"type": "Recreate"}), "stable", m.Settings())
+    patch = kube.apply_patch(live, after)
+    assert patch["spec"]["strategy"] == {"type": "Recreate", "rollingUpdate": None}
