@@ -151,6 +151,7 @@ class Episode:
         self.args = args
         self.calls: list[Call] = []
         self.samples: list[Sample] = []
+        self.sample_error = ""  # what the sampler last met reading Redis, if it failed
         self.events: list[dict] = []
         self.phase = "warm"
         self.t0 = 0.0
@@ -246,10 +247,12 @@ class Episode:
 
     # -- observing ------------------------------------------------------------------------------
 
-    def sampler(self, redis_url: str) -> None:
+    def sampler(self, run: dict) -> None:
         import redis
 
-        client = redis.Redis.from_url(redis_url, socket_timeout=2)
+        from specfleet_local.redis_server import run_credentials
+
+        client = redis.Redis.from_url(run["redis"]["url"], socket_timeout=2, **run_credentials(run))
         while not self.stop.is_set():
             try:
                 state = LiveState.from_json(client.get(state_key(NAMESPACE, NAME)))
@@ -287,7 +290,8 @@ class Episode:
                     evidence=evidence,
                     baselines={k: st.baseline for k, st in memory.keys.items() if st.baseline is not None}))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the plot
-                print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
+                self.sample_error = f"{type(e).__name__}: {e}"
+                print(f"sampler: {self.sample_error}", file=sys.stderr)
             self.stop.wait(1.0)
 
     def run(self) -> dict:
@@ -296,7 +300,7 @@ class Episode:
             doc = self.start(Path(tmp))
             try:
                 self.t0 = time.monotonic()
-                threads = [threading.Thread(target=self.sampler, args=(doc["redis"]["url"],), daemon=True)]
+                threads = [threading.Thread(target=self.sampler, args=(doc,), daemon=True)]
                 for t, n in ((a.type, a.clients), (a.other, a.other_clients or a.clients)):
                     for i in range(n):
                         threads.append(threading.Thread(target=self.client_loop,
@@ -384,7 +388,7 @@ class Episode:
         a, T, O = self.args, self.args.type, self.args.other
         last = self.samples[-1] if self.samples else None
         if last is None:
-            return "no sample of Redis yet"
+            return "no sample of Redis yet" + (f" (the last try: {self.sample_error})" if self.sample_error else "")
         if phase == "warm":
             lacking = [f"{k} has no baseline yet (the loop: {self._key(k)[1]}; a baseline needs a healthy window "
                        f"of at least minDraftTokens {self.policy.min_draft_tokens} drafted tokens)"
