@@ -21,6 +21,8 @@ from specfleet_api.durations import parse_duration
 from specfleet_api.enums import METHODS, PROMPT_TYPES
 from specfleet_api.fleet_spec import engine_config
 
+from . import manifests
+
 __all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "is_percentage", "parse_duration", "problems",
            "rejection_reason", "served_problems", "spec_schema", "with_defaults"]
 
