@@ -302,3 +302,17 @@ def test_a_quiet_probe_adds_up_until_it_can_judge_and_speculation_returns():
     # the first verdict came with the second probe, not before
     assert ticks[12].memory.keys[type_key("code")].healthy_since is None
     assert ticks[13].memory.keys[type_key("code")].healthy_since is not None
+
+
+def test_a_cluster_whose_requests_draft_little_adds_up_its_drafted_tokens_past_twelve_windows():
+    """An out-of-distribution cluster on a slow machine: many requests, each drafting almost
+    nothing (K fell to 0, a probe token now and then), all rejected. Its verdict rests on drafted
+    tokens alone, so many requests do not make the evidence 'enough' to restart at twelve windows;
+    the tokens add up until they say it."""
+    good = window(0.6)
+    trickle = ClusterWindow("code", requests=3, spec_requests=3, draft_tokens=1, accepted_tokens=0)
+    episode = [obs(code=good)] * 2 + [Observation(windows={"stable": {"code": good}}, clusters={"r/0": trickle})] * 30
+    ticks = run(episode)
+    assert ticks[-1].memory.fallback_clusters() == ("r/0",), ticks[-1].memory.keys[cluster_key("r/0")]
+    first = next(i for i, t in enumerate(ticks) if t.memory.fallback_clusters())
+    assert first > 12  # after more windows than an indecisive verdict is held: thin evidence kept
