@@ -508,8 +508,12 @@ async def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
         except ApiError as exc:
             raise kopf.TemporaryError(str(exc), delay=5) from exc
     spec = specs.with_defaults(dict(body.get("spec") or {}))
-    if memo.get("live_state") is not None and not specs.problems(spec):
-        target, _ = await redis_target(memo, body, spec)  # None: the Secret went first; the document stays
+    if memo.get("live_state") is not None:
+        # an invalid spec too: it may have been valid, its live state written, before an edit broke it
+        try:
+            target, _ = await redis_target(memo, body, spec)  # None: the Secret went first; the document stays
+        except (KeyError, TypeError, AttributeError):  # a spec.redis too broken to name a Redis
+            target = None
         if target is not None:
             await memo.live_state.delete(target, ns, name)
     metrics.forget(ns, name)

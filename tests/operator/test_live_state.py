@@ -134,3 +134,24 @@ async def test_no_redis_no_document_and_the_router_gets_the_state_in_flags(clust
         assert redis_server.client().keys("*") == []
     finally:
         await op.stop_and_join()
+
+
+async def test_a_fleet_deleted_while_its_spec_is_invalid_leaves_no_live_state(cluster, kube, redis_server):
+    """Valid first (its live state written), then edited into an invalid spec, then deleted: the
+    document goes with it, as it would from a valid one."""
+    op = OperatorThread(cluster.endpoint, "op-a", loop_interval=0.2).start()
+    client = redis_server.client()
+    try:
+        await kube.create(sdd_body("broken", redis={"url": redis_server.url}))
+        await wait_for(lambda: stored(client, name="broken"), 20, "the live state in Redis")
+        await kube.patch(API_VERSION, KIND, "default", "broken", {"spec": {"speculation": {"kMin": 9, "kMax": 4}}})
+
+        def invalid():
+            sdd = cluster.live(API_VERSION, "specdecodedeployments", "default", "broken") or {}
+            return any(c["type"] == "Ready" and c.get("reason") == "InvalidSpec"
+                       for c in (sdd.get("status") or {}).get("conditions", []))
+        await wait_for(invalid, 20, "the edit refused (InvalidSpec)")
+        await kube.delete(API_VERSION, KIND, "default", "broken")
+        await wait_for(lambda: stored(client, name="broken") is None, 20, "the document deleted with the fleet")
+    finally:
+        await op.stop_and_join()
