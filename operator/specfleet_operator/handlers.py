@@ -183,8 +183,21 @@ async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = 
     caller holds reconcile_lock."""
     ns, name = body["metadata"]["namespace"], body["metadata"]["name"]
     if not locked:
-        async with reconcile_lock(memo, ns, name):
+        lock = reconcile_lock(memo, ns, name)
+        metrics.RECONCILES_WAITING.inc()  # the queue: reconciles waiting on a fleet's lock
+        try:
+            await lock.acquire()
+        finally:
+            metrics.RECONCILES_WAITING.dec()
+        start = time.perf_counter()
+        try:
             return await reconcile(body, memo, cstate, window, memory, locked=True)
+        except BaseException:
+            metrics.RECONCILE_ERRORS.labels("exception").inc()
+            raise
+        finally:
+            lock.release()
+            metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
     spec = specs.with_defaults(dict(body.get("spec") or {}))
     problems = specs.problems(spec)
     prev = body.get("status") or {}
@@ -202,6 +215,8 @@ async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = 
     secret_error = await _fleet_secret(body, spec, memo)
     results, errors = await _apply_children(body, spec, fleet_state(cstate, spec, memory), memo)
     errors = [secret_error, *errors] if secret_error else errors
+    if errors:
+        metrics.RECONCILE_ERRORS.labels("apply").inc(len(errors))
     applied_generations(memo)[(ns, name)] = body.get("metadata", {}).get("generation")
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:

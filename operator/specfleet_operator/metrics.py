@@ -2,13 +2,14 @@
 
 The control loop reads the fleet's windows in Redis (specfleet_control.observe), not these; they
 are for dashboards and alerts: which fleets are in fallback, whole or per prompt type, how many
-prompt clusters are, each transition, the canary's share, and the Alertmanager receiver's posts.
+prompt clusters are, each transition, the canary's share, the Alertmanager receiver's posts, and
+the reconciles themselves (their seconds, errors and how many wait on a fleet's lock).
 """
 from __future__ import annotations
 
 from typing import Any
 
-from prometheus_client import Counter, Gauge
+from prometheus_client import Counter, Gauge, Histogram
 
 from specfleet_api.enums import PROMPT_TYPES
 
@@ -29,6 +30,14 @@ FALLBACK_CLUSTERS = Gauge("specfleet_fallback_clusters", "Prompt clusters of a f
 FALLBACK_TRANSITIONS = Counter("specfleet_fallback_transitions", "SLO loop transitions, by scope (deployment, "
                                "prompt_type, cluster) and direction (enter, leave)",
                                [*SDD_LABELS, "scope", "direction"])
+
+RECONCILE_SECONDS = Histogram("specfleet_operator_reconcile_seconds", "Seconds one reconcile of a fleet took "
+                              "(children applied, status written), the wait for its lock excluded",
+                              buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+RECONCILE_ERRORS = Counter("specfleet_operator_reconcile_errors", "Reconcile errors, by kind: exception (the "
+                           "reconcile raised; kopf retries it), apply (a child the API refused)", ["kind"])
+RECONCILES_WAITING = Gauge("specfleet_operator_reconciles_waiting",
+                           "Reconciles waiting on a fleet's lock (another reconcile of it runs)")
 
 
 def record_transition(namespace: str, name: str, reason: str, message: str) -> None:
