@@ -182,12 +182,14 @@ def enough(e: Evidence, policy: SloPolicy, alpha_only: bool = False) -> bool:
     speedup is not observed). Evidence short of that is only thin.
 
     >>> p = SloPolicy(min_requests=4, min_draft_tokens=100)
-    >>> enough(Evidence(requests=4, draft_tokens=10), p), enough(Evidence(requests=1, draft_tokens=10), p)
+    >>> enough(Evidence(requests=4, draft_tokens=100), p), enough(Evidence(requests=40, draft_tokens=10), p)
     (True, False)
     >>> enough(Evidence(requests=40, draft_tokens=10), p, alpha_only=True)
     False
     """
-    if alpha_only:
+    if alpha_only or e.draft_tokens < policy.min_draft_tokens:
+        # a speedup judged healthy does not spend evidence whose alpha is unclear ("thin" in tick):
+        # requests alone are not enough while drafts are too few to judge alpha
         return e.draft_tokens >= policy.min_draft_tokens
     return e.requests >= policy.min_requests or e.draft_tokens >= policy.min_draft_tokens
 
