@@ -176,22 +176,17 @@ def cluster_sample(e: Evidence | None, policy: SloPolicy, alert: str | None = No
     return Sample(alpha=e.alpha, draft_tokens=e.draft_tokens, requests=e.requests, alpha_bounds=alpha_bounds(e))
 
 
-def enough(e: Evidence, policy: SloPolicy, alpha_only: bool = False) -> bool:
-    """Whether evidence without a verdict lacked clarity rather than data: the requests a speedup
-    needs, or the drafted tokens alpha needs (`alpha_only`, a cluster: only those, as its
-    speedup is not observed). Evidence short of that is only thin.
+def enough(e: Evidence, policy: SloPolicy) -> bool:
+    """Whether evidence without a verdict lacked clarity rather than data: the drafted tokens alpha
+    needs. Requests alone never are (a speedup judged healthy keeps evidence whose alpha is unclear,
+    and a cluster's speedup is not observed): a collapsed type or an out-of-distribution cluster
+    may finish many requests that draft almost nothing.
 
     >>> p = SloPolicy(min_requests=4, min_draft_tokens=100)
     >>> enough(Evidence(requests=4, draft_tokens=100), p), enough(Evidence(requests=40, draft_tokens=10), p)
     (True, False)
-    >>> enough(Evidence(requests=40, draft_tokens=10), p, alpha_only=True)
-    False
     """
-    if alpha_only or e.draft_tokens < policy.min_draft_tokens:
-        # a speedup judged healthy does not spend evidence whose alpha is unclear ("thin" in tick):
-        # requests alone are not enough while drafts are too few to judge alpha
-        return e.draft_tokens >= policy.min_draft_tokens
-    return e.requests >= policy.min_requests or e.draft_tokens >= policy.min_draft_tokens
+    return e.draft_tokens >= policy.min_draft_tokens
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
@@ -226,8 +221,7 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         if not (due or alert):
             return
         pending = evidence.get(key, Evidence())
-        if pending.windows >= (MAX_EVIDENCE_WINDOWS if enough(pending, policy, key.startswith("cluster:"))
-                               else MAX_THIN_WINDOWS):
+        if pending.windows >= (MAX_EVIDENCE_WINDOWS if enough(pending, policy) else MAX_THIN_WINDOWS):
             pending = Evidence()  # what is older says little of now: start afresh
         combined = pending.plus(window) if window is not None and not only_alert else pending
         judged = sample(combined, alert) if not only_alert else Sample(alert=alert)
