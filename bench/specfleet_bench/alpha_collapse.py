@@ -326,11 +326,17 @@ class Episode:
                         self.stop.wait(seconds)
                     else:
                         print(f"[{start:6.1f}s] phase {phase}: at least {seconds:.0f}s, until its evidence "
-                              f"(at most {a.phase_limit:.0f}s)", flush=True)
+                              f"(at most {a.phase_limit:.0f}s x the fleet's slowness, now {self.stretch():.2f})",
+                              flush=True)
                         missing = self.wait_for_evidence(phase, start, seconds, a.phase_limit)
                     self.phases[phase] = (self.phases[phase][0], round(time.monotonic() - self.t0, 2))
                     if a.until_evidence and missing:
-                        self.missing = f"phase {phase} ran {a.phase_limit:.0f}s without its evidence: {missing}"
+                        ran = self.phases[phase][1] - start
+                        tps = self.fleet_tps()
+                        self.missing = (f"phase {phase} ran {ran:.0f}s (its limit {a.phase_limit:.0f}s x "
+                                        f"{self.stretch():.2f}: the fleet served "
+                                        f"{'no' if tps is None else f'{tps:.0f}'} tokens/s against the "
+                                        f"{a.reference_tps:g} the limit is sized for) without its evidence: {missing}")
                         print(f"[{time.monotonic() - self.t0:6.1f}s] {self.missing}", flush=True)
                         break
                 self.stop.set()
@@ -342,15 +348,30 @@ class Episode:
 
     # -- phases sized by evidence ---------------------------------------------------------------
 
+    def fleet_tps(self) -> float | None:
+        """Tokens/s the fleet has served its clients so far (all of them, finished requests)."""
+        done = self._calls(lambda c: c.end and not c.error)
+        elapsed = time.monotonic() - self.t0
+        return sum(c.tokens for c in done) / elapsed if done and elapsed > 0 else None
+
+    def stretch(self) -> float:
+        """How much longer than --phase-limit a phase may run on this machine: the evidence a phase
+        needs comes in tokens, so a fleet serving fewer tokens/s than --reference-tps gathers it that
+        much more slowly (1 until a request has finished; at most --max-stretch)."""
+        tps = self.fleet_tps()
+        if not tps:
+            return 1.0
+        return min(self.args.max_stretch, max(1.0, self.args.reference_tps / tps))
+
     def wait_for_evidence(self, phase: str, start: float, least_s: float, limit_s: float) -> str | None:
         """Waits until `phase` has shown what it is for (and at least least_s); None then, else
-        (at limit_s) what the loop still lacked."""
+        (at limit_s x stretch()) what the loop still lacked."""
         while True:
             now = time.monotonic() - self.t0
             missing = self.lacking(phase, start)
             if missing is None and now - start >= least_s:
                 return None
-            if now - start >= limit_s:
+            if now - start >= limit_s * self.stretch():
                 return missing or "nothing (its minimum outlasted the limit)"
             self.stop.wait(1.0)
 
@@ -472,6 +493,7 @@ class Episode:
             "fallback_after_evidence_windows": None if entered is None or evidence_at is None
             else round(max(0.0, entered - evidence_at) / a.window, 2),
             "missing": self.missing,
+            "fleet_tokens_per_s": self.fleet_tps(), "phase_limit_stretch": round(self.stretch(), 3),
             "recovered_after_s": None if left is None else round(left - recover_at, 2),
             "transitions": transitions,
             "other_type_modes_by_phase": chat_modes,
@@ -586,7 +608,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-evidence", action="store_true",
                    help="each phase lasts until it has shown what it is for (at least its seconds, at most "
                         "--phase-limit); on a limit the episode stops and says what the loop lacked")
-    p.add_argument("--phase-limit", type=float, default=300.0, help="seconds, with --until-evidence (default 300)")
+    p.add_argument("--phase-limit", type=float, default=300.0,
+                   help="seconds, with --until-evidence, on a fleet serving --reference-tps (default 300)")
+    p.add_argument("--reference-tps", type=float, default=200.0,
+                   help="the fleet's tokens/s (all clients) --phase-limit is sized for: a slower fleet's phases "
+                        "may run longer by as much (default 200, a 2-core AVX-512 machine)")
+    p.add_argument("--max-stretch", type=float, default=5.0,
+                   help="at most this many times --phase-limit, however slow the fleet (default 5)")
     p.add_argument("--fallback-requests", type=int, default=6,
                    help="with --until-evidence, the collapsed type's requests that finish in fallback before it "
                         "recovers (default 6)")
