@@ -60,6 +60,10 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
         return status_main(argv[1:])
     if argv and argv[0] == "bench":
         return _bench(argv[1:])
+    if argv and argv[0] == "train-draft":
+        from specfleet_engine.draft_training import main as train_draft_main
+
+        return train_draft_main(argv[1:])
     parser = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
 
     sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category; "
                                  "`specfleet bench --help` lists its flags", add_help=False)
+    sub.add_parser("train-draft", help="train an EAGLE draft head for a target model (self-distillation, features, "
+                                       "training, evaluation); `specfleet train-draft --help`", add_help=False)
     sub.add_parser("serve", help="run the gRPC worker; `specfleet serve --help` lists its flags", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator; `specfleet operator --help` lists its flags",
                    add_help=False)

@@ -10,9 +10,11 @@ import pathlib
 import numpy as np
 import pytest
 
+from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import Capabilities, NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.proposers.eagle import EagleProposer
 from specfleet_engine.sampling import SamplingParams
 from specfleet_engine.testing import repeating_prompts, tiny_model
 
@@ -74,6 +76,9 @@ def test_the_shipped_proposers_declare_theirs():
     assert NgramProposer.capabilities == Capabilities(cheap=True, trees=True)
     assert NgramProposer(recycle=4).capabilities.target_top_k == 4 and NgramProposer.capabilities.target_top_k == 0
     assert DraftModelProposer.capabilities == Capabilities(trees=True, shapes=True)
+    target = tiny_model(seed=1)
+    head = EagleHead(HeadConfig.for_target(target, 16, feature_layers=(0, 1)), target.args)
+    assert EagleProposer(head, target).capabilities == Capabilities(trees=True, shapes=True, target_layers=(0, 1))
 
 
 class Undeclared(Recording):
@@ -85,7 +90,8 @@ class Undeclared(Recording):
 
 @pytest.mark.parametrize("proposer, error, match", [
     (Undeclared(), TypeError, "declares no Capabilities"),
-    (Recording(Capabilities(hidden_states=True)), ValueError, "hidden states"),
+    (Recording(Capabilities(target_layers=(1, 1))), ValueError, "distinct layer indices"),
+    (Recording(Capabilities(target_layers=(0, 7))), ValueError, r"layers \[7\]; the target has 2 layers"),
     (Recording(Capabilities(shapes=True)), ValueError, "shapes needs trees"),
 ])
 def test_the_engine_refuses_a_proposer_it_cannot_serve(proposer, error, match):

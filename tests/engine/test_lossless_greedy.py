@@ -11,17 +11,33 @@ from collections import Counter
 
 import pytest
 
+from specfleet_engine.draft_head import target_fingerprint
 from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import Capabilities, NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.proposers.eagle import EagleProposer
 from specfleet_engine.sampling import SamplingParams
-from specfleet_engine.testing import TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_model
+from specfleet_engine.testing import (
+    TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_head, tiny_model,
+)
 
-METHODS = ("ngram", "draft-model")
+METHODS = ("ngram", "draft-model", "eagle")
+_HEADS: dict = {}  # one trained head per target (a few seconds each)
 
 
-def proposers_for(target) -> dict:
-    return {"ngram": NgramProposer(), "draft-model": DraftModelProposer(tiny_draft(target))}
+def head_for(target, prompts=None):
+    """A head trained on the target's answers to `prompts` (the default: the prompts these tests
+    decode), so that its drafts are accepted often enough to exercise verification."""
+    key = (target_fingerprint(target), target.args.architecture, target.args.attention_bias,
+           target.args.sliding_window, target.args.n_kv_heads, str(prompts))
+    if key not in _HEADS:
+        _HEADS[key] = tiny_head(target, prompts)
+    return _HEADS[key]
+
+
+def proposers_for(target, prompts=None) -> dict:
+    return {"ngram": NgramProposer(), "draft-model": DraftModelProposer(tiny_draft(target)),
+            "eagle": EagleProposer(head_for(target, prompts), target)}
 
 
 def tally(totals: dict[str, Counter], seq) -> None:
@@ -141,9 +157,10 @@ class AlwaysRaises(NeverDrafts):
 @pytest.mark.parametrize("broken", [NeverDrafts, AlwaysRaises], ids=["empty drafts", "raises"])
 def test_the_check_fails_when_a_proposer_never_drafts(broken):
     """Both fall back to plain decoding, so every output still matches: only the guard sees it."""
-    proposers = {"ngram": NgramProposer(), "draft-model": broken()}
+    target = tiny_model(seed=1, scale=4.0)
+    proposers = {**proposers_for(target), "draft-model": broken()}
     with pytest.raises(AssertionError, match="draft-model"):
-        check_speculation_matches_plain(tiny_model(seed=1, scale=4.0), proposers)
+        check_speculation_matches_plain(target, proposers)
 
 
 @pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
@@ -152,14 +169,14 @@ def test_batched_speculation_matches_single_requests(arch, branching):
     target = tiny_model(seed=3, scale=4.0, **TINY_ARCHITECTURES[arch])
     # fixed K: every speculative request verifies its own k (1 to 7) each step, next to plain ones;
     # with trees, a ragged batch of trees, chains (a single continuation) and plain rows
-    engine = Engine(target, proposers=proposers_for(target), k_policy="fixed", tree_branching=branching)
+    ps = repeating_prompts(8, seed=5) if branching == 1 else repeating_prompts(4, seed=5) + branching_prompts(4)
+    engine = Engine(target, proposers=proposers_for(target, ps), k_policy="fixed", tree_branching=branching)
     totals = {m: Counter() for m in METHODS}
     count_trees(engine, totals)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    ps = repeating_prompts(8, seed=5) if branching == 1 else repeating_prompts(4, seed=5) + branching_prompts(4)
     expected = [engine.generate(p, params, "none").output for p in ps]
-    methods = ["none", "ngram", "draft-model"]
-    seqs = [engine.add(p, params, methods[i % 3], k=1 + i % 7) for i, p in enumerate(ps)]
+    methods = ["none", "ngram", "draft-model", "eagle"]
+    seqs = [engine.add(p, params, methods[i % 4], k=1 + i % 7) for i, p in enumerate(ps)]
     while not all(s.finished for s in seqs):
         engine.step()
         # a request joins mid-flight: continuous batching

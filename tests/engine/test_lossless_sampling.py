@@ -21,7 +21,9 @@ import torch
 from specfleet_engine import engine as engine_module
 from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.proposers.eagle import EagleProposer
 from specfleet_engine.sampling import SamplingParams, logits_to_probs, sample_from
 from specfleet_engine.testing import tiny_model
 from specfleet_engine.kernels import rejection
@@ -52,6 +54,8 @@ CASES = [
     Case("draft model tree, T=1.5, top-k 3", "draft-model", 2, dict(temperature=1.5, top_k=3), 2),
     Case("draft model, a static shape", "draft-model", 3, dict(temperature=1.0), 3,
          choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
+    # q from a head reading the target's features (a random one: any q must come out exact)
+    Case("eagle head tree (2 children), T=0.8", "eagle", 3, dict(temperature=0.8), 2),
 ]
 MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
 
@@ -60,7 +64,11 @@ MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
 def models():
     target = tiny_model(seed=17, vocab_size=VOCAB, scale=2.0)
     draft = tiny_model(seed=12, vocab_size=VOCAB, scale=2.0)
-    return target, draft
+    torch.manual_seed(5)
+    head = EagleHead(HeadConfig.for_target(target, VOCAB), target.args).eval().requires_grad_(False)
+    with torch.no_grad():  # sharper than its initialisation: its drafts are accepted and rejected
+        head.output.weight.mul_(8.0)
+    return target, draft, head
 
 
 def exact_distribution(model, params: SamplingParams, prompt: list[int]) -> torch.Tensor:
@@ -117,8 +125,8 @@ class Sampled(NamedTuple):
 
 
 def sample_speculatively(models, case: Case) -> Sampled:
-    target, draft = models
-    proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft)}
+    target, draft, head = models
+    proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target)}
     engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
                     tree_branching=case.branching, tree_choices=case.choices)
     # max_tokens leaves room for K drafts in every step that makes a scored token

@@ -192,8 +192,9 @@ class Engine:
             caps = proposer.capabilities if hasattr(proposer, "capabilities") else None
             if not isinstance(caps, Capabilities):
                 raise TypeError(f"proposer {method!r} declares no Capabilities (proposers/base.py)")
-            if caps.problems():
-                raise ValueError(f"proposer {method!r}: " + "; ".join(caps.problems()))
+            problems = caps.problems() + caps.layer_problems(model.args.n_layers)
+            if problems:
+                raise ValueError(f"proposer {method!r}: " + "; ".join(problems))
         self.device = getattr(model, "device", torch.device("cpu"))
         self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype, device=self.device)
         self.max_len = model.args.max_position_embeddings
@@ -208,6 +209,7 @@ class Engine:
         self.k_policy: KPolicy = make_policy(k_policy, self.costs, max_slowdown) if isinstance(k_policy, str) \
             else k_policy
         self.last_timing = StepTiming()
+        self._features: Tensor | None = None  # the last target forward's features (`_forward`)
         # caps on the adaptive draft tree: children per node (1: chains) and depth (0: K's bound)
         self.tree_branching, self.tree_depth = tree_branching, tree_depth
         # a static shape under the caps (paths of sibling ranks), or None: ValueError naming a bad path
@@ -294,10 +296,44 @@ class Engine:
         """One target forward over the new tokens of several sequences.
 
         logits_rows: "last" (one row per sequence) or "all" (every input token); trees: per
-        sequence, None or its new tokens' parents (`batch_metadata`)."""
+        sequence, None or its new tokens' parents (`batch_metadata`). The features proposers of
+        these sequences read (`Capabilities.target_layers`) are kept in `self._features` for
+        `_hand_features`."""
         tokens, meta, last = batch_metadata([s.block_table for s in seqs], inputs, trees)
+        layers = self._feature_layers(seqs)
         with torch.inference_mode():
-            return self.model(tokens, meta, self.cache.layers, last if logits_rows == "last" else None)
+            out = self.model(tokens, meta, self.cache.layers, last if logits_rows == "last" else None,
+                             features=layers)
+        if not layers:
+            self._features = None
+            return out
+        logits, self._features = out
+        return logits
+
+    def _feature_layers(self, seqs: list[Sequence]) -> tuple[int, ...]:
+        """The target layers whose features the proposers of `seqs` read (sorted; () for none)."""
+        wanted = {self.proposers[m].capabilities.target_layers for m in {s.method for s in seqs} if m in self.proposers}
+        return tuple(sorted({i for layers in wanted for i in layers}))
+
+    def _hand_features(self, seqs: list[Sequence], rows: list[list[int]], starts: list[int]) -> None:
+        """Hands each proposer that reads target features (`target_layers`) its sequences' rows of
+        the last forward's features: `rows[b]` (rows of the forward, in token order) hold the
+        tokens at positions starts[b], starts[b] + 1, ..."""
+        feats = self._features
+        if feats is None:
+            return
+        layers = self._feature_layers(seqs)
+        dim = feats.shape[1] // len(layers)
+        for b, seq in enumerate(seqs):
+            proposer = self.proposers.get(seq.method)
+            want = proposer.capabilities.target_layers if proposer is not None else ()
+            if not want or not rows[b]:
+                continue
+            picked = feats[rows[b]]
+            if want != layers:  # its layers' columns, in its order
+                cols = torch.cat([torch.arange(layers.index(i) * dim, (layers.index(i) + 1) * dim) for i in want])
+                picked = picked[:, cols.to(picked.device)]
+            proposer.observe_features(seq, starts[b], picked)
 
     def _prefill(self) -> list[StepOutput]:
         """One forward over the waiting prompts, first come first served, within the step's
@@ -314,6 +350,9 @@ class Engine:
             chunks.append(seq.tokens[done:done + n])
             budget -= n
         logits = self._forward(seqs, chunks, "last")  # [B, V]: each chunk's last row
+        cu = [0, *itertools.accumulate(map(len, chunks))]
+        self._hand_features(seqs, [list(range(cu[b], cu[b + 1])) for b in range(len(seqs))],
+                            [s.block_table.num_tokens - len(c) for s, c in zip(seqs, chunks)])
         whole = [b for b, s in enumerate(seqs) if s.block_table.num_tokens >= len(s.tokens)]  # prompt all in
         self._recycle([seqs[b] for b in whole], [[b] for b in whole], [[seqs[b].tokens[-1]] for b in whole], logits)
         outs = []
@@ -401,6 +440,9 @@ class Engine:
         paths = [result.path[b, :int(result.num_accepted[b])].tolist() for b in range(len(seqs))]  # root: row 0
         self._recycle(seqs, [[lo + r for r in [0, *path]] for lo, path in zip(cu, paths)],
                       [[inp[r] for r in [0, *path]] for inp, path in zip(inputs, paths)], logits)
+        # the root sits at position len(tokens) - 1, the accepted nodes after it
+        self._hand_features(seqs, [[lo + r for r in [0, *path]] for lo, path in zip(cu, paths)],
+                            [len(s.tokens) - 1 for s in seqs])
         outs = []
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):
             n = len(prop.draft_tokens)

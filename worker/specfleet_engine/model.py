@@ -591,6 +591,22 @@ class Block(nn.Module):
         return linear(ff.w2, F.silu(gate).mul_(up), residual=h)
 
 
+def dense_block(block: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
+    """`Block.forward`'s math without a KV cache, for training a draft head: rows [N, D] attend to
+    each other under a bool mask [N, N] (True: may attend), with autograd."""
+    att, ff = block.attention, block.feed_forward
+    N, H, Hkv, hd = x.shape[0], att.n_heads, att.n_kv_heads, att.head_dim
+    qkv = linear(att.wqkv, rms_norm(x, block.attention_norm.weight, block.attention_norm.eps))
+    qk = apply_rope(qkv[:, : (H + Hkv) * hd].view(N, H + Hkv, hd), cos, sin)
+    q, k = qk[:, :H], qk[:, H:]
+    v = qkv[:, (H + Hkv) * hd:].view(N, Hkv, hd)
+    o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                       attn_mask=mask, scale=att.scale, enable_gqa=H != Hkv)
+    h = linear(att.wo, o[0].transpose(0, 1).reshape(N, H * hd), x)
+    gate, up = linear(ff.w13, rms_norm(h, block.ffn_norm.weight, block.ffn_norm.eps)).chunk(2, dim=-1)
+    return linear(ff.w2, F.silu(gate) * up, h)
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -620,9 +636,12 @@ class Transformer(nn.Module):
         meta: AttentionMetadata,
         kv_caches: list[tuple[Tensor, Tensor]],
         logits_indices: Tensor | None = None,
-    ) -> Tensor:
+        features: tuple[int, ...] = (),
+    ) -> Tensor | tuple[Tensor, Tensor]:
         # tokens: [T]; returns logits [len(logits_indices) or T, V] in fp32, on the model's device
-        # (the metadata and indices may come from the host)
+        # (the metadata and indices may come from the host). With `features` (layer indices), also
+        # the residual stream after each of those layers at every input row, concatenated:
+        # [T, len(features) * dim], what an EAGLE head reads (logits_indices does not select them)
         device = self.norm.weight.device
         plan = plan_attention(meta, self.args, device, kv_caches[0][0].shape[1] if kv_caches else None)
         meta = plan.meta
@@ -636,8 +655,13 @@ class Transformer(nn.Module):
         else:
             cos = self.rope_cos.index_select(0, meta.positions).to(x.dtype)
             sin = self.rope_sin.index_select(0, meta.positions).to(x.dtype)
-        for layer, kv in zip(self.layers, kv_caches):
+        taken: dict[int, Tensor] = {}
+        for i, (layer, kv) in enumerate(zip(self.layers, kv_caches)):
             x = layer(x, cos, sin, meta, plan, kv)
+            if i in features:
+                taken[i] = x
+        feats = torch.cat([taken[i] for i in features], dim=-1) if features else None
         if logits_indices is not None:
             x = x.index_select(0, logits_indices)
-        return linear(self.output, rms_norm(x, self.norm.weight, self.norm.eps)).float()
+        logits = linear(self.output, rms_norm(x, self.norm.weight, self.norm.eps)).float()
+        return logits if feats is None else (logits, feats)

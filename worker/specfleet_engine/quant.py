@@ -187,3 +187,18 @@ def weight_bytes(model: nn.Module) -> int:
     if isinstance(tied, nn.Linear) and tied.weight is getattr(model, "tok_embeddings").weight:
         total += tied.weight.numel() * tied.weight.element_size()  # the tied LM head is streamed
     return total
+
+
+def dense_weight(layer: nn.Module) -> Tensor:
+    """Any of our linear layers' weight as a plain fp32 [out, in] (a copy where it is stored
+    otherwise): nn.Linear, TransposedLinear, PackedLinear, Int8WeightOnlyLinear (de-quantized)."""
+    from .model import TransposedLinear
+    if isinstance(layer, nn.Linear):
+        return layer.weight.detach().float()
+    if isinstance(layer, TransposedLinear):
+        return layer.weight_t.t().float()
+    if isinstance(layer, PackedLinear):
+        return layer.weight().float()
+    if isinstance(layer, Int8WeightOnlyLinear):
+        return layer.int8_weight().float() * layer.scales.float()[:, None]
+    raise TypeError(f"not a linear layer: {type(layer).__name__}")

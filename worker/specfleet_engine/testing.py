@@ -153,3 +153,32 @@ def tiny_draft(target: Transformer, noise: float = 0.03, seed: int = 0) -> Trans
             if not name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * (noise * float(p.std())))
     return draft
+
+
+def tiny_head(target: Transformer, prompts: list[list[int]] | None = None, steps: int = 120, seed: int = 0):
+    """An EAGLE head for `target`, trained for a few seconds by the real training code on the
+    target's greedy answers to repeating prompts, so that its drafts are accepted often but not
+    always (an untrained head's almost never are)."""
+    from .draft_head import EagleHead, HeadConfig
+    from .draft_training import sequence_loss, target_pass
+    from .engine import Engine
+    from .sampling import SamplingParams
+
+    prompts = prompts or repeating_prompts(8) + branching_prompts(4)  # what the engine's tests decode
+    engine = Engine(target, proposers={})
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    rows = [{"prompt": p, "output": engine.generate(p, params, "none").output} for p in prompts]
+    vocab = target.args.vocab_size
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = EagleHead(HeadConfig.for_target(target, vocab), target.args).float().init_from(target, torch.arange(vocab))
+    data = target_pass(target, head.config.feature_layers, [r["prompt"] + r["output"] for r in rows], 8)
+    emb = torch.nn.Embedding.from_pretrained(target.tok_embeddings.weight.detach().float(), freeze=True)
+    opt = torch.optim.AdamW(head.parameters(), lr=5e-3)
+    for step in range(steps):
+        r = step % len(rows)
+        opt.zero_grad()
+        loss, _, _ = sequence_loss(head, emb, rows[r], *data[r], torch.arange(vocab), 2)
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)

@@ -23,7 +23,7 @@ class Capabilities:
     without them or with needs it does not meet.
 
     >>> Capabilities(cheap=True, trees=True)
-    Capabilities(cheap=True, trees=True, shapes=False, target_top_k=0, hidden_states=False)
+    Capabilities(cheap=True, trees=True, shapes=False, target_top_k=0, target_layers=())
     """
 
     # drafting k tokens costs next to nothing (a search): draft the most, then trim by acceptance;
@@ -35,9 +35,11 @@ class Capabilities:
     # the target's top-k next tokens after each verified token, handed over by
     # `observe_targets(seq, tokens, top)` (0: none); the verify forward computed them anyway
     target_top_k: int = 0
-    # the target's hidden states (EAGLE, Medusa heads): no engine path hands them over today, so
-    # an engine refuses such a proposer
-    hidden_states: bool = False
+    # the target's residual stream after these layers (an EAGLE head's features), at every token
+    # the target verified or prefilled, handed over by `observe_features(seq, start, feats)`:
+    # feats [n, len(target_layers) * dim] for the tokens at positions start .. start + n - 1, in
+    # order, from the forwards the target ran anyway
+    target_layers: tuple[int, ...] = ()
 
     def problems(self) -> list[str]:
         """What this engine cannot serve of them ([]: all of it)."""
@@ -46,9 +48,14 @@ class Capabilities:
             out.append("shapes needs trees (a static shape is a tree)")
         if self.target_top_k < 0:
             out.append(f"target_top_k must be >= 0, got {self.target_top_k}")
-        if self.hidden_states:
-            out.append("needs the target's hidden states, which this engine does not hand to proposers")
+        if len(set(self.target_layers)) != len(self.target_layers) or any(i < 0 for i in self.target_layers):
+            out.append(f"target_layers must be distinct layer indices >= 0, got {list(self.target_layers)}")
         return out
+
+    def layer_problems(self, n_layers: int) -> list[str]:
+        """What a target of n_layers cannot hand over ([]: all of it)."""
+        past = [i for i in self.target_layers if i >= n_layers]
+        return [f"needs the features of layers {past}; the target has {n_layers} layers"] if past else []
 
 
 @dataclass
@@ -178,4 +185,5 @@ class Proposer(Protocol):
         """The sequence finished: free what the proposer holds for it."""
 
     # with capabilities.trees: propose(seqs, ks, branching: list[int]); with .shapes also
-    # shape=TreeShape; with .target_top_k: observe_targets(seq, tokens, top: np.ndarray [n, k])
+    # shape=TreeShape; with .target_top_k: observe_targets(seq, tokens, top: np.ndarray [n, k]);
+    # with .target_layers: observe_features(seq, start: int, feats: Tensor [n, F])

@@ -40,10 +40,26 @@ class DraftModelProposer:
                 "target's vocabulary (same tokens, same ids)"
             )
 
-    def _forward(self, seqs: list[SequenceView], inputs: list[list[int]]) -> torch.Tensor:
-        tokens, meta, last = batch_metadata([self.tables[s.seq_id] for s in seqs], inputs)
+    # -- what a subclass drafting with more than tokens (an EAGLE head: features) replaces ------
+
+    def _run(self, tokens: torch.Tensor, meta, rows: torch.Tensor | None, context: torch.Tensor | None):
+        """One draft forward: the logits of `rows` (all without) [R, V] over the target's vocabulary,
+        and what each input row hands its children besides its token ([T, ...], or None: nothing).
+        `context`: what each input row reads besides its token (its parent's), or None."""
         with torch.inference_mode():
-            return self.model(tokens, meta, self.cache.layers, last)  # [B, V]
+            return self.model(tokens, meta, self.cache.layers, rows), None
+
+    def _catch_up_context(self, group: list[SequenceView], inputs: list[list[int]]) -> torch.Tensor | None:
+        """What the catch-up rows read besides their tokens (None: nothing)."""
+        return None
+
+    # ---------------------------------------------------------------------------------------
+
+    def _forward(self, seqs: list[SequenceView], inputs: list[list[int]], context: torch.Tensor | None = None):
+        """Each sequence's last row: logits [B, V] and what it hands on (None or [B, ...])."""
+        tokens, meta, last = batch_metadata([self.tables[s.seq_id] for s in seqs], inputs)
+        logits, out = self._run(tokens, meta, last, context)
+        return logits, (None if out is None else out.index_select(0, last.to(out.device)))
 
     def _pick(self, seqs: list[SequenceView], logits: torch.Tensor):
         tokens, probs = [], []
@@ -66,17 +82,19 @@ class DraftModelProposer:
         qs: dict[int, list] = {s.seq_id: [] for s in seqs}
         if active:
             group = [s for s, _ in active]
-            logits = self._catch_up(group)
+            logits, handed = self._catch_up(group)
             want = dict((s.seq_id, k) for s, k in active)
             while True:
                 toks, probs = self._pick(group, logits)
                 for s, t, q in zip(group, toks, probs):
                     drafts[s.seq_id].append(t)
                     qs[s.seq_id].append(q)
-                group = [s for s in group if len(drafts[s.seq_id]) < want[s.seq_id]]
-                if not group:
+                going = [i for i, s in enumerate(group) if len(drafts[s.seq_id]) < want[s.seq_id]]
+                if not going:
                     break
-                logits = self._forward(group, [[drafts[s.seq_id][-1]] for s in group])
+                context = None if handed is None else handed[going]
+                group = [group[i] for i in going]
+                logits, handed = self._forward(group, [[drafts[s.seq_id][-1]] for s in group], context)
         out = []
         for s in seqs:
             q = qs[s.seq_id]
@@ -84,16 +102,20 @@ class DraftModelProposer:
             out.append(Proposal(drafts[s.seq_id], probs))
         return out
 
-    def _catch_up(self, group: list[SequenceView]) -> torch.Tensor:
-        """Feeds every token the draft has not seen (at least the newest one): [B, V] logits."""
-        inputs = []
+    def _catch_up_inputs(self, seq: SequenceView) -> list[int]:
+        """The tokens the draft has not seen (at least the newest one)."""
+        return seq.tokens[self.tables[seq.seq_id].num_tokens:]
+
+    def _catch_up(self, group: list[SequenceView]):
+        """Feeds what the draft has not seen: each sequence's last row's logits [B, V] and what
+        it hands on (see `_forward`)."""
         for s in group:
-            bt = self.tables.setdefault(s.seq_id, BlockTable(self.cache))
-            inputs.append(s.tokens[bt.num_tokens:])
-        logits = self._forward(group, inputs)
+            self.tables.setdefault(s.seq_id, BlockTable(self.cache))
+        inputs = [self._catch_up_inputs(s) for s in group]
+        out = self._forward(group, inputs, self._catch_up_context(group, inputs))
         for s in group:
             self.base[s.seq_id] = self.tables[s.seq_id].num_tokens
-        return logits
+        return out
 
     def _children(self, seq: SequenceView, row: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor | None, float]]:
         """A node's `width` children: (token, the q it was drawn from, its draft log-prob).
@@ -125,25 +147,26 @@ class DraftModelProposer:
         active = [(s, k, b) for s, k, b in zip(seqs, ks, branching) if k > 0]
         if active:
             group = [s for s, _, _ in active]
-            rows = self._catch_up(group)
-            # (node, score, logits, rank path)
-            frontier = {s.seq_id: [(-1, 0.0, rows[i], ())] for i, s in enumerate(group)}
+            rows, handed = self._catch_up(group)
+            # (node, score, logits, rank path, what the node's row hands its children)
+            frontier = {s.seq_id: [(-1, 0.0, rows[i], (), None if handed is None else handed[i])]
+                        for i, s in enumerate(group)}
             depth = 0
             want = {s.seq_id: (k, b) for s, k, b in active}
             while group:
                 depth += 1
-                expand: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+                expand: dict[int, list[tuple[int, float, tuple[int, ...], object]]] = {}
                 for s in group:
                     tokens, parents, qrows = trees[s.seq_id]
                     k, width = want[s.seq_id]
                     born = []
-                    for node, score, row, path in frontier[s.seq_id]:
+                    for node, score, row, path, hand in frontier[s.seq_id]:
                         n = width if shape is None else shape.children(path)
                         for r, (tok, q, logq) in enumerate(self._children(s, row, n) if n else []):
                             tokens.append(tok)
                             parents.append(node)
                             qrows.append(q)
-                            born.append((len(tokens) - 1, score + logq, path + (r,)))
+                            born.append((len(tokens) - 1, score + logq, path + (r,), hand))
                     if depth >= k:
                         expand[s.seq_id] = []
                     elif shape is None:
@@ -153,11 +176,12 @@ class DraftModelProposer:
                 group = [s for s in group if expand[s.seq_id]]
                 if not group:
                     break
-                logits = self._forward_tree(group, [expand[s.seq_id] for s in group], trees)
+                logits, handed = self._forward_tree(group, [expand[s.seq_id] for s in group], trees)
                 at = 0
                 for s in group:
                     nodes = expand[s.seq_id]
-                    frontier[s.seq_id] = [(n, sc, logits[at + i], path) for i, (n, sc, path) in enumerate(nodes)]
+                    frontier[s.seq_id] = [(n, sc, logits[at + i], path, None if handed is None else handed[at + i])
+                                          for i, (n, sc, path, _) in enumerate(nodes)]
                     at += len(nodes)
         out = []
         for s in seqs:
@@ -166,10 +190,11 @@ class DraftModelProposer:
             out.append(Proposal(tokens, probs, parents=parents) if tokens else Proposal([], None))
         return out
 
-    def _forward_tree(self, group: list[SequenceView], expand: list[list[tuple[int, float, tuple[int, ...]]]],
-                      trees) -> torch.Tensor:
+    def _forward_tree(self, group: list[SequenceView], expand: list[list[tuple[int, float, tuple[int, ...], object]]],
+                      trees):
         """One draft forward over the nodes to expand; each sees the prefix, its ancestors
-        (written at earlier levels) and itself. Returns their logits in order."""
+        (written at earlier levels) and itself, and reads what its parent's row handed on.
+        Returns their logits in order and what their rows hand on (None: nothing)."""
         tables = [self.tables[s.seq_id] for s in group]
         inputs = [[trees[s.seq_id][0][n] for n, *_ in nodes] for s, nodes in zip(group, expand)]
         for s, nodes in zip(group, expand):  # where each node's K/V lands: the next free slot
@@ -191,8 +216,9 @@ class DraftModelProposer:
                 pos.append(base - 1 + depth)
             meta.masks[b] = mask
             meta.positions[meta.cu_seqlens[b]:meta.cu_seqlens[b + 1]] = torch.tensor(pos)
-        with torch.inference_mode():
-            return self.model(tokens, meta, self.cache.layers)  # [rows, V]
+        hands = [h for nodes in expand for (*_, h) in nodes]
+        context = None if hands[0] is None else torch.stack(hands)
+        return self._run(tokens, meta, None, context)  # [rows, V]
 
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
         bt = self.tables.get(seq.seq_id)

@@ -1,0 +1,514 @@
+"""`specfleet train-draft`: an EAGLE head for a target model, in four stages that each resume.
+
+    distill   the engine answers the training prompts (batched; a mix of greedy and sampled answers),
+              so the head learns the target's own distribution, not a dataset's
+    features  one target forward over each prompt + answer: the features of the head's layers at
+              every position, and the target's top next tokens with their probabilities (the labels)
+    train     the head, on those, with a progress line and a loss curve; each step unrolls the
+              head on its own outputs (EAGLE-3's training-time test), as it drafts when serving
+    eval      the head drafts for held-back prompts in the real engine: acceptance by draft
+              position and tau (tokens per verify step), greedy output checked against plain
+              decoding; a PNG of the loss and the acceptance
+
+Output (`--out DIR`): `config.json` + `head.safetensors` (draft_head.py), what `draft.uri` loads;
+the stages' files under DIR/work (a stage whose file is complete is skipped on a rerun; distill
+and train resume where they stopped)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .draft_head import EagleHead, HeadConfig, load_head, save_head
+from .engine import Engine
+from .kv_cache import BlockTable, PagedKVCache, batch_metadata
+from .sampling import SamplingParams
+
+STAGES = ("distill", "features", "train", "eval")
+TINY = "tiny-random"
+
+
+@dataclass
+class TrainArgs:
+    target: str
+    prompts: str
+    out: str
+    method: str = "eagle"
+    device: str = "cpu"
+    dtype: str = "fp32"
+    quantization: str = "none"  # of the target while it answers (features always come from `dtype`)
+    train_prompts: int = 1200
+    eval_prompts: int = 32
+    max_prompt_tokens: int = 256  # longer prompts are left out
+    max_new_tokens: int = 128
+    batch: int = 16  # answers decoded together
+    sampled_share: float = 0.5  # of the answers, sampled (the rest greedy)
+    temperature: float = 0.8
+    draft_vocab: int = 4096
+    epochs: float = 2.0
+    lr: float = 1e-3
+    unroll: int = 2  # draft steps a training row unrolls
+    train_batch: int = 8  # sequences an optimizer step
+    top_k_labels: int = 8
+    seed: int = 0
+    threads: int = 0
+    eval_k: int = 5
+    stages: tuple[str, ...] = STAGES
+
+
+def log(msg: str) -> None:
+    print(msg, flush=True)
+
+
+# -- the target --------------------------------------------------------------------------------
+
+def load_target(name: str, dtype: str = "fp32", quantization: str = "none", device: str = "cpu"):
+    """(model, tokenizer) for a model name or path; `tiny-random` is the tests' random model with
+    its character tokenizer (the worker serves the same one)."""
+    if name == TINY:
+        from .testing import CharTokenizer, tiny_model
+        return tiny_model(seed=0, scale=4.0), CharTokenizer()
+    from .factory import device_of, prepare_model
+    from .loader import load_tokenizer
+    return prepare_model(name, dtype, quantization, device=device_of(device)), load_tokenizer(name)
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """JSON lines with `prompt` (or Spec-Bench's `turns`): the texts, in file order; ValueError
+    naming the line that has neither."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        text = row.get("prompt") or (row.get("turns") or [None])[0]
+        if not isinstance(text, str) or not text:
+            raise ValueError(f"{path}:{n}: no `prompt` (or `turns`) text")
+        out.append(text)
+    return out
+
+
+def split_prompts(prompts: list[str], n_train: int, n_eval: int, seed: int) -> tuple[list[int], list[int]]:
+    """Indices of the held-back eval prompts and of the training prompts: a seeded shuffle, eval first."""
+    order = list(range(len(prompts)))
+    random.Random(seed).shuffle(order)
+    return order[n_eval:n_eval + n_train], order[:n_eval]
+
+
+# -- stage 1: self-distillation --------------------------------------------------------------
+
+def distill(a: TrainArgs, work: Path, model, tokenizer, prompts: list[str], train_ids: list[int]) -> Path:
+    """Appends {i, prompt, output, sampled} per answered prompt to work/distill.jsonl; resumes."""
+    path = work / "distill.jsonl"
+    done = {json.loads(line)["i"] for line in path.read_text().splitlines()} if path.exists() else set()
+    todo = []
+    for i in train_ids:
+        if i in done:
+            continue
+        ids = tokenizer.chat(prompts[i])
+        if 0 < len(ids) <= a.max_prompt_tokens:
+            todo.append((i, ids))
+    if not todo:
+        log(f"[distill] {len(done)} answers on file: done")
+        return path
+    engine = Engine(model, tokenizer, proposers={}, max_kv_tokens=a.batch * (a.max_prompt_tokens + a.max_new_tokens + 16))
+    t0, tokens = time.perf_counter(), 0
+    with path.open("a") as f:
+        for lo in range(0, len(todo), a.batch):
+            chunk = todo[lo:lo + a.batch]
+            seqs = []
+            for i, ids in chunk:
+                sampled = random.Random(a.seed * 1_000_003 + i).random() < a.sampled_share
+                params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature if sampled else 0.0,
+                                        seed=i)
+                seqs.append((i, ids, sampled, engine.add(ids, params, "none", 0)))
+            while not all(s.finished for *_, s in seqs):
+                engine.step()
+            for i, ids, sampled, s in seqs:
+                f.write(json.dumps({"i": i, "prompt": ids, "output": s.output, "sampled": sampled}) + "\n")
+                tokens += len(s.output)
+            f.flush()
+            n = min(lo + a.batch, len(todo))
+            rate = tokens / (time.perf_counter() - t0)
+            eta = (len(todo) - n) / n * (time.perf_counter() - t0)
+            log(f"[distill] {len(done) + n}/{len(done) + len(todo)} prompts answered, {tokens} tokens, "
+                f"{rate:.0f} tokens/s, about {eta / 60:.1f} min left")
+    return path
+
+
+def read_distilled(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+# -- stage 2: the target's features and labels ------------------------------------------------
+
+def target_pass(model, layers: tuple[int, ...], seqs: list[list[int]], top_k: int):
+    """One target forward over whole sequences: per sequence its features [n, len(layers) * dim]
+    and its top next tokens after each position (ids [n, k], probabilities [n, k])."""
+    cache = PagedKVCache.for_model(model.args, sum(map(len, seqs)) + 16 * len(seqs), 16, dtype=model.dtype,
+                                   device=model.device)
+    tables = [BlockTable(cache) for _ in seqs]
+    tokens, meta, _ = batch_metadata(tables, seqs)
+    with torch.inference_mode():
+        logits, feats = model(tokens, meta, cache.layers, None, features=layers)
+        top = torch.softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
+    out, at = [], 0
+    for s in seqs:
+        n = len(s)
+        # clones made outside inference mode: tensors autograd may read (training)
+        out.append((feats[at:at + n].cpu().clone(), top.indices[at:at + n].cpu().clone(),
+                    top.values[at:at + n].cpu().clone()))
+        at += n
+    return out
+
+
+def extract_features(a: TrainArgs, work: Path, model, layers: tuple[int, ...], rows: list[dict]) -> Path:
+    """work/features.safetensors: per row r, f{r} (bf16), top{r} (int32), p{r} (fp16)."""
+    from safetensors.torch import save_file
+    path = work / "features.safetensors"
+    if path.exists():
+        log(f"[features] {path} on file: done")
+        return path
+    tensors, t0, total = {}, time.perf_counter(), 0
+    batch, budget = [], 2048  # tokens a forward
+    for r, row in enumerate(rows):
+        batch.append(r)
+        if sum(len(rows[b]["prompt"]) + len(rows[b]["output"]) for b in batch) >= budget or r == len(rows) - 1:
+            seqs = [rows[b]["prompt"] + rows[b]["output"] for b in batch]
+            for b, (f, ids, p) in zip(batch, target_pass(model, layers, seqs, a.top_k_labels)):
+                tensors[f"f{b}"] = f.to(torch.bfloat16).contiguous()
+                tensors[f"top{b}"] = ids.to(torch.int32).contiguous()
+                tensors[f"p{b}"] = p.to(torch.float16).contiguous()
+            total += sum(map(len, seqs))
+            batch = []
+            log(f"[features] {r + 1}/{len(rows)} sequences, {total} tokens, "
+                f"{total / (time.perf_counter() - t0):.0f} tokens/s")
+    tmp = path.with_suffix(".partial")
+    save_file(tensors, str(tmp))
+    tmp.rename(path)  # complete or absent
+    return path
+
+
+# -- stage 3: training -----------------------------------------------------------------------
+
+def draft_vocabulary(rows: list[dict], size: int, vocab_size: int, always: list[int]) -> torch.Tensor:
+    """The `size` target tokens the answers hold most (the stop tokens always), ids ascending."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for row in rows:
+        counts += torch.bincount(torch.tensor(row["output"] or [0], dtype=torch.long), minlength=vocab_size)
+    counts[torch.tensor(always, dtype=torch.long)] = counts.max() + 1
+    return torch.sort(counts.topk(min(size, vocab_size)).indices).values
+
+
+def unrolled_rows(n: int, unroll: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """The rows of one sequence's training forward and their attention mask.
+
+    Row (j, t), step j = 1..unroll, reads the token at t + 1 and predicts the one at t + 2: at step
+    1 from the target's features at t; at step j > 1 from its own output at (j - 1, t - 1), as
+    when it drafts. It attends to what it would see when drafting: step-1 rows up to t - j + 1
+    (the target's features) and its own chain (i, t - j + i) for i = 2..j.
+
+    >>> rows, mask = unrolled_rows(3, 2)  # pairs t = 0, 1 at step 1; t = 1 at step 2
+    >>> rows, mask.int().tolist()
+    ([(1, 0), (1, 1), (2, 1)], [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
+    """
+    rows = [(j, t) for j in range(1, unroll + 1) for t in range(j - 1, n - 1)]
+    index = {r: i for i, r in enumerate(rows)}
+    mask = torch.zeros(len(rows), len(rows), dtype=torch.bool)
+    for i, (j, t) in enumerate(rows):
+        for s in range(0, t - j + 2):
+            mask[i, index[(1, s)]] = True
+        for k in range(2, j + 1):
+            mask[i, index[(k, t - j + k)]] = True
+    return rows, mask
+
+
+def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, top: torch.Tensor, probs: torch.Tensor,
+                  vocab_row: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float], list[float]]:
+    """The loss of one sequence (soft cross-entropy against the target's top tokens, over the draft
+    vocabulary, on the answer's positions), and per unroll step its loss and the share of rows
+    whose top draft token is the target's top token."""
+    seq = row["prompt"] + row["output"]
+    n, first = len(seq), max(0, len(row["prompt"]) - 2)  # rows t >= first predict answer tokens
+    tokens = torch.tensor(seq)
+    emb_all = embeddings(tokens).float()
+    fused = head.fused(feats.float())  # [n, dim]
+    rows_all, mask_all = unrolled_rows(n, unroll)
+    step_of = torch.tensor([j for j, _ in rows_all])
+    hidden_prev = None
+    total, losses, hits = 0.0, [], []
+    for j in range(1, unroll + 1):
+        keep = (step_of <= j).nonzero().flatten()
+        rows = [rows_all[i] for i in keep]
+        mask = mask_all[keep][:, keep]
+        t_idx = torch.tensor([t for _, t in rows])
+        step = torch.tensor([s for s, _ in rows])
+        feature = fused[t_idx].clone()
+        if j > 1:  # rows of later steps read the hidden state of their parent (step - 1, t - 1)
+            later = (step > 1).nonzero().flatten()
+            feature[later] = hidden_prev[later_parent_index(rows, later)]
+        logits, hidden = head.forward_dense(emb_all[t_idx + 1], feature, t_idx, mask)
+        hidden_prev = hidden
+        own = (step == j).nonzero().flatten()
+        t_own = t_idx[own]
+        use = own[t_own >= first]
+        if len(use) == 0:
+            losses.append(0.0)
+            hits.append(0.0)
+            continue
+        tt = t_idx[use] + 1  # the target's distribution after position t + 1
+        label_rows = vocab_row[top[tt].long()]  # [m, k] draft-vocabulary rows, -1 off it
+        p = probs[tt].float() * (label_rows >= 0)
+        logp = torch.log_softmax(logits[use], dim=-1)
+        picked = logp.gather(1, label_rows.clamp(min=0))
+        loss = -(p * picked).sum(1) / p.sum(1).clamp(min=1e-6)
+        step_loss = loss.mean()
+        total = total + step_loss * (0.8 ** (j - 1))
+        losses.append(float(step_loss.detach()))
+        hits.append(float((logits[use].detach().argmax(1) == label_rows[:, 0]).float().mean()))
+    return total, losses, hits
+
+
+def later_parent_index(rows: list[tuple[int, int]], later: torch.Tensor) -> torch.Tensor:
+    """For rows (j, t) with j > 1, the index of (j - 1, t - 1) in `rows`."""
+    index = {r: i for i, r in enumerate(rows)}
+    return torch.tensor([index[(rows[i][0] - 1, rows[i][1] - 1)] for i in later.tolist()])
+
+
+def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_path: Path, config: HeadConfig) -> EagleHead:
+    from safetensors.torch import load_file, save_file
+    torch.manual_seed(a.seed)
+    data = load_file(str(feats_path))
+    eos = list(getattr(tokenizer, "eos_token_ids", None) or model.args.eos_token_ids)
+    vocab = draft_vocabulary(rows, config.draft_vocab_size, model.args.vocab_size, eos)
+    config = dataclasses.replace(config, draft_vocab_size=len(vocab))
+    head = EagleHead(config, model.args).float()
+    ckpt, state_file = work / "train.safetensors", work / "train.json"
+    state = json.loads(state_file.read_text()) if state_file.exists() else {"step": 0, "curve": []}
+    if ckpt.exists():
+        head.load_state_dict(load_file(str(ckpt)))
+    else:
+        head.init_from(model, vocab)
+    vocab_row = torch.full((model.args.vocab_size,), -1, dtype=torch.long)
+    vocab_row[head.draft_vocab] = torch.arange(len(head.draft_vocab))
+    embeddings = _float_embeddings(model)
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
+    if (work / "optim.pt").exists():
+        opt.load_state_dict(torch.load(work / "optim.pt", weights_only=True))
+    order = list(range(len(rows)))
+    total_steps = max(1, math.ceil(a.epochs * len(rows)))
+    batch = a.train_batch  # sequences a step
+    t0 = time.perf_counter()
+    step = state["step"]
+    while step < total_steps:
+        rng = random.Random(a.seed + step // len(rows))
+        epoch_order = order[:]
+        rng.shuffle(epoch_order)
+        picks = [epoch_order[(step + b) % len(rows)] for b in range(batch)]
+        lr = a.lr * min(1.0, (step + batch) / (0.05 * total_steps + 1)) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad()
+        losses, hits = [], []
+        for r in picks:
+            loss, ls, hs = sequence_loss(head, embeddings, rows[r], data[f"f{r}"], data[f"top{r}"], data[f"p{r}"],
+                                         vocab_row, a.unroll)
+            if isinstance(loss, torch.Tensor):
+                (loss / batch).backward()
+            losses.append(ls)
+            hits.append(hs)
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        step += batch
+        mean = [sum(x[j] for x in losses) / len(losses) for j in range(a.unroll)]
+        acc = [sum(x[j] for x in hits) / len(hits) for j in range(a.unroll)]
+        state["curve"].append({"step": step, "loss": mean, "top1": acc, "lr": lr})
+        state["step"] = step
+        if step % (batch * 25) < batch or step >= total_steps:
+            save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(ckpt))
+            torch.save(opt.state_dict(), work / "optim.pt")
+            state_file.write_text(json.dumps(state))
+            recent = state["curve"][-25:]
+            rl = [sum(c["loss"][j] for c in recent) / len(recent) for j in range(a.unroll)]
+            ra = [sum(c["top1"][j] for c in recent) / len(recent) for j in range(a.unroll)]
+            spent = time.perf_counter() - t0
+            log(f"[train] {min(step, total_steps)}/{total_steps} sequences ({step / len(rows):.2f} epochs), "
+                f"loss by draft step {' '.join(f'{x:.3f}' for x in rl)}, top-1 agreement "
+                f"{' '.join(f'{x:.3f}' for x in ra)}, {spent / 60:.1f} min")
+    return head.eval().requires_grad_(False)
+
+
+def _float_embeddings(model):
+    emb = torch.nn.Embedding.from_pretrained(model.tok_embeddings.weight.detach().float(), freeze=True)
+    return emb
+
+
+# -- stage 4: evaluation ---------------------------------------------------------------------
+
+def evaluate(a: TrainArgs, model, tokenizer, head: EagleHead, prompts: list[str], eval_ids: list[int]) -> dict:
+    """The head in the real engine, greedy, chains of eval_k: acceptance by draft position, tau,
+    and greedy output equal to plain decoding's on every prompt."""
+    from .proposers.eagle import EagleProposer
+    engine = Engine(model, tokenizer, proposers={"eagle": EagleProposer(head, model)}, k_policy="fixed")
+    plain = Engine(model, tokenizer, proposers={})
+    reached = [0] * a.eval_k  # steps whose draft had a node at position i
+    accepted = [0] * a.eval_k
+    steps = emitted = equal = n = 0
+    for i in eval_ids:
+        ids = tokenizer.chat(prompts[i])
+        if not 0 < len(ids) <= a.max_prompt_tokens:
+            continue
+        params = SamplingParams(max_tokens=a.max_new_tokens)
+        s = engine.add(ids, params, "eagle", a.eval_k)
+        while not s.finished:
+            for out in engine.step():
+                if out.stats is None or out.stats.num_draft_tokens == 0:
+                    continue
+                steps += 1
+                emitted += out.stats.num_emitted
+                for p in range(out.stats.draft_depth):
+                    reached[p] += 1
+                    accepted[p] += p < out.stats.num_accepted
+        equal += s.output == plain.generate(ids, params, "none", 0).output
+        n += 1
+    by_pos = [accepted[p] / reached[p] if reached[p] else None for p in range(a.eval_k)]
+    return {"prompts": n, "greedy_equal_plain": equal, "steps": steps, "tau": emitted / steps if steps else None,
+            "acceptance_by_position": by_pos,
+            "acceptance": sum(accepted) / sum(reached) if sum(reached) else None, "k": a.eval_k}
+
+
+def plot(curve: list[dict], result: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, (l, r) = plt.subplots(1, 2, figsize=(10, 3.6))
+    steps = [c["step"] for c in curve]
+    for j in range(len(curve[0]["loss"]) if curve else 0):
+        w = max(1, len(curve) // 50)
+        ys = [sum(c["loss"][j] for c in curve[max(0, i - w):i + 1]) / len(curve[max(0, i - w):i + 1])
+              for i in range(len(curve))]
+        l.plot(steps, ys, label=f"draft step {j + 1}")
+    l.set_xlabel("training sequences")
+    l.set_ylabel("loss (soft cross-entropy)")
+    l.legend()
+    l.set_title("training loss")
+    acc = result.get("acceptance_by_position") or []
+    r.bar(range(1, len(acc) + 1), [x or 0 for x in acc])
+    r.set_xlabel("draft position")
+    r.set_ylabel("acceptance (greedy)")
+    r.set_ylim(0, 1)
+    r.set_title(f"held-back prompts: tau {result.get('tau') or 0:.2f}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# -- the command -------------------------------------------------------------------------------
+
+def run(a: TrainArgs) -> dict:
+    if a.method != "eagle":
+        raise ValueError(f"--method {a.method}: this command trains eagle heads (medusa is not built yet)")
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    out = Path(a.out)
+    work = out / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    prompts = read_prompts(a.prompts)
+    train_ids, eval_ids = split_prompts(prompts, a.train_prompts, a.eval_prompts, a.seed)
+    log(f"train-draft: {a.method} head for {a.target}: {len(train_ids)} training prompts, {len(eval_ids)} held back")
+    timings = {}
+    model, tokenizer = load_target(a.target, a.dtype, a.quantization, a.device)
+    config = HeadConfig.for_target(model, a.draft_vocab)
+    t = time.perf_counter()
+    rows_path = distill(a, work, model, tokenizer, prompts, train_ids) if "distill" in a.stages else work / "distill.jsonl"
+    timings["distill_s"] = time.perf_counter() - t
+    rows = read_distilled(rows_path)
+    if a.quantization != "none":  # features and evaluation: the target in `dtype`
+        model, tokenizer = load_target(a.target, a.dtype, "none", a.device)
+    t = time.perf_counter()
+    feats = extract_features(a, work, model, config.feature_layers, rows)
+    timings["features_s"] = time.perf_counter() - t
+    t = time.perf_counter()
+    head = train(a, work, model, tokenizer, rows, feats, config)
+    timings["train_s"] = time.perf_counter() - t
+    curve = json.loads((work / "train.json").read_text())["curve"]
+    t = time.perf_counter()
+    result = evaluate(a, model, tokenizer, head, prompts, eval_ids) if "eval" in a.stages else {}
+    timings["eval_s"] = time.perf_counter() - t
+    trained = {
+        "command": "specfleet train-draft " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "specfleet train-draft",
+        "target": a.target, "prompts": str(a.prompts), "train_prompts": len(rows),
+        "answer_tokens": sum(len(r["output"]) for r in rows),
+        "epochs": a.epochs, "unroll": a.unroll, "draft_vocab": len(head.draft_vocab),
+        "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
+        "total_minutes": round((time.perf_counter() - t_start) / 60, 2), "eval": result,
+    }
+    head.config = dataclasses.replace(head.config, trained=trained)
+    save_head(head, out)
+    (out / "train-draft.json").write_text(json.dumps({**trained, "curve_points": len(curve)}, indent=1) + "\n")
+    if curve and result:
+        plot(curve, result, out / "train-draft.png")
+    load_head(out, model)  # what serving will load: it must fit
+    log(f"train-draft: wrote {out} ({trained['total_minutes']} min): acceptance {result.get('acceptance')}, "
+        f"tau {result.get('tau')}, greedy == plain on {result.get('greedy_equal_plain')}/{result.get('prompts')}")
+    return trained
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfleet train-draft", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    d = TrainArgs("", "", "")
+    p.add_argument("--method", default="eagle", choices=["eagle", "medusa"])
+    p.add_argument("--target", required=True, help="the target model: a GGUF file, a checkpoint folder, "
+                   "smollm2 (the embedded default) or tiny-random")
+    p.add_argument("--prompts", required=True, help="JSON lines with `prompt` (draft_train/prompts.jsonl)")
+    p.add_argument("--out", required=True, help="the head's directory (its stages' files under DIR/work)")
+    p.add_argument("--device", default=d.device, choices=["cpu", "cuda", "auto"])
+    p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16 (bf16 on a GPU)")
+    p.add_argument("--quantization", default=d.quantization, help="of the target while it answers: none or int8")
+    p.add_argument("--resume", action="store_true", help="go on from the files under DIR/work (the default: a "
+                   "stage whose output is complete is never redone; without --resume an existing DIR/work is refused)")
+    for name in ("train_prompts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "batch", "draft_vocab",
+                 "unroll", "train_batch", "top_k_labels", "seed", "threads", "eval_k"):
+        p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
+    for name in ("sampled_share", "temperature", "epochs", "lr"):
+        p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = build_parser().parse_args(argv)
+    work = Path(ns.out) / "work"
+    if work.exists() and any(work.iterdir()) and not ns.resume:
+        print(f"specfleet train-draft: {work} holds an earlier run: pass --resume to go on from it, or choose "
+              f"another --out", file=sys.stderr)
+        return 2
+    fields = {f.name for f in dataclasses.fields(TrainArgs)}
+    a = TrainArgs(**{k: v for k, v in vars(ns).items() if k in fields})
+    for name in ("train_prompts", "eval_prompts", "max_new_tokens", "batch", "draft_vocab", "unroll", "train_batch",
+                 "top_k_labels", "eval_k"):
+        if getattr(a, name) < 1:
+            print(f"specfleet train-draft: --{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}",
+                  file=sys.stderr)
+            return 2
+    if not Path(a.prompts).is_file():
+        print(f"specfleet train-draft: --prompts {a.prompts}: no such file", file=sys.stderr)
+        return 2
+    try:
+        run(a)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"specfleet train-draft: {e}", file=sys.stderr)
+        return 2
+    return 0
