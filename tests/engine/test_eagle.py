@@ -216,3 +216,25 @@ def test_the_doctests():
     from specfleet_engine.proposers import base
     for mod in (draft_head, draft_training, base):
         assert doctest.testmod(mod).failed == 0, mod.__name__
+
+
+def test_the_worker_loads_a_head_and_judges_its_fit_from_the_files_headers(tmp_path):
+    from specfleet_api.engine_config import EngineConfig
+    from specfleet_engine.factory import eagle_proposer
+    from specfleet_worker.main import head_problems
+
+    target, _ = load_target("tiny-random")  # what the worker serves for tiny-random
+    save_head(EagleHead(HeadConfig.for_target(target, 32), target.args), tmp_path / "fits")
+    other = tiny_model(seed=0, vocab_size=97)
+    save_head(EagleHead(HeadConfig.for_target(other, 32), other.args), tmp_path / "other")
+    proposer = eagle_proposer(str(tmp_path / "fits"), target)
+    assert proposer.capabilities.target_layers == (0, 1)
+    with pytest.raises(HeadMismatch, match="vocabulary size 97, this target has 111"):
+        eagle_proposer(str(tmp_path / "other"), target)
+    cfg = EngineConfig(model_name="tiny-random", draft_method="eagle", draft_uri=str(tmp_path / "fits"))
+    assert head_problems(cfg) == []
+    bad = EngineConfig(model_name="tiny-random", draft_method="eagle", draft_uri=str(tmp_path / "other"))
+    assert head_problems(bad) == ["draft.uri: the head does not fit the target: the head was trained for a target "
+                                  "with vocabulary size 97, this target has 111"]
+    missing = EngineConfig(model_name="tiny-random", draft_method="eagle", draft_uri=str(tmp_path / "none"))
+    assert head_problems(missing) == [f"draft.uri: no draft head at {tmp_path / 'none'}: config.json is missing"]

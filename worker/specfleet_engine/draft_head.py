@@ -77,15 +77,20 @@ class HeadConfig:
                    intermediate_size=intermediate_size or a.intermediate_size, target_vocab_size=a.vocab_size,
                    target_dim=a.dim, target_layers=a.n_layers, target_fingerprint=target_fingerprint(target))
 
-    def mismatches(self, target: Transformer) -> list[str]:
-        """How this head does not fit `target` ([]: it fits)."""
-        a, out = target.args, []
+    def shape_problems(self, a: ModelArgs) -> list[str]:
+        """How this head does not fit a target of these arguments ([]: its shape fits)."""
+        out = []
         if self.format != FORMAT:
             out.append(f"format {self.format!r}, this engine reads {FORMAT!r}")
         for what, mine, theirs in (("vocabulary size", self.target_vocab_size, a.vocab_size),
                                    ("hidden size", self.target_dim, a.dim), ("layers", self.target_layers, a.n_layers)):
             if mine != theirs:
                 out.append(f"the head was trained for a target with {what} {mine}, this target has {theirs}")
+        return out
+
+    def mismatches(self, target: Transformer) -> list[str]:
+        """How this head does not fit `target` ([]: it fits): its shape, then its weights."""
+        out = self.shape_problems(target.args)
         if not out and self.target_fingerprint != target_fingerprint(target):
             out.append(f"the head was trained for a target whose weights' fingerprint is {self.target_fingerprint}, "
                        f"this target's is {target_fingerprint(target)} (another model of the same shape)")

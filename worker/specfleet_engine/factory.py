@@ -43,9 +43,10 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
                        draft_model: str | None = None, threads: int | None = None, device: str = Device.CPU.value,
-                       ngram_corpus_tokens: int = 0):
+                       ngram_corpus_tokens: int = 0, draft_head: str | None = None):
     """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`; `device`
-    and `ngram_corpus_tokens` as engine.json's (device auto: cuda when torch sees a GPU)."""
+    and `ngram_corpus_tokens` as engine.json's (device auto: cuda when torch sees a GPU);
+    draft_head: an EAGLE head's directory (`specfleet train-draft`), refused when it does not fit."""
     if threads:
         torch.set_num_threads(threads)
     device = device_of(device)
@@ -56,4 +57,14 @@ def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str =
         draft_class = proposer_class(Method.DRAFT_MODEL)
         draft_class.check_tokenizers(tokenizer, load_tokenizer(draft_model))
         proposers[Method.DRAFT_MODEL.value] = draft_class(prepare_model(draft_model, dtype, quantization, device=device))
+    if draft_head:
+        proposers[Method.EAGLE.value] = eagle_proposer(draft_head, model)
     return model, tokenizer, proposers
+
+
+def eagle_proposer(path: str, model):
+    """The EAGLE proposer of the head at `path` for `model` (HeadMismatch names what does not fit)."""
+    from .draft_head import load_head
+
+    head = load_head(path, model).to(model.device)
+    return proposer_class(Method.EAGLE)(head, model)

@@ -171,6 +171,42 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
     import numpy as np
 
     reader = gguf.GGUFReader(str(path))
+    args, meta = _gguf_args(reader, path)
+    names = {t.name for t in reader.tensors}
+    arch = args.architecture
+    gg_to_hf = {
+        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
+        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
+        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
+        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
+        "attn_v.bias": "self_attn.v_proj.bias",
+        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
+        "ffn_down.weight": "mlp.down_proj.weight",
+    }
+    raw = {}
+    for t in reader.tensors:
+        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
+        w = w.reshape([int(s) for s in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
+        if t.name == "token_embd.weight":
+            raw["model.embed_tokens.weight"] = w
+        elif t.name == "output_norm.weight":
+            raw["model.norm.weight"] = w
+        elif t.name == "output.weight":
+            raw["lm_head.weight"] = w
+        elif t.name.startswith("blk."):
+            _, i, rest = t.name.split(".", 2)
+            if rest not in gg_to_hf:
+                continue
+            if rest.startswith("attn_q") and arch == "llama":
+                w = _unpermute(w, args.n_heads)
+            elif rest.startswith("attn_k") and arch == "llama":
+                w = _unpermute(w, args.n_kv_heads)
+            raw[f"model.layers.{i}.{gg_to_hf[rest]}"] = w
+    return args, raw, meta
+
+
+def _gguf_args(reader, path: Path) -> tuple[ModelArgs, dict]:
+    """A GGUF file's model arguments and raw metadata (its header only: no tensor is read)."""
     meta = {}
     for key, f in reader.fields.items():
         if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
@@ -211,35 +247,18 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
         eos_token_ids=[int(meta.get("tokenizer.ggml.eos_token_id", 2))],
         architecture=arch,
     )
-    gg_to_hf = {
-        "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
-        "attn_q.weight": "self_attn.q_proj.weight", "attn_k.weight": "self_attn.k_proj.weight",
-        "attn_v.weight": "self_attn.v_proj.weight", "attn_output.weight": "self_attn.o_proj.weight",
-        "attn_q.bias": "self_attn.q_proj.bias", "attn_k.bias": "self_attn.k_proj.bias",
-        "attn_v.bias": "self_attn.v_proj.bias",
-        "ffn_gate.weight": "mlp.gate_proj.weight", "ffn_up.weight": "mlp.up_proj.weight",
-        "ffn_down.weight": "mlp.down_proj.weight",
-    }
-    raw = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape([int(s) for s in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
-        if t.name == "token_embd.weight":
-            raw["model.embed_tokens.weight"] = w
-        elif t.name == "output_norm.weight":
-            raw["model.norm.weight"] = w
-        elif t.name == "output.weight":
-            raw["lm_head.weight"] = w
-        elif t.name.startswith("blk."):
-            _, i, rest = t.name.split(".", 2)
-            if rest not in gg_to_hf:
-                continue
-            if rest.startswith("attn_q") and arch == "llama":
-                w = _unpermute(w, args.n_heads)
-            elif rest.startswith("attn_k") and arch == "llama":
-                w = _unpermute(w, args.n_kv_heads)
-            raw[f"model.layers.{i}.{gg_to_hf[rest]}"] = w
-    return args, raw, meta
+    return args, meta
+
+
+def read_model_args(name_or_path: str) -> ModelArgs:
+    """The model arguments of a GGUF file, a HF checkpoint folder or a bundled model's name, from
+    their metadata alone (no weights read)."""
+    p = resolve_model_path(name_or_path)
+    if p.suffix == ".gguf":
+        import gguf
+        return _gguf_args(gguf.GGUFReader(str(p)), p)[0]
+    folder = p if p.is_dir() else p.parent
+    return ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
 
 
 def load_gguf(path: Path, dtype: torch.dtype | None = None, device: str | torch.device = "auto") -> Transformer:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from specfleet_api.engine_config import model_cache
+from specfleet_api.engine_config import find_local, model_cache
 from specfleet_api.enums import Method
 
 from .config import EngineConfig, LiveConfig
@@ -83,6 +83,12 @@ def _model_source(cfg: EngineConfig) -> str:
     return cfg.model_source(model_cache())
 
 
+def _draft_source(cfg: EngineConfig) -> str:
+    """Where the draft's weights are read from: draft.uri's file or folder, as is or in the model cache."""
+    found = find_local(cfg.draft_uri, model_cache()) if cfg.draft_uri else None
+    return str(found) if found else (cfg.draft_uri or "")
+
+
 def check_config(path: str, *, files: bool = True) -> int:
     """`specfleet serve --check-config`: judge engine.json as this worker would, loading nothing.
 
@@ -97,6 +103,8 @@ def check_config(path: str, *, files: bool = True) -> int:
     problems = cfg.problems()
     if files and not problems:
         problems = cfg.file_problems(model_cache())
+    if files and not problems and cfg.draft_method == Method.EAGLE:
+        problems = head_problems(cfg)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
     if problems:
@@ -107,6 +115,23 @@ def check_config(path: str, *, files: bool = True) -> int:
     print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}, "
           f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}{guard}{shape}")
     return 0
+
+
+def head_problems(cfg: EngineConfig) -> list[str]:
+    """Why the EAGLE head at draft.uri cannot serve the target, read from the files' headers
+    (the head's config, the target's metadata: no weights loaded); [] when it fits. The weights'
+    fingerprint is checked when the worker loads them."""
+    from specfleet_engine.draft_head import read_config
+    from specfleet_engine.loader import read_model_args
+    from specfleet_engine.testing import tiny_args
+
+    try:
+        head = read_config(_draft_source(cfg))
+        source = _model_source(cfg)
+        args = tiny_args() if TINY_MODEL in (cfg.model_name, cfg.model_uri) else read_model_args(source)
+    except (OSError, ValueError) as e:
+        return [f"draft.uri: {e}"]
+    return [f"draft.uri: the head does not fit the target: {p}" for p in head.shape_problems(args)]
 
 
 def on_short_lived_thread(fn: Callable[[], T]) -> T:
@@ -161,12 +186,18 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
 
         model, tokenizer = tiny_model(seed=0, scale=4.0), CharTokenizer()
         proposers = default_proposers(cfg.ngram_corpus_tokens)
+        if cfg.draft_method == Method.EAGLE:
+            from specfleet_engine.factory import eagle_proposer
+
+            proposers[Method.EAGLE.value] = eagle_proposer(_draft_source(cfg), model)
     else:
         from specfleet_engine.factory import build_engine_parts
 
         draft = cfg.draft_uri if cfg.draft_method == Method.DRAFT_MODEL else None
+        head = _draft_source(cfg) if cfg.draft_method == Method.EAGLE else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
-                                                         device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens)
+                                                         device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens,
+                                                         draft_head=head)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
                     tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, tree_choices=cfg.tree_choices,
                     max_slowdown=cfg.max_slowdown, prefill_chunk=prefill_chunk or None)

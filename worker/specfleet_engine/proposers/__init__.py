@@ -17,6 +17,10 @@ def proposer_class(method: str) -> type:
         from .draft_model import DraftModelProposer  # its model comes from the factory
 
         return DraftModelProposer
+    if method == Method.EAGLE:
+        from .eagle import EagleProposer  # its head comes from the factory
+
+        return EagleProposer
     raise ValueError(f"no proposer for draft method {method!r}; proposers exist for {', '.join(SPECULATIVE_METHODS)}")
 
 
