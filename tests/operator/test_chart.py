@@ -304,3 +304,33 @@ def test_the_liveness_staleness_is_a_chart_value():
     for bad in (0, -5, "1m"):
         with pytest.raises(helm.HelmError):
             helm.Chart.load(str(CHART)).validate_schema({"metrics": {"livenessStaleAfter": bad}})
+
+
+@pytest.mark.parametrize("values, release, namespace", [
+    ({}, "specfleet", "specfleet-system"),
+    ({}, "team-b", "shared"),
+    ({"fullnameOverride": "fleet-ops"}, "specfleet", "ops"),
+    ({"nameOverride": "sf"}, "a-very-long-release-name-that-goes-on-and-on-past-the-dns-limit-x", "ml"),
+])
+def test_notes_name_the_lease_the_operator_elects_on(values, release, namespace, monkeypatch):
+    """NOTES.txt's `kubectl get lease` names the Lease the operator's flags make it use: its name
+    (--lease-name) in the namespace the pod runs in (POD_NAMESPACE, the release namespace)."""
+    from specfleet_operator.main import parse_args
+    out = helm.Chart.load(str(CHART)).render(values, name=release, namespace=namespace, is_install=True)
+    docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    notes = next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    (command,) = re.findall(r"kubectl -n (\S+) get lease (\S+) ", notes)
+    monkeypatch.setenv("POD_NAMESPACE", namespace)  # the Deployment sets it from metadata.namespace
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("valueFrom") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    options = parse_args(_operator_args(docs))
+    assert options.leader_election and command == (options.lease_namespace, options.lease_name)
+
+
+def test_notes_name_no_lease_without_leader_election():
+    _, out = render({"replicaCount": 1, "leaderElection": {"enabled": False}})
+    notes = next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    assert not re.search(r"\blease\b", notes, re.IGNORECASE), notes
+    _, out = render({})
+    assert "get lease specfleet " in next(t for p, t in out.items() if p.endswith("NOTES.txt"))

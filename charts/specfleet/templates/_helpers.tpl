@@ -44,6 +44,12 @@ app.kubernetes.io/part-of: specfleet
 {{- end }}
 {{- end }}
 
+{{/* The Lease the operator's replicas elect their leader on (in the release namespace, their
+POD_NAMESPACE): the deployment's --lease-name and NOTES.txt both name it from here. */}}
+{{- define "specfleet.leaseName" -}}
+{{- include "specfleet.fullname" . }}
+{{- end }}
+
 {{- define "specfleet.image" -}}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
 {{- end }}
