@@ -334,3 +334,50 @@ def test_notes_name_no_lease_without_leader_election():
     assert not re.search(r"\blease\b", notes, re.IGNORECASE), notes
     _, out = render({})
     assert "get lease specfleet " in next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+
+
+DIGESTS = {name: "sha256:" + (c * 64) for name, c in (("operator", "a"), ("worker", "b"), ("router", "c"),
+                                                       ("redis", "d"))}
+
+
+def test_every_image_is_pinnable_by_digest():
+    """image.digest, worker.digest, router.digest, redis.image.digest: each image runs as
+    repository@sha256:... (the tag dropped), down to the worker and router pods the operator creates."""
+    from specfleet_operator.main import parse_args
+    docs, out = render({"image": {"tag": "0.1.0", "digest": DIGESTS["operator"]},
+                        "worker": {"image": "localhost:5000/specfleet/worker:0.1.0", "digest": DIGESTS["worker"]},
+                        "router": {"image": "ghcr.io/specfleet/router@sha256:" + "0" * 64, "digest": DIGESTS["router"]},
+                        "redis": {"image": {"digest": DIGESTS["redis"]}}})
+    images = {c["name"]: c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {"operator": "ghcr.io/specfleet/operator@" + DIGESTS["operator"],
+                      "redis": "docker.io/library/redis@" + DIGESTS["redis"]}
+    options = parse_args(_operator_args(docs))
+    assert options.worker.worker_image == "localhost:5000/specfleet/worker@" + DIGESTS["worker"]
+    assert options.worker.router_image == "ghcr.io/specfleet/router@" + DIGESTS["router"]
+    assert "ghcr.io/specfleet/router@" + DIGESTS["router"] in next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    for doc in docs:
+        if doc["kind"] not in OWN_SCHEMA_KINDS:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+    fleet = manifests.children(_sdd(), with_defaults(_sdd()["spec"]), options.worker)
+    pods = {d["metadata"]["name"]: [c["image"] for c in d["spec"]["template"]["spec"]["containers"]]
+            for d in fleet if d["kind"] == "Deployment"}
+    assert sorted(set(sum(pods.values(), []))) == sorted({options.worker.worker_image, options.worker.router_image})
+    # no digest: the tags, as before
+    docs, _ = render({})
+    assert parse_args(_operator_args(docs)).worker.worker_image == "ghcr.io/specfleet/worker:0.1.0"
+    assert [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"] \
+        == "ghcr.io/specfleet/operator:0.1.0"
+
+
+def _sdd():
+    return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
+            "metadata": {"name": "chat", "namespace": "ml", "uid": "u1"},
+            "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}, "replicas": 1}}
+
+
+@pytest.mark.parametrize("where", [{"image": {"digest": "sha256:abc"}}, {"worker": {"digest": "b" * 64}},
+                                   {"router": {"digest": "sha512:" + "c" * 64}}])
+def test_a_malformed_digest_is_refused(where):
+    with pytest.raises(helm.HelmError, match="digest"):
+        helm.Chart.load(str(CHART)).validate_schema(where)

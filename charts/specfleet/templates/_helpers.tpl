@@ -50,8 +50,26 @@ POD_NAMESPACE): the deployment's --lease-name and NOTES.txt both name it from he
 {{- include "specfleet.fullname" . }}
 {{- end }}
 
+{{/* An image reference: "ref" (repository[:tag]) pinned by "digest" (sha256:...) when one is
+given, as repository@digest: the tag is dropped, the digest alone says what runs. */}}
+{{- define "specfleet.imageRef" -}}
+{{- if .digest }}
+{{- printf "%s@%s" (regexReplaceAll ":[^:/]*$" (regexReplaceAll "@.*$" .ref "") "") .digest }}
+{{- else }}
+{{- .ref }}
+{{- end }}
+{{- end }}
+
 {{- define "specfleet.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- include "specfleet.imageRef" (dict "ref" (printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag)) "digest" .Values.image.digest) }}
+{{- end }}
+
+{{- define "specfleet.workerImage" -}}
+{{- include "specfleet.imageRef" (dict "ref" .Values.worker.image "digest" .Values.worker.digest) }}
+{{- end }}
+
+{{- define "specfleet.routerImage" -}}
+{{- include "specfleet.imageRef" (dict "ref" .Values.router.image "digest" .Values.router.digest) }}
 {{- end }}
 
 {{/* What kopf needs to watch every namespace: the CRDs, to notice ours appear or change. */}}
@@ -156,9 +174,5 @@ app.kubernetes.io/part-of: specfleet
 
 {{- define "specfleet.redis.image" -}}
 {{- $i := .Values.redis.image }}
-{{- if $i.digest }}
-{{- printf "%s:%s@%s" $i.repository $i.tag $i.digest }}
-{{- else }}
-{{- printf "%s:%s" $i.repository $i.tag }}
-{{- end }}
+{{- include "specfleet.imageRef" (dict "ref" (printf "%s:%s" $i.repository $i.tag) "digest" $i.digest) }}
 {{- end }}
