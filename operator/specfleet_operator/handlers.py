@@ -97,7 +97,7 @@ def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, sta
         mean_accepted_length=_round(w.tau) if w and w.tau is not None else prev.get("meanAcceptedLength"),
         speedup=_round(w.speedup) if w and w.speedup is not None else prev.get("speedup"),
         fallback_since=_iso(whole.since) if whole is not None and whole.mode == FALLBACK else None,
-        canary_status=cstate.to_status())
+        canary_status=cstate.to_status(), not_in_spec=fleet_spec.not_in_spec(spec, fleet))
 
 
 def _round(x: float) -> float:
@@ -110,8 +110,9 @@ def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> 
     out = statuses.compute(observed, prev, now)
     out["slo"] = memory.to_status()
     out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
-    if "fallbackSince" not in out and prev.get("fallbackSince"):
-        out["fallbackSince"] = None  # merge patch: drop the key
+    for key in ("fallbackSince", "notInSpec"):
+        if key not in out and prev.get(key):
+            out[key] = None  # merge patch: drop the key
     return out
 
 
