@@ -222,7 +222,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if options.metrics_port:
         from .health import serve
         serve(options.metrics_port, options.heartbeat, addr=options.metrics_host,
-              alerts=AlertReceiver(options.alerts, options.alert_token, leading))
+              alerts=AlertReceiver(options.alerts, options.alert_token, leading, options.namespaces))
 
     async def main() -> int:
         stop = asyncio.Event()

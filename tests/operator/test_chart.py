@@ -381,3 +381,30 @@ def _sdd():
 def test_a_malformed_digest_is_refused(where):
     with pytest.raises(helm.HelmError, match="digest"):
         helm.Chart.load(str(CHART)).validate_schema(where)
+
+
+def test_the_alertmanager_receiver_gets_a_generated_token_or_the_named_one():
+    """alertmanager.enabled: the chart generates the token in `<fullname>-alertmanager`, mounts it and
+    passes it; a named tokenSecret is used instead (nothing generated); neither: off, no Secret."""
+    import base64
+    from specfleet_operator.main import parse_args
+    docs, _ = render({"alertmanager": {"enabled": True}, "watchNamespaces": ["ml"]})
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "specfleet-alertmanager"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    kubernetes_validate.validate(secret, "1.30", strict=True)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    volumes = dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "alertmanager-token", "secret": {"secretName": "specfleet-alertmanager",
+                                                     "items": [{"key": "token", "path": "token"}]}} in volumes
+    options = parse_args(_operator_args(docs))
+    assert options.alert_token.path == "/var/run/secrets/specfleet/alertmanager/token"
+    assert options.namespaces == ("ml",)  # what the receiver refuses alerts outside of
+    again, _ = render({"alertmanager": {"enabled": True}})
+    assert [d for d in again if d["kind"] == "Secret" and d["metadata"]["name"] == "specfleet-alertmanager"][0][
+        "data"]["token"] != secret["data"]["token"]  # random per install (an upgrade looks the Secret up)
+    named, _ = render({"alertmanager": {"enabled": True, "tokenSecret": {"name": "mine"}}})
+    assert not [d for d in named if d["kind"] == "Secret" and "alertmanager" in d["metadata"]["name"]]
+    assert "secretName" in str(named) and "'secretName': 'mine'" in str(named)
+    off, _ = render({})
+    assert not [d for d in off if d["kind"] == "Secret" and "alertmanager" in d["metadata"]["name"]]

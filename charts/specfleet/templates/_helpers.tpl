@@ -176,3 +176,13 @@ app.kubernetes.io/part-of: specfleet
 {{- $i := .Values.redis.image }}
 {{- include "specfleet.imageRef" (dict "ref" (printf "%s:%s" $i.repository $i.tag) "digest" $i.digest) }}
 {{- end }}
+
+{{/* The Secret holding the Alertmanager receiver's bearer token: the one named, else the one the
+chart generates when the receiver is enabled; empty: the receiver is off. */}}
+{{- define "specfleet.alertmanager.secretName" -}}
+{{- if .Values.alertmanager.tokenSecret.name }}
+{{- .Values.alertmanager.tokenSecret.name }}
+{{- else if .Values.alertmanager.enabled }}
+{{- include "specfleet.fullname" . | trunc 50 | trimSuffix "-" }}-alertmanager
+{{- end }}
+{{- end }}
