@@ -3,7 +3,8 @@
 # 65532; the operator runs one per SpecDecodeDeployment. docs/images.md.
 #
 #   docker build -f docker/router.Dockerfile -t ghcr.io/specfleet/router:0.1.0 .
-FROM python:3.12-slim-bookworm
+# An exact release, not a moving minor tag; docs/images.md says how to pin its digest too.
+FROM python:3.12.11-slim-bookworm
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
@@ -14,6 +15,7 @@ WORKDIR /opt/specfleet
 # One distribution: setuptools finds the packages in these folders (pyproject.toml); only the
 # base dependencies are installed, none of the worker extra.
 COPY pyproject.toml README.md ./
+COPY docker/constraints.txt docker/
 COPY api/ api/
 COPY bench/ bench/
 COPY cli/ cli/
@@ -24,7 +26,9 @@ COPY proto/ proto/
 COPY router/ router/
 COPY worker/ worker/
 
-RUN pip install --no-cache-dir . \
+# Exact versions (docker/constraints.txt): PIP_CONSTRAINT, unlike -c, also pins setuptools in the
+# isolated build of this distribution.
+RUN PIP_CONSTRAINT=/opt/specfleet/docker/constraints.txt pip install --no-cache-dir . \
     && groupadd --gid 65532 specfleet \
     && useradd --uid 65532 --gid 65532 --no-log-init --no-create-home --home-dir /tmp \
         --shell /usr/sbin/nologin specfleet

@@ -179,6 +179,19 @@ def promoted_overrides(spec: dict[str, Any], state: FleetState) -> dict[str, Any
     return kept["overrides"] if kept else {}
 
 
+def not_in_spec(spec: dict[str, Any], state: FleetState) -> dict[str, Any]:
+    """What the stable workers run that the spec does not say, by the field's place in the spec:
+    the promoted overrides not yet folded in (`promoted_overrides`). Empty: the spec says it all.
+
+    >>> rec = {"overrides": {"speculation": {"kMax": 12}, "image": "w:2"}, "base": {"speculation": {"kMax": 8}}}
+    >>> not_in_spec({"speculation": {"kMax": 8}}, FleetState(promoted=rec))
+    {'speculation.kMax': 12, 'template.image': 'w:2'}
+    >>> not_in_spec({"speculation": {"kMax": 12}, "template": {"image": "w:2"}}, FleetState(promoted=rec))
+    {}
+    """
+    return {".".join(spec_path(path)): value for path, value in leaves(promoted_overrides(spec, state)).items()}
+
+
 def effective_spec(spec: dict[str, Any], role: str, state: FleetState = FleetState()) -> dict[str, Any]:
     """The spec a role runs: stable, the base spec with what a promotion left it; the canary,
     stable's with its own overrides on top."""

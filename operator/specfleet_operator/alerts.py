@@ -18,7 +18,7 @@ import threading
 import time
 from collections.abc import Iterable
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple
 
 from specfleet_control.observe import Alert as LoopAlert
 
@@ -34,6 +34,10 @@ NAME_LABELS = ("sdd_name", PROM_LABEL_SDD)
 #: every repeat_interval: docs/alerts.md sets 5m, so three resends may be lost before it expires).
 DEFAULT_TTL_S = 900.0
 MAX_ALERTS = 10_000  # per post; Alertmanager truncates groups far below this (max_alerts)
+#: How long a resolved alert's episode (fingerprint, startsAt) is remembered, so that a replay of
+#: one of its firing posts is a no-op; and how many are remembered at most (the oldest go first).
+ENDED_RETENTION_S = 86_400.0
+MAX_ENDED = 100_000
 
 
 class PayloadError(ValueError):
@@ -143,15 +147,25 @@ def parse(body: bytes) -> list[WebhookAlert]:
     return out
 
 
+class Recorded(NamedTuple):
+    """What one post did: alerts naming a fleet, and how many of those were replays (no-ops)."""
+    matched: int
+    replayed: int = 0
+
+
 class AlertInbox:
     """The alerts firing now, by fingerprint. The HTTP server's thread records; the loop, in
     asyncio, reads: one lock. The clock (epoch seconds) is passed in, as everywhere in the loop.
+
+    An alert's episode is its (fingerprint, startsAt). Once its resolution is taken, a firing post
+    of that episode is a replay and changes nothing (so is one older than the episode firing now);
+    a new episode of the same alert (a later startsAt) fires again.
 
     >>> inbox = AlertInbox(ttl_s=600)
     >>> firing = WebhookAlert("firing", {"alertname": "SpecDecodeAlphaBelowSLO", "sdd_namespace": "ml",
     ...                "sdd_name": "chat", "prompt_type": "code"}, {}, 100.0, None, "f1")
     >>> inbox.record([firing], now=100.0)
-    1
+    Recorded(matched=1, replayed=0)
     >>> [(a.alertname, a.prompt_type, a.slo_miss) for a in inbox.firing("ml", "chat", now=200.0)]
     [('SpecDecodeAlphaBelowSLO', 'code', True)]
     >>> inbox.slo_misses("ml", "chat", now=200.0)  # what the loop's Observation.with_alerts takes
@@ -162,29 +176,55 @@ class AlertInbox:
     >>> _ = inbox.record([dataclasses.replace(firing, status="resolved")], now=810.0)
     >>> inbox.firing("ml", "chat", now=811.0)
     []
+    >>> inbox.record([firing], now=900.0), inbox.firing("ml", "chat", now=901.0)  # a replay: no-op
+    (Recorded(matched=1, replayed=1), [])
+    >>> _ = inbox.record([dataclasses.replace(firing, starts_at=950.0)], now=950.0)  # a new episode
+    >>> len(inbox.firing("ml", "chat", now=951.0))
+    1
     """
 
     def __init__(self, ttl_s: float = DEFAULT_TTL_S):
         self.ttl_s = ttl_s
         self._firing: dict[str, tuple[WebhookAlert, float]] = {}  # fingerprint -> (alert, expires at)
+        # fingerprint -> (startsAt of the last episode resolved, when that was taken)
+        self._ended: dict[str, tuple[float, float]] = {}
         self._lock = threading.Lock()
 
-    def record(self, alerts: Iterable[WebhookAlert], now: float | None = None) -> int:
-        """Take in one post's alerts; returns how many named a fleet (the others are ignored)."""
+    def _replay(self, a: WebhookAlert) -> bool:
+        """Whether a firing post is of an episode already over, or older than the one firing."""
+        ended = self._ended.get(a.fingerprint)
+        current = self._firing.get(a.fingerprint)
+        return (ended is not None and a.starts_at <= ended[0]) or \
+            (current is not None and a.starts_at < current[0].starts_at)
+
+    def record(self, alerts: Iterable[WebhookAlert], now: float | None = None) -> Recorded:
+        """Take in one post's alerts (those naming no fleet are ignored)."""
         now = time.time() if now is None else now
-        matched = 0
+        matched = replayed = 0
         with self._lock:
+            for fp in [fp for fp, (_, at) in self._ended.items() if at < now - ENDED_RETENTION_S]:
+                del self._ended[fp]
             for a in alerts:
                 if a.fleet is None:
                     continue
                 matched += 1
+                current = self._firing.get(a.fingerprint)
                 if a.status == "resolved":
-                    self._firing.pop(a.fingerprint, None)
+                    if current is None or current[0].starts_at <= a.starts_at:  # never ends a later episode
+                        self._firing.pop(a.fingerprint, None)
+                    if a.starts_at >= self._ended.get(a.fingerprint, (a.starts_at, 0.0))[0]:
+                        self._ended.pop(a.fingerprint, None)  # re-inserted last: the dict stays oldest first
+                        self._ended[a.fingerprint] = (a.starts_at, now)
+                        while len(self._ended) > MAX_ENDED:
+                            del self._ended[next(iter(self._ended))]
+                elif self._replay(a):
+                    replayed += 1
                 else:
                     # endsAt may lie ahead (Prometheus' resend horizon), but Alertmanager posts again
-                    # only every repeat_interval: keep it for the TTL at least.
+                    # only every repeat_interval: keep it for the TTL at least. A resend of the same
+                    # episode changes nothing the loop sees (same alert, same since) but its expiry.
                     self._firing[a.fingerprint] = (a, max(a.ends_at or 0.0, now + self.ttl_s))
-        return matched
+        return Recorded(matched, replayed)
 
     def firing(self, namespace: str, name: str, now: float) -> list[FiringAlert]:
         """The fleet's alerts firing at `now`, oldest first; expired ones are dropped."""

@@ -82,6 +82,12 @@ async def converge(memo: Any, namespace: str, name: str, only: tuple[str, str] |
     kube = memo.kube
     async with handlers.reconcile_lock(memo, namespace, name):
         sdd = await kube.get(API_VERSION, KIND, namespace, name)
+        if sdd and handlers.elsewhere(memo, sdd):
+            return []  # another operator install's fleet
+        if sdd and not sdd["metadata"].get("deletionTimestamp") and handlers.unclaimed(sdd):
+            # released by the install that held it (or from before claims): reconcile, which claims it
+            await handlers.reconcile(sdd, memo, locked=True)
+            return ["unclaimed"]
         desired = desired_children(sdd, memo) if sdd else None
         if desired is None:
             return []
@@ -115,7 +121,7 @@ def _watch(api_version: str, kind: str) -> None:
             return
         if type != "DELETED":
             sdd = await memo.kube.get(API_VERSION, KIND, ns, owner)
-            desired = desired_children(sdd, memo) if sdd else None
+            desired = desired_children(sdd, memo) if sdd and not handlers.elsewhere(memo, sdd) else None
             if desired is None or drifted(kind, name, dict(body), desired, sdd["metadata"].get("uid")) is None:
                 return  # the common case, the operator's own write or a status update: no write
         await asyncio.sleep(memo.get("converge_debounce", 0.1))

@@ -35,7 +35,12 @@ SDD = (GROUP, VERSION, PLURAL)
 FLEET_LABELS = {"app.kubernetes.io/managed-by": manifests.MANAGED_BY}  # worker and router Deployments
 OPTIONAL_KINDS = {"ServiceMonitor": "observability.serviceMonitor", "PrometheusRule": "observability.prometheusRule",
                   "HorizontalPodAutoscaler": "scaling"}
-WARNING_REASONS = {"FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "CanaryGateInvalid",
+#: The operator install a fleet belongs to (`main.Options.instance`: its Lease's namespace/name, one
+#: per chart release): written by the first install to reconcile it; every other install leaves the
+#: fleet alone while it names another.
+CLAIM_ANNOTATION = f"{GROUP}/operator"
+CLAIMED_ELSEWHERE = "ClaimedByAnotherOperator"
+WARNING_REASONS = {CLAIMED_ELSEWHERE, "FallbackEntered", "CanaryAborted", "CanaryCheckFailed", "CanaryGateInvalid",
                    "CanaryAnalysisHalted", "InvalidSpec", "Unsupported", "ApplyFailed", "NoDecision",
                    "RedisUnavailable", statuses.OWNED_BY_ANOTHER}
 
@@ -97,7 +102,7 @@ def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, sta
         mean_accepted_length=_round(w.tau) if w and w.tau is not None else prev.get("meanAcceptedLength"),
         speedup=_round(w.speedup) if w and w.speedup is not None else prev.get("speedup"),
         fallback_since=_iso(whole.since) if whole is not None and whole.mode == FALLBACK else None,
-        canary_status=cstate.to_status())
+        canary_status=cstate.to_status(), not_in_spec=fleet_spec.not_in_spec(spec, fleet))
 
 
 def _round(x: float) -> float:
@@ -110,8 +115,9 @@ def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> 
     out = statuses.compute(observed, prev, now)
     out["slo"] = memory.to_status()
     out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
-    if "fallbackSince" not in out and prev.get("fallbackSince"):
-        out["fallbackSince"] = None  # merge patch: drop the key
+    for key in ("fallbackSince", "notInSpec"):
+        if key not in out and prev.get(key):
+            out[key] = None  # merge patch: drop the key
     return out
 
 
@@ -168,7 +174,51 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
 
 
 SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations", "redis_secrets", "child_conflicts",
-               "legacy_retired")  # created at startup: see there
+               "legacy_retired", "claims_elsewhere")  # created at startup: see there
+
+
+def instance(memo: Any) -> str:
+    """This operator install's name in CLAIM_ANNOTATION."""
+    return memo.get("instance") or "specfleet-operator"
+
+
+def unclaimed(body: Any) -> bool:
+    """Whether no operator install has claimed the fleet (CLAIM_ANNOTATION)."""
+    return not ((body.get("metadata") or {}).get("annotations") or {}).get(CLAIM_ANNOTATION)
+
+
+def elsewhere(memo: Any, body: Any) -> str | None:
+    """The operator install that claimed this fleet, when it is another than this one."""
+    owner = ((body.get("metadata") or {}).get("annotations") or {}).get(CLAIM_ANNOTATION) or None
+    return owner if owner is not None and owner != instance(memo) else None
+
+
+async def claim(memo: Any, body: Any) -> bool:
+    """Whether this install may act on the fleet: it holds the claim, or takes it now (a patch
+    conditional on the resourceVersion, so two installs cannot both take it). A fleet claimed by
+    another install: one Warning Event per install and claimant, and False."""
+    meta = body["metadata"]
+    owner = (meta.get("annotations") or {}).get(CLAIM_ANNOTATION) or None
+    if owner == instance(memo):
+        return True
+    key = (meta["namespace"], meta["name"])
+    if owner is not None:
+        if memo.setdefault("claims_elsewhere", {}).get(key) != owner:
+            memo.claims_elsewhere[key] = owner
+            _event(body, CLAIMED_ELSEWHERE, f"reconciled by the operator install {owner}; this one "
+                   f"({instance(memo)}) leaves it alone. To hand it over, remove the annotation "
+                   f"{CLAIM_ANNOTATION} (or set it to {instance(memo)})")
+        return False
+    try:
+        await memo.kube.patch(API_VERSION, KIND, meta["namespace"], meta["name"], {"metadata": {
+            "resourceVersion": meta.get("resourceVersion"), "annotations": {CLAIM_ANNOTATION: instance(memo)}}})
+    except ApiError as exc:
+        if exc.status == 409:  # written since this body was read, perhaps claimed: judge again
+            raise kopf.TemporaryError("the fleet changed while being claimed: trying again", delay=1) from exc
+        raise
+    memo.setdefault("claims_elsewhere", {}).pop(key, None)
+    _event(body, "Claimed", f"reconciled by the operator install {instance(memo)}")
+    return True
 
 
 def reconcile_lock(memo: Any, namespace: str, name: str) -> asyncio.Lock:
@@ -198,6 +248,8 @@ async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = 
         finally:
             lock.release()
             metrics.RECONCILE_SECONDS.observe(time.perf_counter() - start)
+    if not await claim(memo, body):
+        return
     spec = specs.with_defaults(dict(body.get("spec") or {}))
     problems = specs.problems(spec)
     prev = body.get("status") or {}
@@ -283,7 +335,7 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
     kube: Kube = memo.kube
     async with _lock(memo, namespace, name):
         sdd = await kube.get(API_VERSION, KIND, namespace, name)
-        if sdd is None or sdd["metadata"].get("deletionTimestamp"):
+        if sdd is None or sdd["metadata"].get("deletionTimestamp") or elsewhere(memo, sdd):
             return None
         prev = sdd.get("status") or {}
         spec = specs.with_defaults(sdd.get("spec") or {})
@@ -479,7 +531,7 @@ def _redis_failing(memo: Any, ns: str, name: str) -> bool:
 async def tick(body: Any, memo: Any) -> None:
     """One tick of the loop: observe, judge every SLO key and the canary, act on what moved."""
     spec = specs.with_defaults(dict(body.get("spec") or {}))
-    if specs.problems(spec) or body.get("metadata", {}).get("deletionTimestamp"):
+    if specs.problems(spec) or body.get("metadata", {}).get("deletionTimestamp") or elsewhere(memo, body):
         return
     prev = body.get("status") or {}
     if not prev:
@@ -511,9 +563,29 @@ async def tick(body: Any, memo: Any) -> None:
         await refresh_status(memo, ns, name, cstate=decision.state, window=window, memory=slo.memory)
 
 
+CLAIMANT_CLEANUP_S = 60.0  # how long an install waits for another's cleanup of the fleet it claimed
+
+
+async def await_claimant(memo: Any, namespace: str, name: str, owner: str) -> None:
+    """Wait until the fleet is gone (its claimant cleaned up and released the finalizer the
+    installs share) or CLAIMANT_CLEANUP_S passed (the claimant is not running: garbage collection
+    takes the children). Polled here, not retried by kopf: kopf keeps a retry's state in an
+    annotation both installs read, which would hold the claimant's own handler back too."""
+    deadline = time.monotonic() + memo.get("claimant_cleanup_s", CLAIMANT_CLEANUP_S)
+    while time.monotonic() < deadline:
+        sdd = await memo.kube.get(API_VERSION, KIND, namespace, name)
+        if sdd is None or elsewhere(memo, sdd) != owner:
+            return
+        await asyncio.sleep(1.0)
+
+
 @kopf.on.delete(*SDD)
 async def delete(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
     """Delete what this resource owns (garbage collection would too; this does not wait for it)."""
+    owner = elsewhere(memo, body)
+    if owner is not None:  # the finalizer is shared: releasing it now would skip the claimant's cleanup
+        await await_claimant(memo, body["metadata"]["namespace"], body["metadata"]["name"], owner)
+        return
     ns, name, uid = body["metadata"]["namespace"], body["metadata"]["name"], body["metadata"].get("uid")
     for api_version, kind, child in manifests.child_refs(name) + manifests.legacy_child_refs(name):
         try:

@@ -85,11 +85,24 @@ class Heartbeat:
 
 @dataclasses.dataclass
 class AlertReceiver:
-    """What `POST /alertmanager` needs: the inbox the loop reads, the token, and whether this
-    replica leads (a standby answers 503, so that Alertmanager retries and reaches the leader)."""
+    """What `POST /alertmanager` needs: the inbox the loop reads, the token, whether this replica
+    leads (a standby answers 503, so that Alertmanager retries and reaches the leader), and the
+    namespaces the operator watches (an alert for a fleet elsewhere is refused)."""
     inbox: AlertInbox
     token: BearerToken
     leading: threading.Event | None = None  # None: a replica that always leads (tests, one replica)
+    namespaces: tuple[str, ...] = ()  # empty: every namespace (main.Options.namespaces)
+
+    def unwatched(self, alerts: list[Any]) -> str | None:
+        """Why a post is refused for naming fleets outside the watched namespaces, or None."""
+        if not self.namespaces:
+            return None
+        outside = [f"alerts[{i}] is for {a.fleet[0]}/{a.fleet[1]}" for i, a in enumerate(alerts)
+                   if a.fleet is not None and a.fleet[0] not in self.namespaces]
+        if not outside:
+            return None
+        return (f"{'; '.join(outside[:5])}{' ...' if len(outside) > 5 else ''}: this operator watches only the "
+                f"namespaces {', '.join(self.namespaces)}, so nothing of this post was taken")
 
 
 def _reply(start_response: Callable[..., Any], status: str, doc: dict[str, Any],
@@ -102,7 +115,8 @@ def _reply(start_response: Callable[..., Any], status: str, doc: dict[str, Any],
 def receive_alerts(receiver: AlertReceiver | None, environ: dict[str, Any],
                    start_response: Callable[..., Any]) -> list[bytes]:
     """`POST /alertmanager`: off (404) without a token, never open; 401, 503 on a standby, 400 naming
-    what is wrong with the payload, else 200 with what was taken in."""
+    what is wrong with the payload, 403 naming the alerts for namespaces not watched, else 200 with
+    what was taken in (a replayed alert is counted, and changes nothing)."""
     def refuse(status: str, reason: str, error: str, headers: tuple[tuple[str, str], ...] = ()) -> list[bytes]:
         operator_metrics.ALERT_POSTS_REFUSED.labels(reason).inc()
         return _reply(start_response, status, {"error": error}, headers)
@@ -130,13 +144,20 @@ def receive_alerts(receiver: AlertReceiver | None, environ: dict[str, Any],
         alerts = parse(environ["wsgi.input"].read(length))
     except PayloadError as exc:
         return refuse("400 Bad Request", "malformed", str(exc))
-    matched = receiver.inbox.record(alerts)
+    why = receiver.unwatched(alerts)
+    if why is not None:
+        return refuse("403 Forbidden", "namespace", why)
+    matched, replayed = receiver.inbox.record(alerts)
     for a in alerts:
         operator_metrics.ALERTS_RECEIVED.labels(a.status if a.fleet else "unmatched").inc()
+    if replayed:
+        operator_metrics.ALERTS_RECEIVED.labels("replayed").inc(replayed)
+        logger.warning("%d alerts were replays of episodes already resolved (same fingerprint and startsAt): "
+                       "ignored", replayed)
     if matched < len(alerts):
         logger.info("%d of %d alerts name no fleet (labels sdd_namespace, sdd_name): ignored",
                     len(alerts) - matched, len(alerts))
-    return _reply(start_response, "200 OK", {"alerts": len(alerts), "matched": matched})
+    return _reply(start_response, "200 OK", {"alerts": len(alerts), "matched": matched, "replayed": replayed})
 
 
 def app(heartbeat: Heartbeat, alerts: AlertReceiver | None = None) -> Callable[..., Any]:

@@ -59,6 +59,12 @@ class Options:
     redis_url: str | None = None
     redis_password_file: str | None = None
 
+    @property
+    def instance(self) -> str:
+        """This install's name, which each fleet it reconciles carries (handlers.CLAIM_ANNOTATION):
+        its Lease's namespace/name, unique per chart release."""
+        return f"{self.lease_namespace}/{self.lease_name}"
+
     def default_redis(self) -> DefaultRedis | None:
         """The fleets' default Redis with its admin password read from the file (OSError naming it)."""
         if not self.redis_url:
@@ -119,7 +125,7 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
         if leading is not None:
             leading.set()
         the_memo = kopf.Memo(connection=connection, settings=options.worker, loop_interval=options.loop_interval_s,
-                             heartbeat=options.heartbeat, **{"alerts": options.alerts,
+                             heartbeat=options.heartbeat, **{"alerts": options.alerts, "instance": options.instance,
                                                              "default_redis": options.default_redis(),
                                                              **(memo or {})})
         kopf_stop = asyncio.Event()
@@ -222,7 +228,7 @@ def run(argv: Sequence[str] | None = None) -> int:
     if options.metrics_port:
         from .health import serve
         serve(options.metrics_port, options.heartbeat, addr=options.metrics_host,
-              alerts=AlertReceiver(options.alerts, options.alert_token, leading))
+              alerts=AlertReceiver(options.alerts, options.alert_token, leading, options.namespaces))
 
     async def main() -> int:
         stop = asyncio.Event()

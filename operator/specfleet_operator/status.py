@@ -2,6 +2,9 @@
 
 Conditions follow the Kubernetes convention (type, status, reason, message, observedGeneration,
 lastTransitionTime); a condition keeps its lastTransitionTime while its status does not change.
+Reconciling and Stalled follow kstatus (abnormal-true: True says the fleet is not yet, or cannot
+become, what its spec asks), so `kstatus`-aware tools (Flux, Argo CD, cli-utils) read them as they do
+a built-in kind's; Ready's reason is the `Reason` column of `kubectl get sdd`.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from specfleet_api.fleet_spec import FleetState
 
 from .spec import Problem, rejection_reason
 
-CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Speculating", "CanaryProgressing")
+CONDITION_TYPES = ("Ready", "Progressing", "Degraded", "Speculating", "CanaryProgressing", "Reconciling", "Stalled",
+                   "PromotedNotInSpec")
 #: The reason of Ready (and Degraded) while a child's name is taken by an object another owner controls.
 OWNED_BY_ANOTHER = "ChildOwnedByAnother"
 
@@ -73,6 +77,8 @@ class Observed:
     # what the last try to reach the fleet's Redis met (redis_state.Health: ok, reason, message);
     # None: the fleet keeps no live state in Redis, and the status has no RedisReady
     redis: Any = None
+    # what the stable workers run that the spec does not say (fleet_spec.not_in_spec): field -> value
+    not_in_spec: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
@@ -147,18 +153,43 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     else:
         speculating = (True, "SpeculationOn", f"draft method {o.draft_method}")
 
+    # kstatus: Stalled when no retry alone gets the fleet further (a person must act); else
+    # Reconciling while what runs is not yet what the spec (this generation) asks
+    if invalid:
+        stalled = (True, rejected, invalid)
+    elif taken:
+        stalled = (True, OWNED_BY_ANOTHER, taken)
+    elif o.apply_error:
+        stalled = (True, "ApplyFailed", o.apply_error)
+    elif redis_down:
+        stalled = (True, f"Redis{o.redis.reason}", f"the live state cannot be written to Redis: {o.redis.message}")
+    else:
+        stalled = (False, "AsExpected", "")
+    if not stalled[0] and (stable is None or rolling or (not ready[0] and ready[1] == "RouterNotReady")):
+        reconciling = (True, ready[1], ready[2])
+    else:
+        reconciling = (False, "Reconciled" if not stalled[0] else "Stalled",
+                       "the children are what the spec asks" if not stalled[0] else "see Stalled")
+
+    if o.not_in_spec:
+        said = ", ".join(f"{k}={json.dumps(v)}" for k, v in sorted(o.not_in_spec.items()))
+        drift = (True, "PromotedOverridesNotInSpec", f"the stable workers run {said}, promoted from the canary "
+                 "(status.canary.promoted), which the spec does not hold: fold them into the spec, or set "
+                 "those fields otherwise (docs/canary.md)")
+    else:
+        said = ""
+        drift = (False, "SpecHoldsWhatRuns", "the stable workers run what the spec says")
+
     section = _canary_section(o, previous)
     phase = section["phase"]
     canary_msg = section.get("message") or _CANARY_MESSAGES.get(phase, phase)
-    promoted = section.get("promoted")
-    if promoted and phase in ("Idle", "Promoted"):
-        canary_msg += (f"; the stable workers run the promoted overrides "
-                       f"{json.dumps(promoted.get('overrides'), sort_keys=True)} (status.canary.promoted): "
-                       f"fold them into the spec")
     canary_cond = (phase in _LIVE_PHASES, f"Canary{phase}", canary_msg)
 
     conds = [_condition(t, *c, gen, prev, now) for t, c in zip(
-        CONDITION_TYPES, (ready, progressing, degraded, speculating, canary_cond))]
+        CONDITION_TYPES, (ready, progressing, degraded, speculating, canary_cond, reconciling, stalled, drift))]
+    if invalid and prev.get("PromotedNotInSpec") is not None:  # as RedisReady: what was last known stays
+        conds = [prev["PromotedNotInSpec"] if c["type"] == "PromotedNotInSpec" else c for c in conds]
+        said = (previous or {}).get("notInSpec", "")
     if o.redis is not None and not invalid:
         conds.append(_condition("RedisReady", o.redis.ok, o.redis.reason, o.redis.message, gen, prev, now))
     elif prev.get("RedisReady") is not None:
@@ -166,6 +197,8 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     # an invalid spec stops the loop, not its memory: the mode (and the canary run) stay as they were
     mode = (previous or {}).get("mode", o.state.mode) if invalid else o.state.mode
     status: dict[str, Any] = {"conditions": conds, "mode": mode}
+    if said:
+        status["notInSpec"] = said  # the Not-In-Spec column of `kubectl get sdd`
     if gen is not None:
         status["observedGeneration"] = gen
     for key, value in (("alpha", o.alpha), ("meanAcceptedLength", o.mean_accepted_length),

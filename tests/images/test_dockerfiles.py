@@ -169,3 +169,100 @@ def test_the_chart_runs_the_operator_as_its_image_starts_it():
                      if d and d["kind"] == "Deployment"]
     entry = dict(instructions(DOCKER / "operator.Dockerfile"))["ENTRYPOINT"]
     assert deployment["spec"]["template"]["spec"]["containers"][0]["command"] == json.loads(entry)
+
+
+CONSTRAINTS = DOCKER / "constraints.txt"
+# An exact release: major.minor.patch and maybe a variant (3.12.11-slim-bookworm,
+# 2.11.0-cuda12.8-cudnn9-runtime), or a digest; never latest, 3.12 or 3.12-slim, which move.
+EXACT_TAG = r"[^\s:@]+(?::\d+\.\d+\.\d+(?:[-.][\w.-]+)?)?(?:@sha256:[0-9a-f]{64})?"
+
+
+def base_images(path: pathlib.Path) -> list[str]:
+    """Every FROM of a Dockerfile, its ${ARG} replaced by the ARG's default."""
+    args, out = {}, []
+    for keyword, rest in instructions(path):
+        if keyword == "ARG" and "=" in rest:
+            name, _, default = rest.partition("=")
+            args[name.strip()] = default.strip()
+        elif keyword == "FROM":
+            ref = rest.split()[0]
+            for name, value in args.items():
+                ref = ref.replace("${" + name + "}", value).replace("$" + name, value)
+            out.append(ref)
+    return out
+
+
+def exact(ref: str) -> bool:
+    """>>> [exact(r) for r in ("python:3.12.11-slim-bookworm", "python:3.12-slim-bookworm", "python:latest",
+    ...  "python", "pytorch/pytorch:2.11.0-cuda12.8-cudnn9-runtime", "python@sha256:" + "a" * 64)]
+    [True, False, False, False, True, True]
+    """
+    import re
+    return bool(re.fullmatch(EXACT_TAG, ref)) and (":" in ref.split("/")[-1] or "@sha256:" in ref)
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_every_base_image_is_an_exact_release(path):
+    bases = base_images(path)
+    assert bases and all(exact(b) for b in bases), f"{path.name}: {bases} (pin major.minor.patch, or a digest)"
+
+
+def test_a_moving_base_tag_is_caught(tmp_path):
+    """So that the test above cannot pass for the wrong reason."""
+    for base in ("python:3.12-slim-bookworm", "python:latest", "python", "${BASE}"):
+        bad = tmp_path / "bad.Dockerfile"
+        bad.write_text(f"ARG BASE=python:3.12\nFROM {base}\n")
+        assert not all(exact(b) for b in base_images(bad)), base
+
+
+def pip_installs(path: pathlib.Path) -> list[str]:
+    """Every `pip install` command of the Dockerfile's RUNs, with what precedes it in its command."""
+    out = []
+    for keyword, rest in instructions(path):
+        if keyword == "RUN":
+            out += [c.strip() for c in rest.replace("||", "&&").replace(";", "&&").split("&&") if "pip install" in c]
+    return out
+
+
+@pytest.mark.parametrize("path", DOCKERFILES, ids=lambda p: p.name)
+def test_every_pip_install_takes_the_constraints(path):
+    copied = [rest for kw, rest in instructions(path) if kw == "COPY" and "docker/constraints.txt" in rest]
+    assert copied, f"{path.name} does not copy docker/constraints.txt"
+    workdir = [rest for kw, rest in instructions(path) if kw == "WORKDIR"][-1]
+    installs = pip_installs(path)
+    assert installs
+    for command in installs:
+        # PIP_CONSTRAINT, not -c: pip applies it to the isolated build's setuptools too
+        assert command.startswith(f"PIP_CONSTRAINT={workdir}/docker/constraints.txt pip install "), \
+            f"{path.name}: {command!r} installs without the constraints"
+
+
+def test_the_constraints_pin_every_requirement_exactly():
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+    pinned = {}
+    for line in CONSTRAINTS.read_text().splitlines():
+        if line and not line.startswith("#"):
+            req = Requirement(line)
+            (spec,) = req.specifier
+            assert spec.operator == "==" and "*" not in spec.version and not req.marker, line
+            pinned[canonicalize_name(req.name)] = spec.version
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    wanted = [*pyproject["project"]["dependencies"], *pyproject["project"]["optional-dependencies"]["worker"],
+              *pyproject["build-system"]["requires"]]
+    for text in wanted:
+        req = Requirement(text)
+        name = canonicalize_name(req.name)
+        if name in ("torch", "triton"):  # the worker's base image's CUDA build
+            assert name not in pinned
+            continue
+        assert name in pinned, f"{name} ({text} in pyproject.toml) has no exact version in docker/constraints.txt"
+        assert req.specifier.contains(pinned[name], prereleases=True), f"{name}=={pinned[name]} breaks {text}"
+
+
+def test_the_constraints_are_the_tested_environment():
+    """docker/constraints.txt is what `python docker/constraints.py` writes from this environment:
+    every dependency, followed to the end, at the version the tests ran with."""
+    result = subprocess.run([sys.executable, str(DOCKER / "constraints.py"), "--check"], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -97,15 +97,31 @@ def received(status):
     return REGISTRY.get_sample_value("specfleet_alerts_received_total", {"status": status}) or 0.0
 
 
-@pytest.fixture()
-def server(tmp_path):
-    """The operator's HTTP server (as `specfleet operator` starts it), its token in a file."""
+def start_server(tmp_path, namespaces=()):
+    """The operator's HTTP server (as `specfleet operator` starts it), its token in a file,
+    watching `namespaces` (empty: every namespace)."""
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN + "\n")  # a Secret key written with a newline still matches
-    receiver = AlertReceiver(AlertInbox(), BearerToken(path=str(token_file)), threading.Event())
+    receiver = AlertReceiver(AlertInbox(), BearerToken(path=str(token_file)), threading.Event(),
+                             namespaces=tuple(namespaces))
     receiver.leading.set()
     srv = serve(0, Heartbeat(), addr="127.0.0.1", alerts=receiver)
     srv.receiver, srv.token_file = receiver, token_file
+    return srv
+
+
+@pytest.fixture()
+def server(tmp_path):
+    srv = start_server(tmp_path)
+    yield srv
+    srv.shutdown()
+    srv.server_close()
+
+
+@pytest.fixture()
+def ml_server(tmp_path):
+    """A receiver of an operator that watches only the namespace ml (`--namespace ml`)."""
+    srv = start_server(tmp_path, ("ml",))
     yield srv
     srv.shutdown()
     srv.server_close()
@@ -115,7 +131,7 @@ def test_a_real_alertmanager_post_lands_in_the_inbox(server):
     port, inbox = server.server_port, server.receiver.inbox
     before = received("firing")
     status, answer = post(port, PAYLOAD)
-    assert (status, answer) == (200, {"alerts": 2, "matched": 2})
+    assert (status, answer) == (200, {"alerts": 2, "matched": 2, "replayed": 0})
     assert received("firing") == before + 2
     firing = inbox.firing("ml", "chat", now=time.time())
     assert [(a.alertname, a.prompt_type, a.fingerprint) for a in firing] == [
@@ -152,7 +168,7 @@ def test_resolved_removes_and_other_fleets_stay(server):
     resolved = copy.deepcopy(PAYLOAD)
     resolved["status"] = "resolved"
     resolved["alerts"] = [{**resolved["alerts"][0], "status": "resolved", "endsAt": "2026-12-01T17:02:00Z"}]
-    assert post(port, resolved) == (200, {"alerts": 1, "matched": 1})
+    assert post(port, resolved) == (200, {"alerts": 1, "matched": 1, "replayed": 0})
     assert [a.alertname for a in inbox.firing("ml", "chat", now=time.time())] == [manifests.ALERT_SPEEDUP]
     assert [a.alertname for a in inbox.firing("ml", "summarize", now=time.time())] == [manifests.ALERT_SPEEDUP]
 
@@ -232,11 +248,11 @@ def test_alerts_name_their_fleet_by_labels_that_survive_scraping():
         return parse(json.dumps(body).encode())
     inbox = AlertInbox()
     long_name = "llama-3.1-8b-instruct-" + "x" * 60  # the workers' pod label shortens it
-    assert inbox.record(alert({"sdd_namespace": "ml", "sdd_name": "chat"}), now=0) == 1
+    assert inbox.record(alert({"sdd_namespace": "ml", "sdd_name": "chat"}), now=0).matched == 1
     # the operator's gauge before sdd_* (its namespace label renamed by the scrape), and a rule on the pod label
-    assert inbox.record(alert({"exported_namespace": "ml", "serving_specfleet_dev_deployment": "old"}), now=0) == 1
-    assert inbox.record(alert({"sdd_namespace": "ml", "sdd_name": manifests.label_value(long_name)}), now=0) == 1
-    assert inbox.record(alert({"namespace": "ml", "alertname": "Watchdog"}), now=0) == 0  # names no fleet
+    assert inbox.record(alert({"exported_namespace": "ml", "serving_specfleet_dev_deployment": "old"}), now=0).matched == 1
+    assert inbox.record(alert({"sdd_namespace": "ml", "sdd_name": manifests.label_value(long_name)}), now=0).matched == 1
+    assert inbox.record(alert({"namespace": "ml", "alertname": "Watchdog"}), now=0).matched == 0  # names no fleet
     assert [len(inbox.firing("ml", n, now=1)) for n in ("chat", "old", long_name, "Watchdog")] == [1, 1, 1, 0]
     with pytest.raises(PayloadError, match=r"alerts\[0\].labels"):
         parse(json.dumps({"version": "4", "alerts": [{"status": "firing", "startsAt": STARTS}]}).encode())
@@ -254,7 +270,7 @@ def test_the_operator_command_serves_the_receiver_from_its_token_file(tmp_path):
             "m.operate = lead\n"
             "sys.exit(m.run(sys.argv[1:]))")
     proc = subprocess.Popen([sys.executable, "-c", code, "--no-leader-election", "--metrics-port", str(port),
-                             "--alertmanager-token-file", str(tmp_path / "token")],
+                             "--alertmanager-token-file", str(tmp_path / "token"), "--namespace", "ml"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     def accepted():
         assert proc.poll() is None, "the operator exited before its metrics port answered"
@@ -265,12 +281,70 @@ def test_the_operator_command_serves_the_receiver_from_its_token_file(tmp_path):
     try:
         wait_for(accepted, TIMEOUT_S, f"a 200 from /alertmanager on port {port}", poll_s=0.05)
         assert post(port, PAYLOAD, token="wrong")[0] == 401
+        elsewhere = copy.deepcopy(PAYLOAD)
+        elsewhere["alerts"][0]["labels"]["sdd_namespace"] = "team-b"
+        assert post(port, elsewhere)[0] == 403  # --namespace ml: the receiver watches what kopf watches
         _, metrics = get(port, "/metrics")
         assert 'specfleet_alerts_received_total{status="firing"} 2.0' in metrics
         assert 'specfleet_alertmanager_refused_requests_total{reason="unauthorized"} 1.0' in metrics
+        assert 'specfleet_alertmanager_refused_requests_total{reason="namespace"} 1.0' in metrics
     finally:
         proc.kill()
         proc.wait(TIMEOUT_S)
+
+
+def test_alerts_for_a_namespace_not_watched_are_refused_naming_it(ml_server):
+    port, inbox = ml_server.server_port, ml_server.receiver.inbox
+    before = refused("namespace")
+    other = copy.deepcopy(PAYLOAD)
+    other["alerts"][1]["labels"]["sdd_namespace"] = "team-b"
+    status, answer = post(port, other)
+    assert status == 403 and "alerts[1] is for team-b/chat" in answer["error"], answer
+    assert "watches only the namespaces ml" in answer["error"]
+    assert refused("namespace") == before + 1
+    assert inbox.firing("ml", "chat", now=time.time()) == []  # nothing of the post is taken
+    assert post(port, PAYLOAD)[0] == 200  # its own namespace's alerts act
+    assert len(inbox.firing("ml", "chat", now=time.time())) == 2
+
+
+def test_every_namespace_is_watched_without_a_namespace_list(server):
+    other = copy.deepcopy(PAYLOAD)
+    other["alerts"][1]["labels"]["sdd_namespace"] = "team-b"
+    assert post(server.server_port, other)[0] == 200
+
+
+def test_a_replayed_alert_is_a_no_op(server):
+    """A firing post of an episode (fingerprint, startsAt) already resolved changes nothing; so does
+    one older than the episode firing now; a new episode (a later startsAt) fires."""
+    port, inbox = server.server_port, server.receiver.inbox
+    alpha = {**PAYLOAD, "alerts": [PAYLOAD["alerts"][0]]}
+    assert post(port, alpha) == (200, {"alerts": 1, "matched": 1, "replayed": 0})
+    resolved = copy.deepcopy(alpha)
+    resolved["alerts"][0].update(status="resolved", endsAt="2026-12-01T17:02:00Z")
+    assert post(port, resolved)[0] == 200 and inbox.firing("ml", "chat", now=time.time()) == []
+    before = received("replayed")
+    for _ in range(2):
+        assert post(port, alpha) == (200, {"alerts": 1, "matched": 1, "replayed": 1})
+    assert inbox.firing("ml", "chat", now=time.time()) == [] and received("replayed") == before + 2
+    later = copy.deepcopy(alpha)
+    later["alerts"][0]["startsAt"] = "2026-12-01T18:00:00Z"
+    assert post(port, later) == (200, {"alerts": 1, "matched": 1, "replayed": 0})
+    assert [a.since for a in inbox.firing("ml", "chat", now=time.time())] == [1796148000.0]
+    assert post(port, alpha)[1]["replayed"] == 1  # the older episode, again: the later one stays
+    assert [a.since for a in inbox.firing("ml", "chat", now=time.time())] == [1796148000.0]
+    # a resolution of the older episode never ends the later one
+    assert post(port, resolved)[0] == 200 and len(inbox.firing("ml", "chat", now=time.time())) == 1
+
+
+def test_a_resend_of_a_firing_alert_keeps_it_alive_and_changes_nothing_else():
+    """Alertmanager resends a firing alert every repeat_interval: the same episode again is no replay
+    of a resolved one; it keeps the alert from expiring, with the same since."""
+    inbox = AlertInbox(ttl_s=300)
+    alerts = parse(json.dumps({**PAYLOAD, "alerts": [PAYLOAD["alerts"][0]]}).encode())
+    assert inbox.record(alerts, now=1000.0) == (1, 0)
+    assert inbox.record(alerts, now=1250.0) == (1, 0)
+    (a,) = inbox.firing("ml", "chat", now=1500.0)  # past the first post's TTL, within the resend's
+    assert a.since == pytest.approx(1796143200.123456)
 
 
 def free_port():
@@ -293,7 +367,14 @@ def alertmanager_post(port, alerts):
         assert resp.status == 200
 
 
-def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_refused(server, tmp_path):
+def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_refused(ml_server, tmp_path):
+    """Alertmanager, configured as docs/alerts.md says, delivers to an operator watching the namespace
+    ml: its alerts for ml act; one for another namespace is refused (403); one sent with a wrong token
+    too (401); and once resolved, a replay of what it posted changes nothing."""
+    server = ml_server
+    posted = []
+    record = server.receiver.inbox.record
+    server.receiver.inbox.record = lambda alerts, now=None: (posted.append(list(alerts)), record(alerts, now))[1]
     exe = shutil.which("prometheus-alertmanager") or shutil.which("alertmanager")
     assert exe, "alertmanager not found: run ./dev setup (installs Debian's prometheus-alertmanager)"
     # the documented receiver, pointed at this server, with its token file; one route with a wrong token
@@ -327,7 +408,8 @@ def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_r
              "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(now - 60)),
              "generatorURL": "http://prometheus:9090/graph"}
     intruder = {**alert, "labels": {**labels, "sdd_name": "intruder"}}
-    unauthorized = refused("unauthorized")
+    elsewhere = {**alert, "labels": {**labels, "sdd_namespace": "team-b"}}
+    unauthorized, unwatched, replays = refused("unauthorized"), refused("namespace"), received("replayed")
 
     def up():
         assert am.poll() is None, f"alertmanager exited: {(tmp_path / 'am.log').read_text()}"
@@ -337,7 +419,7 @@ def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_r
             return False
     try:
         wait_for(up, 20, "alertmanager to be ready", poll_s=0.1)
-        alertmanager_post(port, [alert, intruder])
+        alertmanager_post(port, [alert, intruder, elsewhere])
         firing = wait_for(lambda: inbox.firing("ml", "chat", now=time.time()), 20,
                           "Alertmanager's webhook to reach the inbox", poll_s=0.1)
         assert [(a.alertname, a.prompt_type, a.slo_miss) for a in firing] == [(manifests.ALERT_ALPHA, "code", True)]
@@ -355,6 +437,17 @@ def test_a_real_alertmanager_delivers_firing_and_resolved_and_a_wrong_token_is_r
         alertmanager_post(port, [{**alert, "endsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - 1))}])
         wait_for(lambda: inbox.firing("ml", "chat", now=time.time()) == [], 20, "the resolved notification",
                  poll_s=0.1)
+        # the namespace this operator does not watch: refused, nothing taken
+        wait_for(lambda: refused("namespace") > unwatched, 20, "the alert for team-b to be refused", poll_s=0.1)
+        assert inbox.firing("team-b", "chat", now=time.time()) == []
+        # a replay of Alertmanager's firing post, after its resolution: a no-op
+        (firing_alert,) = [a for alerts in posted for a in alerts if a.status == "firing"][:1]
+        replay = {"version": "4", "status": "firing", "alerts": [{
+            "status": "firing", "labels": firing_alert.labels, "annotations": firing_alert.annotations,
+            "startsAt": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(firing_alert.starts_at)),
+            "endsAt": "0001-01-01T00:00:00Z", "fingerprint": firing_alert.fingerprint}]}
+        assert post(server.server_port, replay) == (200, {"alerts": 1, "matched": 1, "replayed": 1})
+        assert inbox.firing("ml", "chat", now=time.time()) == [] and received("replayed") == replays + 1
         assert get(server.server_port, "/healthz") == (200, "ok\n")
     finally:
         am.terminate()

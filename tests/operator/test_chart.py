@@ -304,3 +304,107 @@ def test_the_liveness_staleness_is_a_chart_value():
     for bad in (0, -5, "1m"):
         with pytest.raises(helm.HelmError):
             helm.Chart.load(str(CHART)).validate_schema({"metrics": {"livenessStaleAfter": bad}})
+
+
+@pytest.mark.parametrize("values, release, namespace", [
+    ({}, "specfleet", "specfleet-system"),
+    ({}, "team-b", "shared"),
+    ({"fullnameOverride": "fleet-ops"}, "specfleet", "ops"),
+    ({"nameOverride": "sf"}, "a-very-long-release-name-that-goes-on-and-on-past-the-dns-limit-x", "ml"),
+])
+def test_notes_name_the_lease_the_operator_elects_on(values, release, namespace, monkeypatch):
+    """NOTES.txt's `kubectl get lease` names the Lease the operator's flags make it use: its name
+    (--lease-name) in the namespace the pod runs in (POD_NAMESPACE, the release namespace)."""
+    from specfleet_operator.main import parse_args
+    out = helm.Chart.load(str(CHART)).render(values, name=release, namespace=namespace, is_install=True)
+    docs = [d for p, t in out.items() if p.endswith(".yaml") for d in yaml.safe_load_all(t) if d]
+    notes = next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    (command,) = re.findall(r"kubectl -n (\S+) get lease (\S+) ", notes)
+    monkeypatch.setenv("POD_NAMESPACE", namespace)  # the Deployment sets it from metadata.namespace
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    env = {e["name"]: e.get("valueFrom") for e in dep["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["POD_NAMESPACE"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+    options = parse_args(_operator_args(docs))
+    assert options.leader_election and command == (options.lease_namespace, options.lease_name)
+
+
+def test_notes_name_no_lease_without_leader_election():
+    _, out = render({"replicaCount": 1, "leaderElection": {"enabled": False}})
+    notes = next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    assert not re.search(r"\blease\b", notes, re.IGNORECASE), notes
+    _, out = render({})
+    assert "get lease specfleet " in next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+
+
+DIGESTS = {name: "sha256:" + (c * 64) for name, c in (("operator", "a"), ("worker", "b"), ("router", "c"),
+                                                       ("redis", "d"))}
+
+
+def test_every_image_is_pinnable_by_digest():
+    """image.digest, worker.digest, router.digest, redis.image.digest: each image runs as
+    repository@sha256:... (the tag dropped), down to the worker and router pods the operator creates."""
+    from specfleet_operator.main import parse_args
+    docs, out = render({"image": {"tag": "0.1.0", "digest": DIGESTS["operator"]},
+                        "worker": {"image": "localhost:5000/specfleet/worker:0.1.0", "digest": DIGESTS["worker"]},
+                        "router": {"image": "ghcr.io/specfleet/router@sha256:" + "0" * 64, "digest": DIGESTS["router"]},
+                        "redis": {"image": {"digest": DIGESTS["redis"]}}})
+    images = {c["name"]: c["image"] for d in docs if d["kind"] in ("Deployment", "StatefulSet")
+              for c in d["spec"]["template"]["spec"]["containers"]}
+    assert images == {"operator": "ghcr.io/specfleet/operator@" + DIGESTS["operator"],
+                      "redis": "docker.io/library/redis@" + DIGESTS["redis"]}
+    options = parse_args(_operator_args(docs))
+    assert options.worker.worker_image == "localhost:5000/specfleet/worker@" + DIGESTS["worker"]
+    assert options.worker.router_image == "ghcr.io/specfleet/router@" + DIGESTS["router"]
+    assert "ghcr.io/specfleet/router@" + DIGESTS["router"] in next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    for doc in docs:
+        if doc["kind"] not in OWN_SCHEMA_KINDS:
+            kubernetes_validate.validate(doc, "1.30", strict=True)
+    fleet = manifests.children(_sdd(), with_defaults(_sdd()["spec"]), options.worker)
+    pods = {d["metadata"]["name"]: [c["image"] for c in d["spec"]["template"]["spec"]["containers"]]
+            for d in fleet if d["kind"] == "Deployment"}
+    assert sorted(set(sum(pods.values(), []))) == sorted({options.worker.worker_image, options.worker.router_image})
+    # no digest: the tags, as before
+    docs, _ = render({})
+    assert parse_args(_operator_args(docs)).worker.worker_image == "ghcr.io/specfleet/worker:0.1.0"
+    assert [d for d in docs if d["kind"] == "Deployment"][0]["spec"]["template"]["spec"]["containers"][0]["image"] \
+        == "ghcr.io/specfleet/operator:0.1.0"
+
+
+def _sdd():
+    return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
+            "metadata": {"name": "chat", "namespace": "ml", "uid": "u1"},
+            "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}, "replicas": 1}}
+
+
+@pytest.mark.parametrize("where", [{"image": {"digest": "sha256:abc"}}, {"worker": {"digest": "b" * 64}},
+                                   {"router": {"digest": "sha512:" + "c" * 64}}])
+def test_a_malformed_digest_is_refused(where):
+    with pytest.raises(helm.HelmError, match="digest"):
+        helm.Chart.load(str(CHART)).validate_schema(where)
+
+
+def test_the_alertmanager_receiver_gets_a_generated_token_or_the_named_one():
+    """alertmanager.enabled: the chart generates the token in `<fullname>-alertmanager`, mounts it and
+    passes it; a named tokenSecret is used instead (nothing generated); neither: off, no Secret."""
+    import base64
+    from specfleet_operator.main import parse_args
+    docs, _ = render({"alertmanager": {"enabled": True}, "watchNamespaces": ["ml"]})
+    (secret,) = [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"] == "specfleet-alertmanager"]
+    token = base64.b64decode(secret["data"]["token"]).decode()
+    assert len(token) == 48 and token.isalnum()
+    kubernetes_validate.validate(secret, "1.30", strict=True)
+    (dep,) = [d for d in docs if d["kind"] == "Deployment"]
+    volumes = dep["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "alertmanager-token", "secret": {"secretName": "specfleet-alertmanager",
+                                                     "items": [{"key": "token", "path": "token"}]}} in volumes
+    options = parse_args(_operator_args(docs))
+    assert options.alert_token.path == "/var/run/secrets/specfleet/alertmanager/token"
+    assert options.namespaces == ("ml",)  # what the receiver refuses alerts outside of
+    again, _ = render({"alertmanager": {"enabled": True}})
+    assert [d for d in again if d["kind"] == "Secret" and d["metadata"]["name"] == "specfleet-alertmanager"][0][
+        "data"]["token"] != secret["data"]["token"]  # random per install (an upgrade looks the Secret up)
+    named, _ = render({"alertmanager": {"enabled": True, "tokenSecret": {"name": "mine"}}})
+    assert not [d for d in named if d["kind"] == "Secret" and "alertmanager" in d["metadata"]["name"]]
+    assert "secretName" in str(named) and "'secretName': 'mine'" in str(named)
+    off, _ = render({})
+    assert not [d for d in off if d["kind"] == "Secret" and "alertmanager" in d["metadata"]["name"]]

@@ -40,7 +40,8 @@ def test_crd_is_a_valid_kubernetes_object():
     version = CRD["spec"]["versions"][0]
     assert CRD["spec"]["names"]["shortNames"] == ["sdd"] and CRD["spec"]["scope"] == "Namespaced"
     assert version["subresources"] == {"status": {}}
-    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Mode", "Alpha", "K", "Canary", "Age"]
+    assert [c["name"] for c in version["additionalPrinterColumns"]] == ["Ready", "Reason", "Mode", "Alpha", "K", "Canary",
+                                                                         "Not-In-Spec", "Age"]
 
 
 def _walk(node, path="$"):

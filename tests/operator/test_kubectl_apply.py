@@ -81,3 +81,51 @@ def test_kustomize_base_still_includes_the_crd():
     canonical = yaml.safe_load((ROOT / "crds" / "serving.specfleet.dev_specdecodedeployments.yaml").read_text())
     (crd,) = [d for d in yaml.safe_load_all(out) if d and d["kind"] == "CustomResourceDefinition"]
     assert crd["spec"] == canonical["spec"]
+
+
+async def test_kubectl_get_sdd_says_why_a_fleet_is_not_ready_and_what_runs_outside_the_spec(cluster, kube, tmp_path):
+    """The CRD's printer columns, as kubectl evaluates them (custom-columns: the emulator serves no
+    tables), on the statuses the real operator writes: the Reason column says why a fleet is not
+    Ready, Not-In-Spec what its stable workers run that the spec does not hold."""
+    from specfleet_operator.spec import crd
+    from specfleet_operator.testing import sdd_body
+    columns = crd()["spec"]["versions"][0]["additionalPrinterColumns"]
+    spec = ",".join(f"{c['name'].upper()}:{c['jsonPath']}" for c in columns)
+    bad = sdd_body("broken", speculation={"kMin": 9, "kMax": 4})
+    await kube.create(sdd_body("chat", speculation={"kMax": 8}))
+    await kube.create(bad)
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+
+    def status_of(name):
+        return (cluster.live(API_VERSION, "specdecodedeployments", "default", name) or {}).get("status", {})
+    try:
+        await wait_for(lambda: ready(cluster, "chat") and status_of("broken").get("conditions"), 30,
+                       "chat Ready and broken judged")
+        # a promotion the spec does not hold yet (as the canary analysis records it), then any reconcile
+        record = {"overrides": {"speculation": {"kMax": 12}}, "base": {"speculation": {"kMax": 8}}}
+        await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat",
+                         {"status": {"canary": {"phase": "Idle", "step": 0, "weight": 0, "promoted": record}}},
+                         subresource="status")
+        await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat", {"spec": {"replicas": 2}})
+        await wait_for(lambda: status_of("chat").get("notInSpec"), 30, "the promotion in status.notInSpec")
+        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready again")
+        table = {}
+        for name in ("chat", "broken"):  # one by one: the emulator's lists carry no kind for kubectl
+            proc = await asyncio.create_subprocess_exec(
+                kubectl_path(), f"--kubeconfig={_kubeconfig(cluster, tmp_path)}", "get",
+                "specdecodedeployments.serving.specfleet.dev", name, "-o", f"custom-columns=NAME:.metadata.name,{spec}",
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+            out, err = await asyncio.wait_for(proc.communicate(), 60)
+            assert proc.returncode == 0, err.decode()
+            head, row = [line.split() for line in out.decode().splitlines()]
+            table[row[0]] = dict(zip(head[1:], row[1:]))
+        assert table["broken"]["READY"] == "False" and table["broken"]["REASON"] == "InvalidSpec"
+        assert table["chat"]["READY"] == "True" and table["chat"]["REASON"] == "WorkersReady"
+        assert table["chat"]["NOT-IN-SPEC"] == "speculation.kMax=12" and table["broken"]["NOT-IN-SPEC"] == "<none>"
+        # folded into the spec: the column empties, the condition turns False
+        await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat", {"spec": {"speculation": {"kMax": 12}}})
+        await wait_for(lambda: "notInSpec" not in status_of("chat"), 30, "the column to empty once folded")
+        cond = next(c for c in status_of("chat")["conditions"] if c["type"] == "PromotedNotInSpec")
+        assert (cond["status"], cond["reason"]) == ("False", "SpecHoldsWhatRuns")
+    finally:
+        await op.stop_and_join()

@@ -77,7 +77,10 @@ async def run_and_kill(cluster, kubeconfig, log, kill_at: int, before: bool) -> 
     cluster.writes_seen, cluster.kill_at, cluster.before, cluster.killed_at = 0, kill_at, before, None
     with log.open("wb") as err:  # a file, not a pipe: the operator never blocks on a full pipe
         proc = await asyncio.create_subprocess_exec(
+            # --lease-namespace: the install OperatorThread runs (main.Options.instance), which the
+            # fleet's claim names: the fresh operator below is this one restarted, not another install
             sys.executable, "-m", "specfleet_operator.main", "--no-leader-election", "--metrics-port=0",
+            "--lease-namespace=default",
             "--loop-interval=3600", "--log-level=WARNING", env={**os.environ, "KUBECONFIG": str(kubeconfig)},
             stdout=subprocess.DEVNULL, stderr=err)
     cluster.victim = proc

@@ -17,7 +17,8 @@ def test_ready_when_every_worker_is_ready():
     assert s["observedGeneration"] == 3 and s["replicas"] == {"desired": 2, "ready": 2}
     assert s["kRange"] == "1-6" and s["mode"] == "speculative" and s["router"] == {"desired": 2, "ready": 2}
     assert {c["type"] for c in s["conditions"]} == {"Ready", "Progressing", "Degraded", "Speculating",
-                                                    "CanaryProgressing"}
+                                                    "CanaryProgressing", "Reconciling", "Stalled",
+                                                    "PromotedNotInSpec"}
     for c in s["conditions"]:
         assert set(c) == {"type", "status", "reason", "message", "observedGeneration", "lastTransitionTime"}
 
@@ -139,17 +140,87 @@ def test_the_canary_section_is_the_canary_runs():
     assert condition(paused, "CanaryProgressing")["status"] == "True"
 
 
-def test_a_promotion_asks_to_be_folded_into_the_spec_until_it_is():
+def _promoted(spec_over=None, phase="Promoted", prev=None, problems=()):
+    """The status the operator writes for a fleet whose canary promoted kMax 12 over the spec's 8."""
+    from specfleet_control.canary import CanaryState
+    from specfleet_operator import handlers
+    from specfleet_operator.spec import with_defaults
+    from specfleet_operator.testing import sdd_body
+
+    body = sdd_body("demo", speculation={"kMax": 8, **(spec_over or {})})
     record = {"overrides": {"speculation": {"kMax": 12}}, "base": {"speculation": {"kMax": 8}}}
+    cstate = CanaryState.from_status({"phase": phase, "step": 0, "weight": 0.0, "promoted": record})
+    if problems:
+        return compute(Observed(generation=2, problems=problems), prev, T1)
+    observed = handlers._observed(body, with_defaults(body["spec"]), cstate, None, None, [],
+                                  router={"spec": {"replicas": 2}, "status": {"readyReplicas": 2, "updatedReplicas": 2}})
+    return handlers._status(observed, {"status": prev or {}}, handlers.memory_of({}))
+
+
+def test_a_promotion_not_in_the_spec_is_a_condition_and_a_column_until_folded():
     for phase in ("Promoted", "Idle"):  # Idle: spec.canary removed after the promotion
-        s = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
-                             canary_status={"phase": phase, "step": 0, "weight": 0.0, "promoted": record}), None, T0)
-        cond = condition(s, "CanaryProgressing")
-        assert cond["status"] == "False" and cond["reason"] == f"Canary{phase}"
-        assert '{"speculation": {"kMax": 12}}' in cond["message"] and "fold them into the spec" in cond["message"]
-    done = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
-                            canary_status={"phase": "Idle", "step": 0, "weight": 0.0}), None, T0)
-    assert "fold" not in condition(done, "CanaryProgressing")["message"]
+        s = _promoted(phase=phase)
+        cond = condition(s, "PromotedNotInSpec")
+        assert (cond["status"], cond["reason"]) == ("True", "PromotedOverridesNotInSpec")
+        assert "speculation.kMax=12" in cond["message"] and "fold them into the spec" in cond["message"]
+        assert s["notInSpec"] == "speculation.kMax=12"
+    folded = _promoted({"kMax": 12}, prev=s)  # the spec now holds it: nothing left to say
+    assert condition(folded, "PromotedNotInSpec")["status"] == "False"
+    assert folded["notInSpec"] is None  # the merge patch removes the column's value
+    superseded = _promoted({"kMax": 6}, prev=s)  # set otherwise: the spec wins
+    assert condition(superseded, "PromotedNotInSpec")["status"] == "False"
+    # an invalid spec writes nothing new: what was last known stays
+    held = _promoted(prev=s, problems=(Problem("spec.speculation", "kMin <= kInitial <= kMax"),))
+    assert condition(held, "PromotedNotInSpec") == condition(s, "PromotedNotInSpec")
+    assert held["notInSpec"] == "speculation.kMax=12"
+
+
+def test_kstatus_reconciling_while_rolling_out_then_reconciled():
+    creating = compute(Observed(generation=1), None, T0)
+    assert [condition(creating, t)["status"] for t in ("Reconciling", "Stalled")] == ["True", "False"]
+    assert condition(creating, "Reconciling")["reason"] == "Creating"
+    rolling = compute(Observed(generation=2, stable=Workers(2, 2, 1), router=ROUTER), None, T0)
+    assert (condition(rolling, "Reconciling")["status"], condition(rolling, "Reconciling")["reason"]) == \
+        ("True", "WorkersNotReady")
+    pending = compute(Observed(generation=4, applied_generation=3, stable=Workers(2, 2, 2), router=ROUTER), None, T0)
+    assert condition(pending, "Reconciling")["status"] == "True"
+    router = compute(Observed(generation=1, stable=Workers(2, 2, 2)), None, T0)
+    assert condition(router, "Reconciling")["reason"] == "RouterNotReady"
+    done = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER), None, T0)
+    assert [(condition(done, t)["status"], condition(done, t)["reason"]) for t in ("Reconciling", "Stalled")] == \
+        [("False", "Reconciled"), ("False", "AsExpected")]
+
+
+@pytest.mark.parametrize("observed, reason", [
+    (Observed(generation=1, problems=(Problem("spec.speculation", "kMin <= kInitial <= kMax"),)), "InvalidSpec"),
+    (Observed(generation=1, stable=Workers(2, 0, 0), router=ROUTER,
+              conflicts=("Deployment demo-stable is controlled by Job x (uid 1), not by this resource",)),
+     "ChildOwnedByAnother"),
+    (Observed(generation=1, stable=Workers(2, 0, 0), apply_error="HorizontalPodAutoscaler: HTTP 403 Forbidden"),
+     "ApplyFailed"),
+])
+def test_kstatus_stalled_names_why_and_is_not_reconciling(observed, reason):
+    s = compute(observed, None, T0)
+    stalled, reconciling = condition(s, "Stalled"), condition(s, "Reconciling")
+    assert (stalled["status"], stalled["reason"]) == ("True", reason) and stalled["message"]
+    assert reconciling["status"] == "False"  # kstatus reads Reconciling first: a stalled fleet is Failed
+    assert condition(s, "Ready")["reason"] == reason  # the Reason column
+
+
+def test_kstatus_stalled_when_redis_cannot_be_written():
+    from specfleet_operator.redis_state import Health
+    s = compute(Observed(generation=1, stable=Workers(2, 2, 2), router=ROUTER,
+                         redis=Health(False, "Unreachable", "connection refused")), None, T0)
+    assert (condition(s, "Stalled")["status"], condition(s, "Stalled")["reason"]) == ("True", "RedisUnreachable")
+    assert "connection refused" in condition(s, "Stalled")["message"]
+
+
+def test_the_crd_lists_every_condition_the_status_writes():
+    from specfleet_operator.spec import crd
+    from specfleet_operator.status import CONDITION_TYPES
+    status = crd()["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["status"]["properties"]
+    assert set(status["conditions"]["items"]["properties"]["type"]["enum"]) == {*CONDITION_TYPES, "RedisReady"}
+    assert "notInSpec" in status
 
 
 @pytest.mark.parametrize("fallback", [{"enabled": True, "probeShare": 5}, {"enabled": True, "probeShare": 0}])

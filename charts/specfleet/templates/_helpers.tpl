@@ -44,8 +44,32 @@ app.kubernetes.io/part-of: specfleet
 {{- end }}
 {{- end }}
 
+{{/* The Lease the operator's replicas elect their leader on (in the release namespace, their
+POD_NAMESPACE): the deployment's --lease-name and NOTES.txt both name it from here. */}}
+{{- define "specfleet.leaseName" -}}
+{{- include "specfleet.fullname" . }}
+{{- end }}
+
+{{/* An image reference: "ref" (repository[:tag]) pinned by "digest" (sha256:...) when one is
+given, as repository@digest: the tag is dropped, the digest alone says what runs. */}}
+{{- define "specfleet.imageRef" -}}
+{{- if .digest }}
+{{- printf "%s@%s" (regexReplaceAll ":[^:/]*$" (regexReplaceAll "@.*$" .ref "") "") .digest }}
+{{- else }}
+{{- .ref }}
+{{- end }}
+{{- end }}
+
 {{- define "specfleet.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- include "specfleet.imageRef" (dict "ref" (printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag)) "digest" .Values.image.digest) }}
+{{- end }}
+
+{{- define "specfleet.workerImage" -}}
+{{- include "specfleet.imageRef" (dict "ref" .Values.worker.image "digest" .Values.worker.digest) }}
+{{- end }}
+
+{{- define "specfleet.routerImage" -}}
+{{- include "specfleet.imageRef" (dict "ref" .Values.router.image "digest" .Values.router.digest) }}
 {{- end }}
 
 {{/* What kopf needs to watch every namespace: the CRDs, to notice ours appear or change. */}}
@@ -150,9 +174,15 @@ app.kubernetes.io/part-of: specfleet
 
 {{- define "specfleet.redis.image" -}}
 {{- $i := .Values.redis.image }}
-{{- if $i.digest }}
-{{- printf "%s:%s@%s" $i.repository $i.tag $i.digest }}
-{{- else }}
-{{- printf "%s:%s" $i.repository $i.tag }}
+{{- include "specfleet.imageRef" (dict "ref" (printf "%s:%s" $i.repository $i.tag) "digest" $i.digest) }}
+{{- end }}
+
+{{/* The Secret holding the Alertmanager receiver's bearer token: the one named, else the one the
+chart generates when the receiver is enabled; empty: the receiver is off. */}}
+{{- define "specfleet.alertmanager.secretName" -}}
+{{- if .Values.alertmanager.tokenSecret.name }}
+{{- .Values.alertmanager.tokenSecret.name }}
+{{- else if .Values.alertmanager.enabled }}
+{{- include "specfleet.fullname" . | trunc 50 | trimSuffix "-" }}-alertmanager
 {{- end }}
 {{- end }}

@@ -1,0 +1,80 @@
+"""Two operator installs (two chart releases, each its own Lease) watching the same namespace, with
+the real kopf operator on the emulator: exactly one reconciles a fleet (the one whose name the fleet's
+claim annotation carries), the other leaves it alone and says so once; removing the claim hands
+the fleet over."""
+import pytest
+from specfleet_operator import API_VERSION
+from specfleet_operator.handlers import CLAIM_ANNOTATION, CLAIMED_ELSEWHERE
+from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
+
+FAST = {"converge_interval": 0.5}  # the periodic converge: what picks a released fleet up
+
+
+def install(cluster, release):
+    """One chart release's operator: its Lease (and so its install name) is the release's."""
+    op = OperatorThread(cluster.endpoint, f"{release}-0", memo={**FAST, "applied_generations": {}})
+    op.options.lease_name = release
+    return op
+
+
+def claimant(cluster, name="chat"):
+    sdd = cluster.live(API_VERSION, "specdecodedeployments", "default", name) or {}
+    return sdd.get("metadata", {}).get("annotations", {}).get(CLAIM_ANNOTATION)
+
+
+def events(cluster, reason):
+    return [e for e in cluster.all_live("v1", "events") if e.get("reason") == reason]
+
+
+async def test_two_installs_never_both_reconcile_one_fleet(cluster, kube):
+    a, b = install(cluster, "team-a"), install(cluster, "team-b")
+    a.start(), b.start()
+    try:
+        for op in (a, b):
+            await wait_for(op.ready.is_set, 20, f"{op.options.identity} to start")
+        await kube.create(sdd_body("chat"))
+        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready")
+        owner = claimant(cluster)
+        assert owner in ("default/team-a", "default/team-b")
+        mine, other = (a, b) if owner == "default/team-a" else (b, a)
+        await wait_for(lambda: events(cluster, CLAIMED_ELSEWHERE), 20, "the other install to say it leaves it alone")
+        # every reconcile after a spec change is the claimant's alone
+        await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat", {"spec": {"replicas": 2}})
+        await wait_for(lambda: mine.memo["applied_generations"].get(("default", "chat")) == 2, 20,
+                       "the claimant to apply generation 2")
+        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready at 2 replicas")
+        assert ("default", "chat") not in other.memo["applied_generations"]
+        (said,) = events(cluster, CLAIMED_ELSEWHERE)  # once, not once per reconcile
+        assert owner in said["message"] and CLAIM_ANNOTATION in said["message"]
+        # the claimant goes (uninstalled); its claim removed, the other install takes the fleet over
+        await mine.stop_and_join()
+        await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat",
+                         {"metadata": {"annotations": {CLAIM_ANNOTATION: None}}})
+        await wait_for(lambda: claimant(cluster) == f"default/{other.options.lease_name}", 20,
+                       "the other install to claim the released fleet")
+        await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat", {"spec": {"replicas": 1}})
+        await wait_for(lambda: other.memo["applied_generations"].get(("default", "chat")) == 3, 20,
+                       "the new claimant to apply generation 3")
+    finally:
+        for op in (a, b):
+            if op.thread.is_alive():
+                await op.stop_and_join()
+
+
+async def test_a_fleet_claimed_by_another_install_is_deleted_by_that_install(cluster, kube):
+    """The finalizer is shared: the install that does not own the fleet waits for the owner's
+    cleanup instead of releasing it first."""
+    a, b = install(cluster, "team-a"), install(cluster, "team-b")
+    a.start(), b.start()
+    try:
+        for op in (a, b):
+            await wait_for(op.ready.is_set, 20, f"{op.options.identity} to start")
+        await kube.create(sdd_body("chat"))
+        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready")
+        await kube.delete(API_VERSION, "SpecDecodeDeployment", "default", "chat")
+        await wait_for(lambda: cluster.live(API_VERSION, "specdecodedeployments", "default", "chat") is None, 30,
+                       "the fleet to go")
+        assert not [d for d in cluster.all_live("apps/v1", "deployments") if d["metadata"]["name"].startswith("chat")]
+    finally:
+        for op in (a, b):
+            await op.stop_and_join()
