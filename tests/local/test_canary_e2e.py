@@ -77,8 +77,20 @@ def analysis_window_s(seconds_a_token: float, max_tokens: int) -> float:
     return float(max(2, math.ceil(2 * ANALYSIS["minRequests"] * canary_request_s)))
 
 
+def startup_deadline_s(seconds_a_token: float) -> float:
+    """A canary's progressDeadline that outlasts its workers' start on this machine: the clock runs
+    from the fleet's start, and both arms load SmolLM2 and calibrate at once (30 s on two AVX2
+    cores, 138 s on one core with the portable kernel, where a token took 0.057 s: about 2,400
+    tokens' time), so 5,000 tokens' time leaves twice that.
+
+    >>> startup_deadline_s(0.02), startup_deadline_s(0.057)
+    (120.0, 285.0)
+    """
+    return float(max(120, math.ceil(5000 * seconds_a_token)))
+
+
 def spec(name: str, overrides: dict, drift_threshold: float | None = None, model: dict = TINY,
-         window_s: float = 2.0) -> dict:
+         window_s: float = 2.0, startup_s: float = 120.0) -> dict:
     analysis = json.loads(json.dumps(ANALYSIS))
     analysis["interval"] = f"{window_s:g}s"
     if drift_threshold is not None:
@@ -90,7 +102,7 @@ def spec(name: str, overrides: dict, drift_threshold: float | None = None, model
                      "slo": {"window": f"{window_s:g}s", "fallback": {"enabled": False}},
                      "canary": {"weight": 30, "pause": "4s", "steps": [{"weight": 60, "pause": "4s"}],
                                 # a run that analyses nothing for this long is aborted: some windows' worth
-                                "progressDeadline": f"{max(120, 6 * window_s):g}s", "analysis": analysis,
+                                "progressDeadline": f"{max(startup_s, 6 * window_s):g}s", "analysis": analysis,
                                 "overrides": overrides}}}
 
 
@@ -172,10 +184,11 @@ def test_a_healthy_canary_is_promoted_through_its_steps(tmp_path):
 def test_a_canary_on_other_weights_is_aborted_by_the_drift_check_naming_the_first_differing_request(tmp_path):
     # int8 against fp32 is not the same precision, so the default threshold would not be exact:
     # the test asks for exact agreement, as for a canary that should have been lossless
-    window_s = analysis_window_s(seconds_per_token("none"), max_tokens=32)  # stable: fp32, one thread
-    print(f"analysis interval and SLO window: {window_s:g} s")
+    spt = seconds_per_token("none")  # stable: fp32, one thread
+    window_s, startup_s = analysis_window_s(spt, max_tokens=32), startup_deadline_s(spt)
+    print(f"analysis interval and SLO window: {window_s:g} s; progressDeadline at least {startup_s:g} s")
     fleet = Fleet(tmp_path, spec("drift", {"quantization": "int8"}, drift_threshold=1.0, model=SMOLLM2,
-                                 window_s=window_s), max_tokens=32)
+                                 window_s=window_s, startup_s=startup_s), max_tokens=32)
     try:
         # ready, then two intervals' analyses: the first may hold requests from before the first pair
         canary = fleet.wait_phase({"Promoted", "Aborted"}, 60 + 4 * window_s)
