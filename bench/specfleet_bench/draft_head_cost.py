@@ -19,6 +19,7 @@ import statistics
 import time
 
 import torch
+from specfleet_api.enums import SERVED_QUANTIZATIONS, Quantization
 
 from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.factory import prepare_model
@@ -69,9 +70,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     sizes = [int(s) for s in a.sizes.split(",")]
     variants = {}
-    for q in ("none", "int8"):
+    for q in SERVED_QUANTIZATIONS:  # none, int8
         model = prepare_model("smollm2", "fp32", q)
-        variants[f"target {'fp32' if q == 'none' else 'int8'}"] = time_target(model, a.context)
+        variants[f"target {'fp32' if q == Quantization.NONE else q}"] = time_target(model, a.context)
     for v in sizes:
         head = EagleHead(HeadConfig.for_target(model, v), model.args).eval()
         variants[f"head {v}"] = time_head(model, head, a.context)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
+from specfleet_api.enums import DEVICES, Method
 
 from .draft_head import EagleHead, HeadConfig, load_head, save_head
 from .engine import Engine
@@ -417,7 +417,7 @@ def plot(curve: list[dict], result: dict, path: Path) -> None:
 # -- the command -------------------------------------------------------------------------------
 
 def run(a: TrainArgs) -> dict:
-    if a.method != "eagle":
+    if a.method != Method.EAGLE:
         raise ValueError(f"--method {a.method}: this command trains eagle heads (medusa is not built yet)")
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -470,12 +470,12 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet train-draft", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     d = TrainArgs("", "", "")
-    p.add_argument("--method", default="eagle", choices=["eagle", "medusa"])
+    p.add_argument("--method", default=Method.EAGLE.value, choices=[Method.EAGLE.value, Method.MEDUSA.value])
     p.add_argument("--target", required=True, help="the target model: a GGUF file, a checkpoint folder, "
                    "smollm2 (the embedded default) or tiny-random")
     p.add_argument("--prompts", required=True, help="JSON lines with `prompt` (draft_train/prompts.jsonl)")
     p.add_argument("--out", required=True, help="the head's directory (its stages' files under DIR/work)")
-    p.add_argument("--device", default=d.device, choices=["cpu", "cuda", "auto"])
+    p.add_argument("--device", default=d.device, choices=DEVICES)
     p.add_argument("--dtype", default=d.dtype, help="fp32 or bf16 (bf16 on a GPU)")
     p.add_argument("--quantization", default=d.quantization, help="of the target while it answers: none or int8")
     p.add_argument("--resume", action="store_true", help="go on from the files under DIR/work (the default: a "
