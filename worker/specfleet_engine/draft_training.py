@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from specfleet_api import limits
 from specfleet_api.enums import DEVICES, Method
 
 from .draft_head import EagleHead, HeadConfig, load_head, save_head
@@ -52,8 +53,8 @@ class TrainArgs:
     max_prompt_tokens: int = 256  # longer prompts are left out
     max_new_tokens: int = 128
     batch: int = 16  # answers decoded together
-    sampled_share: float = 0.5  # of the answers, sampled (the rest greedy)
-    temperature: float = 0.8
+    sampled_share: float = 0.5  # of the answers, sampled (the rest greedy: the gRPC API's default)
+    temperature: float = limits.OPENAI_DEFAULT_TEMPERATURE  # of the sampled ones (the OpenAI API's default)
     draft_vocab: int = 4096
     epochs: float = 2.0
     lr: float = 1e-3
@@ -129,8 +130,8 @@ def distill(a: TrainArgs, work: Path, model, tokenizer, prompts: list[str], trai
             seqs = []
             for i, ids in chunk:
                 sampled = random.Random(a.seed * 1_000_003 + i).random() < a.sampled_share
-                params = SamplingParams(max_tokens=a.max_new_tokens, temperature=a.temperature if sampled else 0.0,
-                                        seed=i)
+                params = SamplingParams(max_tokens=a.max_new_tokens, seed=i,
+                                        temperature=a.temperature if sampled else limits.WIRE_DEFAULT_TEMPERATURE)
                 seqs.append((i, ids, sampled, engine.add(ids, params, "none", 0)))
             while not all(s.finished for *_, s in seqs):
                 engine.step()
@@ -451,6 +452,7 @@ def run(a: TrainArgs) -> dict:
         "command": "specfleet train-draft " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "specfleet train-draft",
         "target": a.target, "prompts": str(a.prompts), "train_prompts": len(rows),
         "answer_tokens": sum(len(r["output"]) for r in rows),
+        "sampled_share": a.sampled_share, "temperature": a.temperature,
         "epochs": a.epochs, "unroll": a.unroll, "draft_vocab": len(head.draft_vocab),
         "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
         "total_minutes": round((time.perf_counter() - t_start) / 60, 2), "eval": result,

@@ -302,8 +302,10 @@ class Engine:
         tokens, meta, last = batch_metadata([s.block_table for s in seqs], inputs, trees)
         layers = self._feature_layers(seqs)
         with torch.inference_mode():
-            out = self.model(tokens, meta, self.cache.layers, last if logits_rows == "last" else None,
-                             features=layers)
+            rows = last if logits_rows == "last" else None
+            # features only when asked: a model-like object need not know the argument
+            out = self.model(tokens, meta, self.cache.layers, rows, features=layers) if layers else \
+                self.model(tokens, meta, self.cache.layers, rows)
         if not layers:
             self._features = None
             return out
