@@ -2,6 +2,8 @@
 the real kopf operator on the emulator: exactly one reconciles a fleet (the one whose name the fleet's
 claim annotation carries), the other leaves it alone and says so once; removing the claim hands
 the fleet over."""
+import contextlib
+
 import pytest
 from specfleet_operator import API_VERSION
 from specfleet_operator.handlers import CLAIM_ANNOTATION, CLAIMED_ELSEWHERE
@@ -17,6 +19,23 @@ def install(cluster, release):
     return op
 
 
+@contextlib.asynccontextmanager
+async def two_installs(cluster, kube):
+    """team-a's and team-b's operators, started, with fleet `chat` created and Ready; both stopped after."""
+    a, b = install(cluster, "team-a"), install(cluster, "team-b")
+    a.start(), b.start()
+    try:
+        for op in (a, b):
+            await wait_for(op.ready.is_set, 20, f"{op.options.identity} to start")
+        await kube.create(sdd_body("chat"))
+        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready")
+        yield a, b
+    finally:
+        for op in (a, b):
+            if op.thread.is_alive():
+                await op.stop_and_join()
+
+
 def claimant(cluster, name="chat"):
     sdd = cluster.live(API_VERSION, "specdecodedeployments", "default", name) or {}
     return sdd.get("metadata", {}).get("annotations", {}).get(CLAIM_ANNOTATION)
@@ -27,13 +46,7 @@ def events(cluster, reason):
 
 
 async def test_two_installs_never_both_reconcile_one_fleet(cluster, kube):
-    a, b = install(cluster, "team-a"), install(cluster, "team-b")
-    a.start(), b.start()
-    try:
-        for op in (a, b):
-            await wait_for(op.ready.is_set, 20, f"{op.options.identity} to start")
-        await kube.create(sdd_body("chat"))
-        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready")
+    async with two_installs(cluster, kube) as (a, b):
         owner = claimant(cluster)
         assert owner in ("default/team-a", "default/team-b")
         mine, other = (a, b) if owner == "default/team-a" else (b, a)
@@ -55,26 +68,13 @@ async def test_two_installs_never_both_reconcile_one_fleet(cluster, kube):
         await kube.patch(API_VERSION, "SpecDecodeDeployment", "default", "chat", {"spec": {"replicas": 1}})
         await wait_for(lambda: other.memo["applied_generations"].get(("default", "chat")) == 3, 20,
                        "the new claimant to apply generation 3")
-    finally:
-        for op in (a, b):
-            if op.thread.is_alive():
-                await op.stop_and_join()
 
 
 async def test_a_fleet_claimed_by_another_install_is_deleted_by_that_install(cluster, kube):
     """The finalizer is shared: the install that does not own the fleet waits for the owner's
     cleanup instead of releasing it first."""
-    a, b = install(cluster, "team-a"), install(cluster, "team-b")
-    a.start(), b.start()
-    try:
-        for op in (a, b):
-            await wait_for(op.ready.is_set, 20, f"{op.options.identity} to start")
-        await kube.create(sdd_body("chat"))
-        await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready")
+    async with two_installs(cluster, kube):
         await kube.delete(API_VERSION, "SpecDecodeDeployment", "default", "chat")
         await wait_for(lambda: cluster.live(API_VERSION, "specdecodedeployments", "default", "chat") is None, 30,
                        "the fleet to go")
         assert not [d for d in cluster.all_live("apps/v1", "deployments") if d["metadata"]["name"].startswith("chat")]
-    finally:
-        for op in (a, b):
-            await op.stop_and_join()

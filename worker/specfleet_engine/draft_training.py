@@ -302,7 +302,7 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
         head.init_from(model, vocab)
     vocab_row = torch.full((model.args.vocab_size,), -1, dtype=torch.long)
     vocab_row[head.draft_vocab] = torch.arange(len(head.draft_vocab))
-    embeddings = _float_embeddings(model)
+    embeddings = float_embeddings(model)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
     if (work / "optim.pt").exists():
@@ -350,9 +350,9 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
     return head.eval().requires_grad_(False)
 
 
-def _float_embeddings(model):
-    emb = torch.nn.Embedding.from_pretrained(model.tok_embeddings.weight.detach().float(), freeze=True)
-    return emb
+def float_embeddings(model) -> torch.nn.Embedding:
+    """The target's token embeddings in fp32, frozen: what a head trains against."""
+    return torch.nn.Embedding.from_pretrained(model.tok_embeddings.weight.detach().float(), freeze=True)
 
 
 # -- stage 4: evaluation ---------------------------------------------------------------------

@@ -160,7 +160,7 @@ def tiny_head(target: Transformer, prompts: list[list[int]] | None = None, steps
     target's greedy answers to repeating prompts, so that its drafts are accepted often but not
     always (an untrained head's almost never are)."""
     from .draft_head import EagleHead, HeadConfig
-    from .draft_training import sequence_loss, target_pass
+    from .draft_training import float_embeddings, sequence_loss, target_pass
     from .engine import Engine
     from .sampling import SamplingParams
 
@@ -173,7 +173,7 @@ def tiny_head(target: Transformer, prompts: list[list[int]] | None = None, steps
         torch.manual_seed(seed)
         head = EagleHead(HeadConfig.for_target(target, vocab), target.args).float().init_from(target, torch.arange(vocab))
     data = target_pass(target, head.config.feature_layers, [r["prompt"] + r["output"] for r in rows], 8)
-    emb = torch.nn.Embedding.from_pretrained(target.tok_embeddings.weight.detach().float(), freeze=True)
+    emb = float_embeddings(target)
     opt = torch.optim.AdamW(head.parameters(), lr=5e-3)
     for step in range(steps):
         r = step % len(rows)
