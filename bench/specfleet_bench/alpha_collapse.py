@@ -5,7 +5,8 @@ Two prompt types speculate with n-gram drafts (translation and math by default: 
 questions the router classifies as `translation` and `math`; translation copies names and numbers
 from its prompt, so its drafts are accepted often). Phases:
 
-    warm      both types greedy: the loop learns each type's baseline alpha
+    warm      both types greedy: the loop learns each type's baseline alpha (with --until-evidence,
+              until the first type's rests on --baseline-tokens drafted tokens)
     collapse  the first type's traffic turns to sampling at a high temperature (1.5): its outputs
               stop following the prompt and the n-gram drafts stop being accepted (alpha moves
               with the temperature); that type must fall back alone
@@ -116,6 +117,7 @@ class Sample:
     # current window: drafted and accepted tokens, requests seen, and whether that is a miss
     evidence: dict[str, dict] = field(default_factory=dict)
     baselines: dict[str, float] = field(default_factory=dict)
+    baseline_tokens: dict[str, int] = field(default_factory=dict)  # drafted tokens behind each baseline
 
 
 def share(e: Evidence, fraction: float) -> Evidence:
@@ -288,7 +290,9 @@ class Episode:
                     cluster_alpha={c: cw.alpha for c, cw in clusters.items()},
                     why={k: v.get("reason", "") for k, v in ((loop.get("memory") or {}).get("keys") or {}).items()},
                     evidence=evidence,
-                    baselines={k: st.baseline for k, st in memory.keys.items() if st.baseline is not None}))
+                    baselines={k: st.baseline for k, st in memory.keys.items() if st.baseline is not None},
+                    baseline_tokens={k: st.baseline_tokens or 0 for k, st in memory.keys.items()
+                                     if st.baseline is not None}))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap in the plot
                 self.sample_error = f"{type(e).__name__}: {e}"
                 print(f"sampler: {self.sample_error}", file=sys.stderr)
@@ -411,9 +415,17 @@ class Episode:
         if last is None:
             return "no sample of Redis yet" + (f" (the last try: {self.sample_error})" if self.sample_error else "")
         if phase == "warm":
-            lacking = [f"{k} has no baseline yet (the loop: {self._key(k)[1]}; a baseline needs a healthy window "
-                       f"of at least minDraftTokens {self.policy.min_draft_tokens} drafted tokens)"
-                       for k in (slo_loop.type_key(T), slo_loop.type_key(O)) if k not in last.baselines]
+            # the collapse is judged against the type's baseline: one thin first window is not a
+            # settled one (the other type only needs one: it must keep speculating)
+            lacking = []
+            for k in (slo_loop.type_key(T), slo_loop.type_key(O)):
+                if k not in last.baselines:
+                    lacking.append(f"{k} has no baseline yet (the loop: {self._key(k)[1]}; a baseline needs a "
+                                   f"healthy window of at least minDraftTokens {self.policy.min_draft_tokens} "
+                                   f"drafted tokens)")
+                elif k == slo_loop.type_key(T) and last.baseline_tokens.get(k, 0) < a.baseline_tokens:
+                    lacking.append(f"{k}'s baseline {last.baselines[k]:.3f} rests on {last.baseline_tokens.get(k, 0)} "
+                                   f"drafted tokens of healthy windows, not yet {a.baseline_tokens}")
             return "; ".join(lacking) or None
         if phase == "collapse":
             entered = self._first(start, lambda smp: T in smp.fallback)
@@ -615,6 +627,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "may run longer by as much (default 200, a 2-core AVX-512 machine)")
     p.add_argument("--max-stretch", type=float, default=5.0,
                    help="at most this many times --phase-limit, however slow the fleet (default 5)")
+    p.add_argument("--baseline-tokens", type=int, default=200,
+                   help="with --until-evidence, the warm phase lasts until the collapsing type's baseline rests on "
+                        "this many drafted tokens of healthy windows (default 200)")
     p.add_argument("--fallback-requests", type=int, default=6,
                    help="with --until-evidence, the collapsed type's requests that finish in fallback before it "
                         "recovers (default 6)")

@@ -272,7 +272,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             if keys.get(type_key(cw.prompt_type), KeyState()).mode == FALLBACK and key not in keys:
                 continue  # the whole type runs plain: nothing to learn about its clusters now
             if key not in keys:  # a new cluster is judged against its type's baseline
-                keys[key] = KeyState(baseline=keys.get(type_key(cw.prompt_type), KeyState()).baseline)
+                of_type = keys.get(type_key(cw.prompt_type), KeyState())
+                keys[key] = KeyState(baseline=of_type.baseline, baseline_tokens=of_type.baseline_tokens)
             move(key, f"prompt cluster {cluster} ({cw.prompt_type})", cluster_evidence(cw),
                  sample=lambda e, alert: cluster_sample(e, policy, alert))
         for key in [k for k in keys if k.startswith("cluster:")]:

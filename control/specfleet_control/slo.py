@@ -145,6 +145,9 @@ class KeyState:
     mode: str = SPECULATIVE
     since: float | None = None  # the last transition (epoch seconds); None: never moved
     baseline: float | None = None  # alpha of the healthy windows, a running mean
+    # drafted tokens behind the baseline: until they outweigh one window's share, a window counts by
+    # its tokens (the first thin window does not set the line for long); None: not known (0.2 each)
+    baseline_tokens: int | None = None
     healthy_since: float | None = None  # in fallback: start of the probe's healthy run
     reason: str = ""  # why it is in fallback, or what the last window showed
     verdict: str = ""  # the last judgement: healthy, missed or unknown (its evidence is kept)
@@ -154,7 +157,7 @@ class KeyState:
         if self.verdict:
             out["verdict"] = self.verdict
         for key, value in (("since", self.since), ("baseline", self.baseline),
-                           ("healthySince", self.healthy_since)):
+                           ("baselineTokens", self.baseline_tokens), ("healthySince", self.healthy_since)):
             if value is not None:
                 out[key] = round(value, 4) if key == "baseline" else value
         if self.reason:
@@ -165,7 +168,8 @@ class KeyState:
     def from_status(cls, raw: dict[str, Any]) -> KeyState:
         mode = raw.get("mode", SPECULATIVE)
         return cls(mode=mode if mode in (SPECULATIVE, FALLBACK) else SPECULATIVE, since=raw.get("since"),
-                   baseline=raw.get("baseline"), healthy_since=raw.get("healthySince"),
+                   baseline=raw.get("baseline"), baseline_tokens=raw.get("baselineTokens"),
+                   healthy_since=raw.get("healthySince"),
                    reason=str(raw.get("reason", "")), verdict=str(raw.get("verdict", "")))
 
 
@@ -255,6 +259,28 @@ def _judge_bounds(sample: Sample, state: KeyState, policy: SloPolicy, margin: fl
     return UNKNOWN, f"{shown}: not yet clear of {what}"
 
 
+def learn_baseline(state: KeyState, alpha: float, drafted: int, policy: SloPolicy) -> tuple[float, int]:
+    """The baseline after one more healthy window (alpha over `drafted` tokens) and the tokens behind it.
+
+    A mean weighted by drafted tokens while the baseline rests on few (a first window of a few dozen
+    tokens does not set the line alone), then a running mean that gives each window at least
+    `baseline_weight`, so a slow drift is followed.
+
+    >>> p = SloPolicy(baseline_weight=0.2)
+    >>> learn_baseline(KeyState(baseline=0.2, baseline_tokens=50), 0.6, 150, p)  # (0.2*50 + 0.6*150) / 200
+    (0.5, 200)
+    >>> round(learn_baseline(KeyState(baseline=0.5, baseline_tokens=5000), 0.6, 100, p)[0], 3)  # weight 0.2
+    0.52
+    >>> round(learn_baseline(KeyState(baseline=0.5), 0.6, 100, p)[0], 3)  # tokens unknown: weight 0.2
+    0.52
+    """
+    if state.baseline is None:
+        return alpha, drafted
+    behind = state.baseline_tokens
+    weight = policy.baseline_weight if behind is None else max(policy.baseline_weight, drafted / (behind + drafted))
+    return state.baseline + weight * (alpha - state.baseline), (behind or 0) + drafted
+
+
 def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
          ) -> tuple[KeyState, tuple[str, str] | None]:
     """One window of one key: the next state, and the event of a transition (reason, message).
@@ -277,18 +303,19 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
     if state.mode == SPECULATIVE:
         if verdict == HEALTHY and sample is not None and sample.alpha is not None \
                 and sample.draft_tokens >= policy.min_draft_tokens:
-            base = sample.alpha if state.baseline is None else \
-                state.baseline + policy.baseline_weight * (sample.alpha - state.baseline)
-            return dataclasses.replace(state, baseline=base, reason=why), None
+            base, tokens = learn_baseline(state, sample.alpha, sample.draft_tokens, policy)
+            return dataclasses.replace(state, baseline=base, baseline_tokens=tokens, reason=why), None
         if verdict == MISSED and policy.enabled:
             if not dwelled:
                 return dataclasses.replace(state, reason=f"{why} (holding: min dwell)"), None
-            return (KeyState(FALLBACK, now, state.baseline, None, why, verdict),
+            return (KeyState(FALLBACK, since=now, baseline=state.baseline, baseline_tokens=state.baseline_tokens,
+                             reason=why, verdict=verdict),
                     ("FallbackEntered", f"speculation off: {why}"))
         return dataclasses.replace(state, reason=why), None
     # fallback: the probe's window
     if not policy.enabled:
-        return (KeyState(SPECULATIVE, now, state.baseline, None, "fallback disabled in the spec", verdict),
+        return (KeyState(SPECULATIVE, since=now, baseline=state.baseline, baseline_tokens=state.baseline_tokens,
+                         reason="fallback disabled in the spec", verdict=verdict),
                 ("FallbackLeft", "speculation back on: fallback was disabled in the spec"))
     if verdict == MISSED:
         return dataclasses.replace(state, healthy_since=None, reason=f"probe: {why}"), None
@@ -298,7 +325,8 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
     if now - healthy_since >= policy.recover_after_s and dwelled:
         # the probe's alpha is the new baseline: a type whose traffic changed for good, but where
         # speculation pays, is not sent back by its old baseline
-        base = sample.alpha if sample is not None and sample.alpha is not None else state.baseline
-        return (KeyState(SPECULATIVE, now, base, None, why, verdict),
+        probed = sample is not None and sample.alpha is not None
+        base, tokens = (sample.alpha, sample.draft_tokens) if probed else (state.baseline, state.baseline_tokens)
+        return (KeyState(SPECULATIVE, since=now, baseline=base, baseline_tokens=tokens, reason=why, verdict=verdict),
                 ("FallbackLeft", f"speculation back on: the probe was healthy for {now - healthy_since:.0f}s ({why})"))
     return dataclasses.replace(state, healthy_since=healthy_since, reason=f"probe healthy: {why}"), None

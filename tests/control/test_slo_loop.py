@@ -110,6 +110,21 @@ def test_alpha_halving_against_its_own_baseline_is_a_miss_the_floor_is_not_reach
                  type_key("code")) == [SPECULATIVE] * 6
 
 
+def test_a_thin_first_window_does_not_set_the_baseline_a_collapse_is_judged_against():
+    # a first healthy window of 100 drafted tokens at 0.2 (two odd questions), then the type's usual 0.7
+    ticks = run([obs(code=window(0.2, drafted=100))] + [obs(code=window(0.7, drafted=400))] * 3)
+    learnt = ticks[-1].memory.keys[type_key("code")]
+    assert learnt.baseline_tokens == 1300
+    assert learnt.baseline == pytest.approx((0.2 * 100 + 0.7 * 1200) / 1300, abs=0.002)  # weighted by tokens
+    # so a collapse to 0.1 misses against it (against 0.2 x 0.8 + ... it would not: 0.1 > 0.5 x 0.2)
+    collapsed = run([obs(code=window(0.1, speedup=1.2, drafted=400))], memory=ticks[-1].memory, start=1040.0)
+    assert modes(collapsed, type_key("code")) == [FALLBACK]
+    # once it rests on many tokens, each window moves it by the running mean's weight, no less
+    settled = run([obs(code=window(0.7, drafted=400))] * 40 + [obs(code=window(0.6, drafted=400))])
+    before, after = (t.memory.keys[type_key("code")].baseline for t in settled[-2:])
+    assert after == pytest.approx(before + P.baseline_weight * (0.6 - before))
+
+
 def test_an_out_of_distribution_cluster_falls_back_alone_its_type_keeps_speculating():
     good = window(0.6)
     ood = ClusterWindow("code", requests=10, spec_requests=10, draft_tokens=200, accepted_tokens=4)
