@@ -11,7 +11,8 @@ import torch
 
 from specfleet_engine.draft_head import EagleHead, HeadConfig, HeadMismatch, load_head, save_head
 from specfleet_engine.draft_training import (
-    TrainArgs, evaluate, load_target, main, read_prompts, split_prompts, target_pass, unrolled_rows,
+    TrainArgs, evaluate, float_embeddings, load_target, main, read_prompts, sequence_loss, split_prompts,
+    target_pass, unrolled_rows,
 )
 from specfleet_engine.engine import Engine
 from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
@@ -80,7 +81,8 @@ def test_the_heads_serving_forward_is_its_training_forward():
     tokens, meta, _ = batch_metadata([BlockTable(cache)], [list(range(n))])
     with torch.no_grad():
         paged, hidden = head(emb, feature, meta, cache.layers)
-        dense, hidden_dense = head.forward_dense(emb, feature, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+        hidden_dense, _ = head.forward_dense(emb, feature, torch.arange(n), torch.ones(n, n, dtype=torch.bool).tril())
+        dense = head.logits(hidden_dense)
     torch.testing.assert_close(paged, dense, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(hidden, hidden_dense, rtol=1e-4, atol=1e-4)
 
@@ -92,6 +94,49 @@ def test_training_rows_attend_as_drafting_does():
     seen = {rows[i] for i in mask[at[(3, 3)]].nonzero().flatten().tolist()}
     assert seen == {(1, 0), (1, 1), (2, 2), (3, 3)}
     assert mask[at[(1, 2)]].sum() == 3  # step 1 is causal over the target's features
+
+
+def reference_loss(head, embeddings, row, feats, top, probs, unroll):
+    """The training loss the plain way: every unrolled row in one forward under the whole mask."""
+    seq = row["prompt"] + row["output"]
+    n, first = len(seq), max(0, len(row["prompt"]) - 2)
+    emb, fused = embeddings(torch.tensor(seq)).float(), head.fused(feats.float())
+    rows, mask = unrolled_rows(n, unroll)
+    index = {r: i for i, r in enumerate(rows)}
+    hidden, out = None, []
+    for j in range(1, unroll + 1):  # step j's rows read step j - 1's outputs: one more pass each
+        t = torch.tensor([tt for _, tt in rows])
+        feature = fused[t].clone()
+        if hidden is not None:
+            for i, (jj, tt) in enumerate(rows):
+                if jj > 1:
+                    feature[i] = hidden[index[(jj - 1, tt - 1)]]
+        hidden, _ = head.forward_dense(emb[t + 1], feature, t, mask)
+        use = [i for i, (jj, tt) in enumerate(rows) if jj == j and tt >= first]
+        logp = torch.log_softmax(head.logits(hidden[use]), dim=-1)
+        tt = t[use] + 1
+        p = probs[tt].float()
+        out.append((-(p * logp.gather(1, top[tt].long())).sum(1) / p.sum(1)).mean())
+    return out
+
+
+@pytest.mark.parametrize("unroll", [1, 2, 3])
+def test_the_training_passes_give_the_plain_unrolled_loss_and_gradients(unroll):
+    target = tiny_model(seed=2, scale=2.0)
+    vocab = target.args.vocab_size
+    head = EagleHead(HeadConfig.for_target(target, vocab), target.args).float().init_from(target, torch.arange(vocab))
+    emb = float_embeddings(target)
+    for prompt_len in (1, 2, 7):  # the answer from the first position on, and after a prompt
+        row = {"prompt": list(range(3, 3 + prompt_len)), "output": [5, 9, 2, 11, 4, 4, 8, 30, 1]}
+        feats, top, probs = target_pass(target, head.config.feature_layers, [row["prompt"] + row["output"]], 4)[0]
+        want = reference_loss(head, emb, row, feats, top, probs, unroll)
+        total, losses, _ = sequence_loss(head, emb, row, feats, top, probs, torch.arange(vocab), unroll)
+        assert losses == pytest.approx([float(x.detach()) for x in want], rel=1e-5, abs=1e-6)
+        grads = torch.autograd.grad(total, [head.fuse.weight, head.layer.feed_forward.w2.weight])
+        ref = torch.autograd.grad(sum(x * 0.8 ** i for i, x in enumerate(want)),
+                                  [head.fuse.weight, head.layer.feed_forward.w2.weight])
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-6)
 
 
 def test_a_head_round_trips_and_a_head_for_another_target_is_refused(tmp_path):

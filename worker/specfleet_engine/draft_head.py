@@ -177,7 +177,8 @@ class EagleHead(nn.Module):
                        rms_norm(feature, self.feature_norm.weight, a.norm_eps)], dim=-1)
         return linear(self.input, x)
 
-    def _logits(self, hidden: Tensor) -> Tensor:
+    def logits(self, hidden: Tensor) -> Tensor:
+        """Draft-vocabulary logits [R, Vd] (fp32) of hidden states [R, dim]."""
         return linear(self.output, rms_norm(hidden, self.norm.weight, self.args.norm_eps)).float()
 
     def forward(self, emb: Tensor, feature: Tensor, meta, kv_caches: list[tuple[Tensor, Tensor]],
@@ -191,14 +192,18 @@ class EagleHead(nn.Module):
         sin = self.rope_sin.index_select(0, meta.positions).to(feature.dtype)
         hidden = self.layer(self._input(emb, feature), cos, sin, meta, plan, kv_caches[0])
         picked = hidden if rows is None else hidden.index_select(0, rows)
-        return self._logits(picked), hidden
+        return self.logits(picked), hidden
 
-    def forward_dense(self, emb: Tensor, feature: Tensor, positions: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
-        """Training: rows [N] with their positions and a bool mask [N, N] (True: may attend)."""
+    def forward_dense(self, emb: Tensor, feature: Tensor, positions: Tensor, mask: Tensor,
+                      past: tuple[Tensor, Tensor] | None = None, queries: Tensor | None = None
+                      ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Training: rows [N] at their positions add their keys and values after `past`; the
+        `queries` rows (all without) attend under a bool mask [Q, P + N] (True: may attend).
+        Returns the queries' hidden states [Q, dim] (`logits` scores them) and the keys and values
+        so far (see model.dense_block)."""
         cos = self.rope_cos.index_select(0, positions).to(feature.dtype)
         sin = self.rope_sin.index_select(0, positions).to(feature.dtype)
-        hidden = dense_block(self.layer, self._input(emb, feature), cos, sin, mask)
-        return self._logits(hidden), hidden
+        return dense_block(self.layer, self._input(emb, feature), cos, sin, mask, past, queries)
 
     def to_target_logits(self, logits: Tensor, vocab_size: int) -> Tensor:
         """Draft-vocabulary logits [R, Vd] -> the target's vocabulary [R, V] (-inf off the draft

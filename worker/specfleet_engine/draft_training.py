@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from torch import Tensor
 from specfleet_api import limits
 from specfleet_api.enums import DEVICES, Method
 
@@ -211,79 +212,81 @@ def draft_vocabulary(rows: list[dict], size: int, vocab_size: int, always: list[
     return torch.sort(counts.topk(min(size, vocab_size)).indices).values
 
 
-def unrolled_rows(n: int, unroll: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
-    """The rows of one sequence's training forward and their attention mask.
+def attends(step: Tensor, t: Tensor, step_c: Tensor, t_c: Tensor) -> Tensor:
+    """Which training rows may attend to which: rows (step, t) [R] against columns (step_c, t_c)
+    [C] -> bool [R, C]. Row (j, t), step j = 1..unroll, reads the token at t + 1 and predicts the
+    one at t + 2: at step 1 from the target's features at t; at step j > 1 from its own output at
+    (j - 1, t - 1), as when it drafts. It sees what it would see when drafting: step-1 rows up to
+    t - j + 1 (the target's features) and its own chain (i, t - j + i) for i = 2..j."""
+    j, t, jc, tc = step[:, None], t[:, None], step_c[None, :], t_c[None, :]
+    return ((jc == 1) & (tc <= t - j + 1)) | ((jc >= 2) & (jc <= j) & (tc - jc == t - j))
 
-    Row (j, t), step j = 1..unroll, reads the token at t + 1 and predicts the one at t + 2: at step
-    1 from the target's features at t; at step j > 1 from its own output at (j - 1, t - 1), as
-    when it drafts. It attends to what it would see when drafting: step-1 rows up to t - j + 1
-    (the target's features) and its own chain (i, t - j + i) for i = 2..j.
+
+def unrolled_rows(n: int, unroll: int) -> tuple[list[tuple[int, int]], torch.Tensor]:
+    """All rows (j, t) of one sequence of n tokens unrolled `unroll` draft steps, and their mask
+    (see `attends`).
 
     >>> rows, mask = unrolled_rows(3, 2)  # pairs t = 0, 1 at step 1; t = 1 at step 2
     >>> rows, mask.int().tolist()
     ([(1, 0), (1, 1), (2, 1)], [[1, 0, 0], [1, 1, 0], [1, 0, 1]])
     """
     rows = [(j, t) for j in range(1, unroll + 1) for t in range(j - 1, n - 1)]
-    index = {r: i for i, r in enumerate(rows)}
-    mask = torch.zeros(len(rows), len(rows), dtype=torch.bool)
-    for i, (j, t) in enumerate(rows):
-        for s in range(0, t - j + 2):
-            mask[i, index[(1, s)]] = True
-        for k in range(2, j + 1):
-            mask[i, index[(k, t - j + k)]] = True
-    return rows, mask
+    step, t = torch.tensor([r[0] for r in rows], dtype=torch.long), torch.tensor([r[1] for r in rows], dtype=torch.long)
+    return rows, attends(step, t, step, t)
 
 
 def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, top: torch.Tensor, probs: torch.Tensor,
                   vocab_row: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float], list[float]]:
     """The loss of one sequence (soft cross-entropy against the target's top tokens, over the draft
     vocabulary, on the answer's positions), and per unroll step its loss and the share of rows
-    whose top draft token is the target's top token."""
+    whose top draft token is the target's top token.
+
+    One pass per draft step over the rows that step needs (the rows of `unrolled_rows`, each once):
+    step 1 adds every position's keys and values (the target's features all rows attend to) and
+    runs the rest of the layer only where the answer, or a later step's parent, needs it; step j
+    runs the rows whose chain ends in the answer, attending to the keys and values so far."""
     seq = row["prompt"] + row["output"]
     n, first = len(seq), max(0, len(row["prompt"]) - 2)  # rows t >= first predict answer tokens
-    tokens = torch.tensor(seq)
-    emb_all = embeddings(tokens).float()
+    emb_all = embeddings(torch.tensor(seq)).float()
     fused = head.fused(feats.float())  # [n, dim]
-    rows_all, mask_all = unrolled_rows(n, unroll)
-    step_of = torch.tensor([j for j, _ in rows_all])
-    hidden_prev = None
     total, losses, hits = 0.0, [], []
+    past, hidden_prev, lo_prev = None, None, 0
+    col_step, col_t = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
     for j in range(1, unroll + 1):
-        keep = (step_of <= j).nonzero().flatten()
-        rows = [rows_all[i] for i in keep]
-        mask = mask_all[keep][:, keep]
-        t_idx = torch.tensor([t for _, t in rows])
-        step = torch.tensor([s for s, _ in rows])
-        feature = fused[t_idx].clone()
-        if j > 1:  # rows of later steps read the hidden state of their parent (step - 1, t - 1)
-            later = (step > 1).nonzero().flatten()
-            feature[later] = hidden_prev[later_parent_index(rows, later)]
-        logits, hidden = head.forward_dense(emb_all[t_idx + 1], feature, t_idx, mask)
-        hidden_prev = hidden
-        own = (step == j).nonzero().flatten()
-        t_own = t_idx[own]
-        use = own[t_own >= first]
+        lo = max(j - 1, first - (unroll - j))  # the first t whose row step j needs
+        if lo > n - 2:
+            losses.append(0.0)
+            hits.append(0.0)
+            continue
+        if j == 1:
+            t_rows = torch.arange(0, n - 1)
+            feature = fused[: n - 1]
+            queries = torch.arange(lo, n - 1)
+        else:
+            t_rows = torch.arange(lo, n - 1)
+            feature = hidden_prev[t_rows - 1 - lo_prev]  # the parent (j - 1, t - 1)
+            queries = None
+        col_step = torch.cat([col_step, torch.full_like(t_rows, j)])
+        col_t = torch.cat([col_t, t_rows])
+        t_q = t_rows[lo - t_rows[0]:]
+        mask = attends(torch.full_like(t_q, j), t_q, col_step, col_t)
+        hidden, past = head.forward_dense(emb_all[t_rows + 1], feature, t_rows, mask, past, queries)
+        hidden_prev, lo_prev = hidden, lo
+        use = (t_q >= first).nonzero().flatten()
         if len(use) == 0:
             losses.append(0.0)
             hits.append(0.0)
             continue
-        tt = t_idx[use] + 1  # the target's distribution after position t + 1
+        logits = head.logits(hidden[use])
+        tt = t_q[use] + 1  # the target's distribution after position t + 1
         label_rows = vocab_row[top[tt].long()]  # [m, k] draft-vocabulary rows, -1 off it
         p = probs[tt].float() * (label_rows >= 0)
-        logp = torch.log_softmax(logits[use], dim=-1)
-        picked = logp.gather(1, label_rows.clamp(min=0))
-        loss = -(p * picked).sum(1) / p.sum(1).clamp(min=1e-6)
-        step_loss = loss.mean()
+        picked = torch.log_softmax(logits, dim=-1).gather(1, label_rows.clamp(min=0))
+        step_loss = (-(p * picked).sum(1) / p.sum(1).clamp(min=1e-6)).mean()
         total = total + step_loss * (0.8 ** (j - 1))
         losses.append(float(step_loss.detach()))
-        hits.append(float((logits[use].detach().argmax(1) == label_rows[:, 0]).float().mean()))
+        hits.append(float((logits.detach().argmax(1) == label_rows[:, 0]).float().mean()))
     return total, losses, hits
-
-
-def later_parent_index(rows: list[tuple[int, int]], later: torch.Tensor) -> torch.Tensor:
-    """For rows (j, t) with j > 1, the index of (j - 1, t - 1) in `rows`."""
-    index = {r: i for i, r in enumerate(rows)}
-    return torch.tensor([index[(rows[i][0] - 1, rows[i][1] - 1)] for i in later.tolist()])
 
 
 def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_path: Path, config: HeadConfig) -> EagleHead:
@@ -425,29 +428,35 @@ def run(a: TrainArgs) -> dict:
     out = Path(a.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
-    t_start = time.perf_counter()
     prompts = read_prompts(a.prompts)
     train_ids, eval_ids = split_prompts(prompts, a.train_prompts, a.eval_prompts, a.seed)
     log(f"train-draft: {a.method} head for {a.target}: {len(train_ids)} training prompts, {len(eval_ids)} held back")
-    timings = {}
+    # each stage's time, summed over the runs that worked on it (a resumed run adds its own share)
+    spent_file = work / "minutes.json"
+    timings = {k: v * 60 for k, v in json.loads(spent_file.read_text()).items()} if spent_file.exists() else {}
+
+    def spent(stage: str, since: float) -> None:
+        timings[stage] = timings.get(stage, 0.0) + time.perf_counter() - since
+        spent_file.write_text(json.dumps({k: round(v / 60, 2) for k, v in timings.items()}))
+
     model, tokenizer = load_target(a.target, a.dtype, a.quantization, a.device)
     config = HeadConfig.for_target(model, a.draft_vocab)
     t = time.perf_counter()
     rows_path = distill(a, work, model, tokenizer, prompts, train_ids) if "distill" in a.stages else work / "distill.jsonl"
-    timings["distill_s"] = time.perf_counter() - t
+    spent("distill_s", t)
     rows = read_distilled(rows_path)
     if a.quantization != "none":  # features and evaluation: the target in `dtype`
         model, tokenizer = load_target(a.target, a.dtype, "none", a.device)
     t = time.perf_counter()
     feats = extract_features(a, work, model, config.feature_layers, rows)
-    timings["features_s"] = time.perf_counter() - t
+    spent("features_s", t)
     t = time.perf_counter()
     head = train(a, work, model, tokenizer, rows, feats, config)
-    timings["train_s"] = time.perf_counter() - t
+    spent("train_s", t)
     curve = json.loads((work / "train.json").read_text())["curve"]
     t = time.perf_counter()
     result = evaluate(a, model, tokenizer, head, prompts, eval_ids) if "eval" in a.stages else {}
-    timings["eval_s"] = time.perf_counter() - t
+    spent("eval_s", t)
     trained = {
         "command": "specfleet train-draft " + " ".join(sys.argv[2:]) if len(sys.argv) > 2 else "specfleet train-draft",
         "target": a.target, "prompts": str(a.prompts), "train_prompts": len(rows),
@@ -455,7 +464,7 @@ def run(a: TrainArgs) -> dict:
         "sampled_share": a.sampled_share, "temperature": a.temperature,
         "epochs": a.epochs, "unroll": a.unroll, "draft_vocab": len(head.draft_vocab),
         "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
-        "total_minutes": round((time.perf_counter() - t_start) / 60, 2), "eval": result,
+        "total_minutes": round(sum(timings.values()) / 60, 2), "eval": result,
     }
     head.config = dataclasses.replace(head.config, trained=trained)
     save_head(head, out)

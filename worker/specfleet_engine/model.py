@@ -591,20 +591,31 @@ class Block(nn.Module):
         return linear(ff.w2, F.silu(gate).mul_(up), residual=h)
 
 
-def dense_block(block: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor) -> Tensor:
-    """`Block.forward`'s math without a KV cache, for training a draft head: rows [N, D] attend to
-    each other under a bool mask [N, N] (True: may attend), with autograd."""
+def dense_block(block: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
+                past: tuple[Tensor, Tensor] | None = None, queries: Tensor | None = None
+                ) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+    """`Block.forward`'s math without a KV cache, for training a draft head, with autograd.
+
+    Rows x [N, D] (RoPE'd at cos, sin) add their keys and values after `past`'s ([P, Hkv, hd]
+    each, from earlier calls); the `queries` rows of x (all without) attend to those P + N keys
+    under a bool mask [Q, P + N] (True: may attend). Returns the queries' outputs [Q, D] and the
+    keys and values so far (the next call's `past`)."""
     att, ff = block.attention, block.feed_forward
     N, H, Hkv, hd = x.shape[0], att.n_heads, att.n_kv_heads, att.head_dim
     qkv = linear(att.wqkv, rms_norm(x, block.attention_norm.weight, block.attention_norm.eps))
     qk = apply_rope(qkv[:, : (H + Hkv) * hd].view(N, H + Hkv, hd), cos, sin)
     q, k = qk[:, :H], qk[:, H:]
     v = qkv[:, (H + Hkv) * hd:].view(N, Hkv, hd)
+    if past is not None:
+        k, v = torch.cat([past[0], k]), torch.cat([past[1], v])
+    if queries is not None:
+        q, x = q.index_select(0, queries), x.index_select(0, queries)
+    Q = q.shape[0]
     o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
                                        attn_mask=mask, scale=att.scale, enable_gqa=H != Hkv)
-    h = linear(att.wo, o[0].transpose(0, 1).reshape(N, H * hd), x)
+    h = linear(att.wo, o[0].transpose(0, 1).reshape(Q, H * hd), x)
     gate, up = linear(ff.w13, rms_norm(h, block.ffn_norm.weight, block.ffn_norm.eps)).chunk(2, dim=-1)
-    return linear(ff.w2, F.silu(gate) * up, h)
+    return linear(ff.w2, F.silu(gate) * up, h), (k, v)
 
 
 class Transformer(nn.Module):
