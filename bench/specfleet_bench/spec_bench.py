@@ -30,7 +30,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "default ../shared/data/spec_bench/question.dev.jsonl")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma-separated PRECISION/METHOD: precision fp32|bf16|int8, method none|ngram; "
+                   help="comma-separated PRECISION/METHOD: precision fp32|bf16|int8, method none|ngram|eagle "
+                        "(+ -tree for trees); "
                         "hf/plain and hf/lookup run HF transformers' generate (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -41,6 +42,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "config searches (its own: never another config's answer to the same question)")
     p.add_argument("--recycle", type=int, default=RECYCLE_TOP,
                    help="METHOD-recycle configs: how many of the target's top next tokens to keep and draft")
+    p.add_argument("--draft-head", default=DRAFT_HEAD,
+                   help="the EAGLE head of eagle configs: a folder from `specfleet train-draft`, or a bundled "
+                        "head's name (default %(default)s)")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
@@ -77,11 +81,13 @@ class Run:
 #: PRECISION names of --configs: the served dtypes' short names, then the served quantizations
 PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + tuple(
     q for q in SERVED_QUANTIZATIONS if q != Quantization.NONE)
-#: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model);
-#: METHOD + TREE drafts trees (up to --tree-branching children a node), the rest chains;
+#: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model;
+#: eagle drafts with the head at --draft-head); METHOD + TREE drafts trees (up to --tree-branching
+#: children a node), the rest chains;
 #: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens);
 #: ngram [+ CORPUS] + RECYCLE (before any TREE) also drafts the target's own top next tokens (--recycle)
-METHODS = (Method.NONE.value, Method.NGRAM.value)
+METHODS = (Method.NONE.value, Method.NGRAM.value, Method.EAGLE.value)
+DRAFT_HEAD = "smollm2-135m-eagle"  # --draft-head's default: the head the worker image carries
 TREE, CORPUS, RECYCLE = "-tree", "-corpus", "-recycle"
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
@@ -119,7 +125,8 @@ class Runner:
     """Holds one model per precision and runs a question under a configuration."""
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
-                 tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS, recycle: int = RECYCLE_TOP):
+                 tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS, recycle: int = RECYCLE_TOP,
+                 draft_head: str = DRAFT_HEAD):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -128,7 +135,7 @@ class Runner:
 
         self.tokenizer = load_tokenizer(model_name)
         self.max_tokens, self.k, self.tree_branching, self.corpus_tokens = max_tokens, k, tree_branching, corpus_tokens
-        self.recycle = recycle
+        self.recycle, self.draft_head = recycle, draft_head
         self.proposers: dict[tuple[str, str], object] = {}  # (precision, method): its own n-gram proposer
         self.engines = {}
         for prec in sorted(precisions):
@@ -167,6 +174,12 @@ class Runner:
 
         engine = self.engines[prec]
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
+        if method.removesuffix(TREE) == Method.EAGLE and Method.EAGLE.value not in engine.proposers:
+            from specfleet_api.engine_config import bundled_model
+            from specfleet_engine.factory import eagle_proposer
+
+            engine.proposers[Method.EAGLE.value] = eagle_proposer(str(bundled_model(self.draft_head) or self.draft_head),
+                                                                  engine.model)
         recycle = method.removesuffix(TREE).endswith(RECYCLE)
         corpus = method.removesuffix(TREE).removesuffix(RECYCLE).endswith(CORPUS)
         if (prec, method) not in self.proposers:
@@ -317,7 +330,7 @@ def run_bench(args) -> int:
     with console.status("loading models"):
         runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
                         getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS),
-                        getattr(args, "recycle", RECYCLE_TOP))
+                        getattr(args, "recycle", RECYCLE_TOP), getattr(args, "draft_head", DRAFT_HEAD))
         bandwidth = memory_bandwidth_gbs()
     from specfleet_engine.kernels import cpu_gemm
 

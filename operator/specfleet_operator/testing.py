@@ -30,7 +30,8 @@ from .spec import crd
 #: engine.json passes `specfleet serve --check-config`) or "rejected" before any pod is created
 #: (reserved values: CEL at the API server, else the operator's Ready=False, Unsupported).
 #: `local` is the one-machine example `specfleet up` starts by default.
-EXAMPLE_VERDICTS = {"ngram": "served", "canary-1pct": "served", "draft-model": "served", "eagle-tree": "rejected",
+EXAMPLE_VERDICTS = {"ngram": "served", "canary-1pct": "served", "draft-model": "served", "eagle-tree": "served",
+                    "medusa-tree": "rejected",
                     "local": "served"}
 
 

@@ -22,6 +22,8 @@ def test_bad_bench_input_exits_2_with_a_message(tmp_path):
     assert out.returncode == 2 and "fp64/ngram" in out.stderr
     out = specfleet("bench", "--configs", "fp32/none-corpus")  # a corpus is the n-gram drafter's
     assert out.returncode == 2 and "fp32/none-corpus" in out.stderr
+    out = specfleet("bench", "--configs", "fp32/eagle-corpus")
+    assert out.returncode == 2 and "fp32/eagle-corpus" in out.stderr
     out = specfleet("bench", "--questions", str(tmp_path / "missing.jsonl"))
     assert out.returncode == 2 and "missing.jsonl" in out.stderr
     bad = tmp_path / "bad.jsonl"
@@ -39,14 +41,16 @@ def test_bench_runs_end_to_end_on_smollm2(tmp_path):
     ])) + "\n")
     out_json = tmp_path / "r.json"
     out = specfleet("bench", "--questions", str(q), "--max-tokens", "6", "--configs",
-                    "fp32/ngram,fp32/ngram-tree,fp32/ngram-corpus,int8/ngram", "--out", str(out_json),
+                    "fp32/ngram,fp32/ngram-tree,fp32/ngram-corpus,fp32/eagle-tree,int8/ngram", "--out", str(out_json),
                     "--plot", str(tmp_path / "r.png"))
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out_json.read_text())
     assert r["questions"] == 2 and set(r["configs"]) == {"fp32/none", "fp32/ngram", "fp32/ngram-tree", "fp32/ngram-corpus",
-                                                         "int8/ngram"}
-    # int8 has no plain twin here
-    assert r["spec_equals_plain"] == {"fp32/ngram": 2, "fp32/ngram-tree": 2, "fp32/ngram-corpus": 2}
+                                                         "fp32/eagle-tree", "int8/ngram"}
+    # int8 has no plain twin here; the EAGLE config drafts with the bundled head
+    assert r["spec_equals_plain"] == {"fp32/ngram": 2, "fp32/ngram-tree": 2, "fp32/ngram-corpus": 2,
+                                      "fp32/eagle-tree": 2}
+    assert r["table"]["overall"]["fp32/eagle-tree"]["alpha"] is not None
     assert r["trees_vs_chains"]["fp32"]["categories"] == 2
     assert r["table"]["overall"]["fp32/none"]["tokens"] > 0
     assert (tmp_path / "r.png").stat().st_size > 0 and out_json.with_suffix(".md").exists()

@@ -73,7 +73,7 @@ def test_canary_replicas_and_image_are_overridden(tmp_path):
 
 def test_a_spec_with_problems_is_refused_with_the_crds_words():
     with pytest.raises(SpecError) as e:
-        make_plan(load_resource(EXAMPLES / "eagle-tree.yaml"), "eagle-tree.yaml")
+        make_plan(load_resource(EXAMPLES / "medusa-tree.yaml"), "medusa-tree.yaml")
     assert any("is not supported yet" in p for p in e.value.problems), e.value.problems
     # weights this machine lacks: refused before a worker would fail to load them, with the way out
     with pytest.raises(SpecError) as e:

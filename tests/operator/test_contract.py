@@ -89,7 +89,7 @@ def test_weights_are_looked_for_where_the_check_runs(tmp_path, monkeypatch, caps
 def test_check_config_runs_without_torch(tmp_path):
     """`specfleet serve --check-config` through the CLI, in a process where torch cannot load."""
     served, = rendered(ROOT / "deploy" / "examples" / "draft-model.yaml", tmp_path)
-    rejected, = rendered(ROOT / "deploy" / "examples" / "eagle-tree.yaml", tmp_path)
+    rejected, = rendered(ROOT / "deploy" / "examples" / "medusa-tree.yaml", tmp_path)
     code = BLOCK_TORCH + (
         "from specfleet_cli.main import main\n"
         f"rcs = [main(['serve', '--check-config', {str(served)!r}, '--skip-files']),\n"
@@ -100,4 +100,4 @@ def test_check_config_runs_without_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "rcs [0, 2]"
-    assert "draft.method 'eagle' is not supported yet" in result.stderr
+    assert "draft.method 'medusa' is not supported yet" in result.stderr

@@ -151,9 +151,9 @@ def test_examples_pass_schema_and_cel_or_are_rejected_as_not_supported_yet(path)
 def test_every_example_has_a_verdict():
     stems = {p.stem for p in EXAMPLES}
     assert stems <= set(EXAMPLE_VERDICTS), f"say whether {sorted(stems - set(EXAMPLE_VERDICTS))} is served"
-    assert {"ngram", "canary-1pct", "draft-model", "eagle-tree"} <= stems
+    assert {"ngram", "canary-1pct", "draft-model", "eagle-tree", "medusa-tree"} <= stems
     methods = {yaml.safe_load(p.read_text())["spec"]["draft"]["method"] for p in EXAMPLES}
-    assert methods == {"ngram", "draft-model", "eagle"}
+    assert methods == {"ngram", "draft-model", "eagle", "medusa"}
 
 
 GOOD = {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
@@ -229,8 +229,6 @@ _NOT_SERVED = "is not supported yet; supported: "
 #: Values the API reserves: the API server rejects each (CEL, the same words as specfleet_api's
 #: not_served) and so does the operator, reason Unsupported, for objects that got past CEL.
 UNSUPPORTED = {
-    "eagle": ({"draft": {"method": "eagle", "uri": "/m/eagle"}}, "spec.draft.method",
-              enums.not_served("draft.method", "eagle", enums.SERVED_METHODS)),
     "medusa": ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "spec.draft.method",
                enums.not_served("draft.method", "medusa", enums.SERVED_METHODS)),
     "fp8": ({"quantization": "fp8"}, "spec.quantization",
@@ -240,9 +238,9 @@ UNSUPPORTED = {
     "float16": ({"dtype": "float16"}, "spec.dtype", enums.not_served("dtype", "float16", enums.SERVED_DTYPES)),
     "routing default": ({"routing": {"default": "medusa"}}, "spec.routing.default",
                         enums.not_served("routing.default", "medusa", enums.SERVED_METHODS)),
-    "canary eagle": ({"canary": {"overrides": {"draft": {"method": "eagle", "uri": "/m/e"}}}},
-                     "spec.canary.overrides.draft.method",
-                     enums.not_served("draft.method", "eagle", enums.SERVED_METHODS)),
+    "canary medusa": ({"canary": {"overrides": {"draft": {"method": "medusa", "uri": "/m/m"}}}},
+                      "spec.canary.overrides.draft.method",
+                      enums.not_served("draft.method", "medusa", enums.SERVED_METHODS)),
     "canary fp8": ({"canary": {"overrides": {"quantization": "fp8"}}}, "spec.canary.overrides.quantization",
                    enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS)),
     "canary float16": ({"canary": {"overrides": {"dtype": "float16"}}}, "spec.canary.overrides.dtype",
@@ -262,10 +260,10 @@ def test_reserved_values_are_rejected_as_not_supported_yet_by_cel_and_operator(c
 
 
 def test_routes_to_a_reserved_method_are_rejected_by_cel_and_operator():
-    doc = _with({"routing": {"byPromptType": {"code": "ngram", "chat": "eagle"}}})
-    assert cel_failures(doc) == [enums.not_served("routing.byPromptType", "eagle", enums.SERVED_METHODS)]
+    doc = _with({"routing": {"byPromptType": {"code": "ngram", "chat": "medusa"}}})
+    assert cel_failures(doc) == [enums.not_served("routing.byPromptType", "medusa", enums.SERVED_METHODS)]
     assert specs.problems(doc["spec"]) == [specs.Problem(
-        "spec.routing.byPromptType.chat", enums.not_served("routing.byPromptType.chat", "eagle", enums.SERVED_METHODS),
+        "spec.routing.byPromptType.chat", enums.not_served("routing.byPromptType.chat", "medusa", enums.SERVED_METHODS),
         specs.UNSUPPORTED)]
 
 

@@ -181,9 +181,9 @@ async def test_what_no_worker_serves_is_held_unsupported_before_any_pod(cluster,
     itself holds the reserved example, and a URI scheme only it judges, at Ready=False."""
     op = OperatorThread(cluster.endpoint, "op-a").start()
     try:
-        await kube.create(example("eagle-tree"))
+        await kube.create(example("medusa-tree"))
         await kube.create(sdd_body("from-hub", model={"name": "m", "uri": "hf://org/model"}))
-        for name, words in [("llama-eagle", ["draft.method 'eagle' is not supported yet"]),
+        for name, words in [("llama-medusa", ["draft.method 'medusa' is not supported yet"]),
                             ("from-hub", ["model.uri scheme 'hf' is not supported yet"])]:
             cond = await wait_for(lambda: conditions(cluster, name).get("Ready", {}).get("reason") == "Unsupported"
                                   and conditions(cluster, name), 20, f"{name} Unsupported")

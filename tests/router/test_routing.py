@@ -67,7 +67,7 @@ def test_the_routing_table_from_flags_picks_the_method(h, both_arms):
 
 @pytest.mark.parametrize("argv, wrong", [
     (["--route", "poetry=ngram"], "prompt type"),
-    (["--route", "code=eagle"], "not supported yet"),
+    (["--route", "code=medusa"], "not supported yet"),
     (["--route", "code"], "TYPE=METHOD"),
     (["--canary-weight", "1.234"], "two decimals"),
     (["--backend", "blue=h:1"], "stable or canary"),

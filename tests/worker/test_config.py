@@ -214,9 +214,8 @@ def test_check_config_refuses_a_bad_tree_shape_and_names_a_good_one(tmp_path, ca
 
 
 @pytest.mark.parametrize("patch, field, value, served", [
-    ({"draft": {"method": "eagle", "uri": "/m/eagle"}}, "draft.method", "eagle", enums.SERVED_METHODS),
     ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "draft.method", "medusa", enums.SERVED_METHODS),
-    ({"routing": {"default": "ngram", "byPromptType": {"chat": "eagle"}}}, "routing.byPromptType.chat", "eagle",
+    ({"routing": {"default": "ngram", "byPromptType": {"chat": "medusa"}}}, "routing.byPromptType.chat", "medusa",
      enums.SERVED_METHODS),
     ({"quantization": "fp8"}, "quantization", "fp8", enums.SERVED_QUANTIZATIONS),
     ({"quantization": "fp4"}, "quantization", "fp4", enums.SERVED_QUANTIZATIONS),

@@ -151,7 +151,7 @@ def test_health_reflection_and_http_probes_follow_the_life_cycle():
 def test_health_is_not_serving_while_the_model_loads():
     from specfleet_worker.app import WorkerServer
 
-    server = WorkerServer("127.0.0.1", 0, 0).start()
+    server = WorkerServer("127.0.0.1", 0, 0, admin_port=0).start()  # no fixed port: another may hold it
     try:
         channel = grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}")
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest()).status

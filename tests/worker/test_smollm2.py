@@ -51,3 +51,23 @@ def test_concurrent_chat_requests_equal_single_runs_and_stream_text(smollm2):
         assert text == tok.decode(want) and text.strip()
     assert sum(spec.num_accepted_tokens for _, _, spec in results) > 0  # chat answers echo their prompts
     assert (stats.running, stats.kv_blocks_used) == (0, 0)
+
+
+def test_the_bundled_eagle_head_serves_the_plain_output_over_grpc():
+    """draft.uri: smollm2-135m-eagle (the head the image carries) with a draft tree: greedy answers
+    over gRPC equal plain decoding's, and the head's drafts get accepted."""
+    cfg = EngineConfig(draft_method="eagle", draft_uri="smollm2-135m-eagle", default_method="eagle",
+                       tree_branching=2, tree_depth=4)
+    engine = build_engine(cfg, max_kv_tokens=8192, threads=1)
+    assert "eagle" in engine.proposers
+    tok = engine.tokenizer
+    expected = [engine.generate(tok.chat(q), SamplingParams(max_tokens=48), method="none").output for q in QUESTIONS]
+    with running_worker(engine, cfg) as r:
+        assert "eagle" in r.admin.GetConfig(pb.GetConfigRequest()).methods
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda q: r.gen.Generate(
+                pb.GenerateRequest(prompt=q, apply_chat_template=True, max_tokens=48), timeout=300), QUESTIONS))
+        wait_idle(r)
+    assert [list(resp.token_ids) for resp in results] == expected
+    assert {resp.speculation.method for resp in results} == {"eagle"}
+    assert sum(resp.speculation.num_accepted_tokens for resp in results) > 0

@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from specfleet_api.engine_config import find_local, model_cache
+from specfleet_api.engine_config import model_cache
 from specfleet_api.enums import Method
 
 from .config import EngineConfig, LiveConfig
@@ -84,8 +84,9 @@ def _model_source(cfg: EngineConfig) -> str:
 
 
 def _draft_source(cfg: EngineConfig) -> str:
-    """Where the draft's weights are read from: draft.uri's file or folder, as is or in the model cache."""
-    found = find_local(cfg.draft_uri, model_cache()) if cfg.draft_uri else None
+    """Where the draft's weights are read from: draft.uri's file or folder, as is or in the model
+    cache, or the weights the image carries under that name."""
+    found = cfg.draft_source(model_cache())
     return str(found) if found else (cfg.draft_uri or "")
 
 
