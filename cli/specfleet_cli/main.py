@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     p.add_argument("prompt", help="the user message (the chat template is applied)")
     p.add_argument("--method", choices=SERVED_METHODS, default=Method.NGRAM.value)
     p.add_argument("--draft-model", default=None, help="draft model for --method draft-model")
+    p.add_argument("--draft-head", default="smollm2-135m-eagle",
+                   help="the EAGLE head for --method eagle: a folder from `specfleet train-draft`, or a bundled "
+                        "head's name (default %(default)s, for smollm2-135m)")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=limits.WIRE_DEFAULT_TEMPERATURE,
@@ -139,8 +142,13 @@ def _generate(args) -> int:
     from specfleet_engine.factory import build_engine_parts
     from specfleet_engine.sampling import SamplingParams
 
+    head = None
+    if args.method == Method.EAGLE:
+        from specfleet_api.engine_config import bundled_model
+
+        head = str(bundled_model(args.draft_head) or args.draft_head)
     model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
-                                                     args.draft_model, args.threads)
+                                                     args.draft_model, args.threads, draft_head=head)
     engine = Engine(model, tokenizer, proposers=proposers)
     if args.method != Method.NONE:
         engine.calibrate(sizes=list(range(1, args.k + 2)))  # adaptive K prices drafts with these costs

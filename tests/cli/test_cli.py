@@ -54,3 +54,13 @@ def test_bench_runs_end_to_end_on_smollm2(tmp_path):
     assert r["trees_vs_chains"]["fp32"]["categories"] == 2
     assert r["table"]["overall"]["fp32/none"]["tokens"] > 0
     assert (tmp_path / "r.png").stat().st_size > 0 and out_json.with_suffix(".md").exists()
+
+
+@pytest.mark.slow
+def test_generate_drafts_with_the_bundled_eagle_head_and_names_a_missing_one():
+    out = specfleet("generate", "Write a short story about a robot.", "--method", "eagle", "--max-tokens", "24",
+                    "--threads", "1")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "method eagle" in out.stderr and out.stdout.strip()
+    out = specfleet("generate", "Hi", "--method", "eagle", "--draft-head", "/nonexistent", "--max-tokens", "4")
+    assert out.returncode == 2 and "/nonexistent" in out.stderr and "config.json is missing" in out.stderr
