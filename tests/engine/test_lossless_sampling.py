@@ -6,9 +6,9 @@ first verify step decides tokens 2 to K+1: with K up to 3, every draft position 
 seeded speculative generations must land within a total-variation bound calibrated by drawing as
 many samples from the exact distribution itself, and must have judged drafts at every position
 (accepted and rejected). Chains and trees alike: the tree cases must have verified branching
-trees (siblings tried in turn, each rejection leaving the residual). The same check must reject
-each known-wrong acceptance rule below, so a pass cannot come from a check too weak to see a
-real bug.
+trees (siblings tried in turn, each rejection leaving the residual). The same check, on 40% of
+the samples (a looser bound), must reject each known-wrong acceptance rule below, so a pass
+cannot come from a check too weak to see a real bug.
 """
 
 import dataclasses
@@ -30,6 +30,9 @@ from specfleet_engine.kernels import rejection
 from specfleet_engine.kernels.rejection import TreeVerifyResult
 
 VOCAB, DEPTH, N, BATCH = 4, 4, 10_000, 1000
+# a known-wrong rule is seen with 40% of the samples (its TV stays, the bound grows as
+# 1 / sqrt(n)): a check that sees it at N_MUTANT sees it at N
+N_MUTANT = 4_000  # the closest call measured: TV 0.098 against a 0.064 bound
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
 BRANCHY = [0, 1, 2, 3, 0, 1, 3, 2, 0, 1]  # "0 1" went on with 2 and with 3: an n-gram tree branches at once
 
@@ -107,12 +110,14 @@ def reference(models):
     per module and shared by the real rule and by every mutant."""
     cache = {}
 
-    def get(params: dict, prompt: tuple) -> tuple[torch.Tensor, float]:
+    def get(params: dict, prompt: tuple, n: int = N) -> tuple[torch.Tensor, float]:
         key = (tuple(sorted(params.items())), prompt)
         if key not in cache:
-            exact = exact_distribution(models[0], SamplingParams(**params), list(prompt))
-            cache[key] = exact, tv_threshold(exact, N)
-        return cache[key]
+            cache[key] = exact_distribution(models[0], SamplingParams(**params), list(prompt)), {}
+        exact, limits = cache[key]
+        if n not in limits:
+            limits[n] = tv_threshold(exact, n)
+        return exact, limits[n]
 
     return get
 
@@ -124,7 +129,7 @@ class Sampled(NamedTuple):
     branched: int  # verify steps whose draft was a tree (more nodes than depth)
 
 
-def sample_speculatively(models, case: Case) -> Sampled:
+def sample_speculatively(models, case: Case, n: int = N) -> Sampled:
     target, draft, head = models
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target)}
     engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
@@ -134,9 +139,9 @@ def sample_speculatively(models, case: Case) -> Sampled:
     counts = torch.zeros(VOCAB ** DEPTH, dtype=torch.float64)
     judged: Counter = Counter()
     draft_errors = branched = 0
-    for start in range(0, N, BATCH):
+    for start in range(0, n, BATCH):
         seqs = [engine.add(list(case.prompt), dataclasses.replace(params, seed=seed), case.method, case.k)
-                for seed in range(start, start + BATCH)]
+                for seed in range(start, min(start + BATCH, n))]
         while not all(s.finished for s in seqs):
             for out in engine.step():
                 if out.stats is None:  # the prefill's token
@@ -156,7 +161,7 @@ def sample_speculatively(models, case: Case) -> Sampled:
                 idx = idx * VOCAB + t
             counts[idx] += 1
             draft_errors += s.stats.draft_errors
-    return Sampled(counts / N, judged, draft_errors, branched)
+    return Sampled(counts / n, judged, draft_errors, branched)
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
@@ -239,9 +244,9 @@ MUTANT_CASES = [(w, c) for w in MUTANTS for c in MUTATED if not (w == "siblings 
 @pytest.mark.parametrize("wrong,case", MUTANT_CASES, ids=[f"{w}-{c.name}" for w, c in MUTANT_CASES])
 def test_the_check_rejects_a_wrong_acceptance_rule(wrong, case, models, reference, monkeypatch):
     monkeypatch.setattr(engine_module, "rejection_sample", mutant(wrong))
-    exact, limit = reference(case.params, case.prompt)
-    tv = total_variation(sample_speculatively(models, case).dist, exact)
-    print(f"{wrong} on {case.name}: TV {tv:.4f}, limit {limit:.4f}")
+    exact, limit = reference(case.params, case.prompt, N_MUTANT)
+    tv = total_variation(sample_speculatively(models, case, N_MUTANT).dist, exact)
+    print(f"{wrong} on {case.name}: TV {tv:.4f}, limit {limit:.4f} ({N_MUTANT} samples)")
     assert tv > limit, f"{wrong} went unnoticed on {case.name}: TV {tv:.4f} within the limit {limit:.4f}"
 
 
