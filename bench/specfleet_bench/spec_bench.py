@@ -17,6 +17,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
+from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
 from specfleet_api.enums import DTYPE_ALIASES, SERVED_DTYPES, SERVED_QUANTIZATIONS, Method, Quantization
 
 from .questions import default_questions, load_questions
@@ -42,7 +43,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "config searches (its own: never another config's answer to the same question)")
     p.add_argument("--recycle", type=int, default=RECYCLE_TOP,
                    help="METHOD-recycle configs: how many of the target's top next tokens to keep and draft")
-    p.add_argument("--draft-head", default=DRAFT_HEAD,
+    p.add_argument("--draft-head", default=BUNDLED_EAGLE_HEAD,
                    help="the EAGLE head of eagle configs: a folder from `specfleet train-draft`, or a bundled "
                         "head's name (default %(default)s)")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
@@ -87,7 +88,6 @@ PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + 
 #: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens);
 #: ngram [+ CORPUS] + RECYCLE (before any TREE) also drafts the target's own top next tokens (--recycle)
 METHODS = (Method.NONE.value, Method.NGRAM.value, Method.EAGLE.value)
-DRAFT_HEAD = "smollm2-135m-eagle"  # --draft-head's default: the head the worker image carries
 TREE, CORPUS, RECYCLE = "-tree", "-corpus", "-recycle"
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
@@ -126,7 +126,7 @@ class Runner:
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
                  tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS, recycle: int = RECYCLE_TOP,
-                 draft_head: str = DRAFT_HEAD):
+                 draft_head: str = BUNDLED_EAGLE_HEAD):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -175,11 +175,9 @@ class Runner:
         engine = self.engines[prec]
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
         if method.removesuffix(TREE) == Method.EAGLE and Method.EAGLE.value not in engine.proposers:
-            from specfleet_api.engine_config import bundled_model
             from specfleet_engine.factory import eagle_proposer
 
-            engine.proposers[Method.EAGLE.value] = eagle_proposer(str(bundled_model(self.draft_head) or self.draft_head),
-                                                                  engine.model)
+            engine.proposers[Method.EAGLE.value] = eagle_proposer(self.draft_head, engine.model)
         recycle = method.removesuffix(TREE).endswith(RECYCLE)
         corpus = method.removesuffix(TREE).removesuffix(RECYCLE).endswith(CORPUS)
         if (prec, method) not in self.proposers:
@@ -330,7 +328,7 @@ def run_bench(args) -> int:
     with console.status("loading models"):
         runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
                         getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS),
-                        getattr(args, "recycle", RECYCLE_TOP), getattr(args, "draft_head", DRAFT_HEAD))
+                        getattr(args, "recycle", RECYCLE_TOP), getattr(args, "draft_head", BUNDLED_EAGLE_HEAD))
         bandwidth = memory_bandwidth_gbs()
     from specfleet_engine.kernels import cpu_gemm
 

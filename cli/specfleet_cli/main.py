@@ -11,6 +11,7 @@ import argparse
 import sys
 
 from specfleet_api import limits
+from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
 from specfleet_api.enums import DTYPE_CHOICES, SERVED_METHODS, SERVED_QUANTIZATIONS, Method
 
 DESCRIPTION = """\
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     p.add_argument("prompt", help="the user message (the chat template is applied)")
     p.add_argument("--method", choices=SERVED_METHODS, default=Method.NGRAM.value)
     p.add_argument("--draft-model", default=None, help="draft model for --method draft-model")
-    p.add_argument("--draft-head", default="smollm2-135m-eagle",
+    p.add_argument("--draft-head", default=BUNDLED_EAGLE_HEAD,
                    help="the EAGLE head for --method eagle: a folder from `specfleet train-draft`, or a bundled "
                         "head's name (default %(default)s, for smollm2-135m)")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
@@ -142,11 +143,7 @@ def _generate(args) -> int:
     from specfleet_engine.factory import build_engine_parts
     from specfleet_engine.sampling import SamplingParams
 
-    head = None
-    if args.method == Method.EAGLE:
-        from specfleet_api.engine_config import bundled_model
-
-        head = str(bundled_model(args.draft_head) or args.draft_head)
+    head = args.draft_head if args.method == Method.EAGLE else None
     model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
                                                      args.draft_model, args.threads, draft_head=head)
     engine = Engine(model, tokenizer, proposers=proposers)

@@ -63,8 +63,11 @@ def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str =
 
 
 def eagle_proposer(path: str, model):
-    """The EAGLE proposer of the head at `path` for `model` (HeadMismatch names what does not fit)."""
+    """The EAGLE proposer of the head at `path` (a folder, or the name of a head the package
+    carries) for `model` (HeadMismatch names what does not fit)."""
+    from specfleet_api.engine_config import bundled_model
+
     from .draft_head import load_head
 
-    head = load_head(path, model).to(model.device)
+    head = load_head(bundled_model(path) or path, model).to(model.device)
     return proposer_class(Method.EAGLE)(head, model)
