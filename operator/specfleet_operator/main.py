@@ -133,15 +133,18 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
             settings=settings, memo=the_memo, standalone=True, stop_flag=kopf_stop, ready_flag=ready,
             clusterwide=not options.namespaces, namespaces=list(options.namespaces),
             liveness_endpoint=options.liveness))
-        waiters = {running, asyncio.create_task(stop_event.wait())}
-        if options.leader_election:
-            waiters.add(asyncio.create_task(elector.hold()))
+        holding = asyncio.create_task(elector.hold()) if options.leader_election else None
+        waiters = {running, asyncio.create_task(stop_event.wait())} | ({holding} if holding else set())
         done, pending = await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
-        lost = options.leader_election and not stop_event.is_set() and running not in done
-        for task in pending - {running}:
+        lost = holding is not None and holding in done
+        for task in pending - {running, holding}:
             task.cancel()
         kopf_stop.set()
-        await running  # stop reconciling before the Lease is released (never two leaders)
+        # stop reconciling before the Lease is released, and go on renewing it while kopf stops
+        # (its daemons may take longer than the Lease): never two leaders
+        await running
+        if holding is not None:
+            holding.cancel()
         if isinstance(stop, threading.Event):
             watcher.cancel()
         if lost:
