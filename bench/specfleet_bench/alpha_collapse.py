@@ -54,7 +54,7 @@ from specfleet_api.live_state import LiveState, state_key
 from specfleet_api.windows import read_cluster_windows, read_windows
 from specfleet_control import loop as slo_loop
 from specfleet_control.slo import FALLBACK, MISSED, SPECULATIVE, Evidence, KeyState, SloPolicy, judge
-from specfleet_local import runfile
+from specfleet_local import procs, runfile
 from specfleet_local.state import loop_key
 from specfleet_router.classify import classify
 
@@ -186,7 +186,8 @@ class Episode:
                f"--worker-arg=--max-batch-size={a.max_batch}"]
         if a.model != "smollm2":
             cmd += ["--model", a.model]
-        self.up = subprocess.Popen(cmd, stdout=open(workdir / "up.out", "w"), stderr=subprocess.STDOUT, env=env)
+        # tied to this process: a harness killed mid-episode (a test's timeout) leaves no fleet behind
+        self.up = procs.spawn(cmd, stdout=open(workdir / "up.out", "w"), stderr=subprocess.STDOUT, env=env)
         end = time.monotonic() + a.ready_timeout
         while True:
             doc = runfile.read(self.run_file)
@@ -265,7 +266,8 @@ class Episode:
                 self.loop_doc = loop
                 memory = slo_loop.Memory.from_status(loop.get("memory"))
                 current = {slo_loop.type_key(t): slo_loop.window_evidence(w) for t, w in windows.items()}
-                current.update({slo_loop.cluster_key(c): slo_loop.cluster_evidence(cw) for c, cw in clusters.items()})
+                current.update({slo_loop.cluster_key(c): slo_loop.cluster_evidence(cw) for c, cw in clusters.items()
+                                if slo_loop.judges_cluster(memory.keys, slo_loop.cluster_key(c), cw)})
                 # the loop's next judgement adds what came since its last to the evidence it kept (a
                 # share of the current window: the rest was judged), and its half-way check judges
                 # the current window alone
@@ -276,7 +278,7 @@ class Episode:
                     held = memory.keys.get(key, KeyState())
                     if window is None or held.mode == FALLBACK:
                         continue
-                    e = memory.evidence.get(key, Evidence()).plus(share(window, since))
+                    e = slo_loop.still_pending(memory.evidence.get(key), self.policy).plus(share(window, since))
                     cluster = key.startswith("cluster:")
                     evidence[key] = {"draft_tokens": e.draft_tokens, "accepted_tokens": e.accepted_tokens,
                                      "seen": e.seen, "miss": would_miss(e, held, self.policy, cluster)
@@ -509,6 +511,11 @@ class Episode:
             "recovered_after_s": None if left is None else round(left - recover_at, 2),
             "transitions": transitions,
             "other_type_modes_by_phase": chat_modes,
+            # why the other type fell back, if it did: its speculation priced below plain decoding
+            # (a loaded machine) is the loop at work; its alpha collapsing with the type's would not be
+            "other_type_fallbacks": [e["message"].split(": ", 1)[1] for e in self.events
+                                     if e["reason"] == "FallbackEntered"
+                                     and e["message"].startswith(f"prompt type {O}: ")],
             "type_requests_in_fallback": len(in_fallback), "type_probes_in_fallback": sum(c.probe for c in in_fallback),
             "fallback_vs_plain_measured": (round(rate([c for c in in_fallback if not c.error]) / rate(plain), 3)
                                            if plain and rate(plain) else None),

@@ -189,6 +189,26 @@ def enough(e: Evidence, policy: SloPolicy) -> bool:
     return e.draft_tokens >= policy.min_draft_tokens
 
 
+def still_pending(e: Evidence | None, policy: SloPolicy) -> Evidence:
+    """A key's kept evidence as its next judgement takes it: afresh once it has added up over
+    too many windows (what is older says little of now).
+
+    >>> still_pending(Evidence(draft_tokens=500, windows=MAX_EVIDENCE_WINDOWS), SloPolicy()).windows
+    0
+    >>> still_pending(Evidence(draft_tokens=5, windows=MAX_EVIDENCE_WINDOWS), SloPolicy()).windows  # thin
+    12
+    """
+    if e is None or e.windows >= (MAX_EVIDENCE_WINDOWS if enough(e, policy) else MAX_THIN_WINDOWS):
+        return Evidence()
+    return e
+
+
+def judges_cluster(keys: Mapping[str, KeyState], key: str, cw: ClusterWindow) -> bool:
+    """Whether the loop judges this cluster now: not a new one inside a type that runs plain
+    (nothing to learn about its clusters then; its probes' drafts are the type's evidence)."""
+    return key in keys or keys.get(type_key(cw.prompt_type), KeyState()).mode != FALLBACK
+
+
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
     """One tick: every key judged when a window has passed since the last judgement (a key with an
     alert, at once); nothing changes on an incomplete observation. `per_type` False (no router
@@ -220,9 +240,7 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             return
         if not (due or alert):
             return
-        pending = evidence.get(key, Evidence())
-        if pending.windows >= (MAX_EVIDENCE_WINDOWS if enough(pending, policy) else MAX_THIN_WINDOWS):
-            pending = Evidence()  # what is older says little of now: start afresh
+        pending = still_pending(evidence.get(key), policy)
         combined = pending.plus(window) if window is not None and not only_alert else pending
         judged = sample(combined, alert) if not only_alert else Sample(alert=alert)
         before = keys.get(key, KeyState())
@@ -269,8 +287,8 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         for cluster, cw in sorted(obs.clusters.items()):
             key = cluster_key(cluster)
             seen[key] = now
-            if keys.get(type_key(cw.prompt_type), KeyState()).mode == FALLBACK and key not in keys:
-                continue  # the whole type runs plain: nothing to learn about its clusters now
+            if not judges_cluster(keys, key, cw):
+                continue
             if key not in keys:  # a new cluster is judged against its type's baseline
                 of_type = keys.get(type_key(cw.prompt_type), KeyState())
                 keys[key] = KeyState(baseline=of_type.baseline, baseline_tokens=of_type.baseline_tokens)

@@ -55,7 +55,9 @@ def test_a_collapsed_type_falls_back_alone_within_two_windows_and_loses_no_reque
     # within two windows of the loop holding what a miss needs (on a fast machine: of the collapse)
     assert episode["fallback_after_evidence_windows"] <= 2.0, episode
     assert episode["other_type_modes_by_phase"]["collapse"] == ["speculative"], episode
-    assert all(modes == ["speculative"] for modes in episode["other_type_modes_by_phase"].values()), episode
+    # in later phases the other type may fall back on its own measured speedup (speculation slower
+    # than plain decoding at that load: CI measured 0.93 once), never on its alpha
+    assert all(why.startswith("speculation off: speedup ") for why in episode["other_type_fallbacks"]), episode
 
 
 def test_the_type_in_fallback_runs_at_least_095x_plain_decoding(episode):
@@ -74,7 +76,9 @@ def test_speculation_returns_through_the_probe_one_transition_each_way(episode):
 def test_an_out_of_distribution_cluster_falls_back_alone(episode):
     cluster = episode["cluster"]
     assert cluster["fallback_after_s"] is not None, episode["missing"] or cluster
-    assert cluster["fallback_after_evidence_windows"] <= 2.0, cluster
+    # the loop's events say why when it is late (its type fell back first: clusters of a type that
+    # runs plain are not judged)
+    assert cluster["fallback_after_evidence_windows"] <= 2.0, (cluster, episode["loop_events"])
     assert cluster["type_clusters_in_fallback"] == [], cluster  # the type's own traffic keeps speculating
     assert cluster["type_modes"] == ["speculative"], cluster
     assert cluster["normal_request_methods_after"] == ["ngram"], cluster
