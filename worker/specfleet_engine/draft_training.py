@@ -349,7 +349,8 @@ def _medusa_proposer(head, target):
 RECIPES = {
     Method.EAGLE.value: Recipe(
         config=lambda target, a: HeadConfig.for_target(target, a.draft_vocab), module=EagleHead,
-        loss=lambda head, emb, row, f, top, p, vocab_row, a: sequence_loss(head, emb, row, f, top, p, vocab_row, a.unroll),
+        loss=lambda head, emb, row, f, top, p, vocab_row, a: sequence_loss(head, emb, row, f, top, p, vocab_row,
+                                                                           a.unroll),
         terms=lambda a: a.unroll, proposer=_eagle_proposer, load=load_head),
     Method.MEDUSA.value: Recipe(
         config=lambda target, a: MedusaConfig.for_target(target, a.draft_vocab, a.heads), module=MedusaHead,
@@ -419,7 +420,8 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
             ra = [sum(c["top1"][j] for c in recent) / len(recent) for j in range(terms)]
             spent = time.perf_counter() - t0
             log(f"[train] {min(step, total_steps)}/{total_steps} sequences ({step / len(rows):.2f} epochs), "
-                f"loss by draft {'head' if a.method == Method.MEDUSA else 'step'} {' '.join(f'{x:.3f}' for x in rl)}, top-1 agreement "
+                f"loss by draft {'head' if a.method == Method.MEDUSA else 'step'} "
+                f"{' '.join(f'{x:.3f}' for x in rl)}, top-1 agreement "
                 f"{' '.join(f'{x:.3f}' for x in ra)}, {spent / 60:.1f} min")
     return head.eval().requires_grad_(False)
 
@@ -587,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fields = {f.name for f in dataclasses.fields(TrainArgs)}
     a = TrainArgs(**{k: v for k, v in vars(ns).items() if k in fields})
-    for name in ("train_prompts", "eval_prompts", "max_new_tokens", "batch", "draft_vocab", "unroll", "heads", "train_batch",
-                 "top_k_labels", "eval_k"):
+    for name in ("train_prompts", "eval_prompts", "max_new_tokens", "batch", "draft_vocab", "unroll", "heads",
+                 "train_batch", "top_k_labels", "eval_k"):
         if getattr(a, name) < 1:
             print(f"specfleet train-draft: --{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}",
                   file=sys.stderr)
