@@ -188,8 +188,8 @@ def test_medusa_loss_is_each_heads_cross_entropy_on_the_answer():
         for i in range(3):
             t = [t for t in range(len(seq) - i - 2) if t + i + 2 >= prompt_len]
             want.append(torch.nn.functional.cross_entropy(logits[t, i], torch.tensor([seq[x + i + 2] for x in t])))
-        assert losses == pytest.approx([float(x) for x in want], rel=1e-5)
-        assert float(total) == pytest.approx(float(sum(x * 0.8 ** i for i, x in enumerate(want))), rel=1e-5)
+        assert losses == pytest.approx([float(x.detach()) for x in want], rel=1e-5)
+        assert float(total) == pytest.approx(float(sum(x.detach() * 0.8 ** i for i, x in enumerate(want))), rel=1e-5)
 
 
 def acceptance_by_position(target, head, prompts, k=3):
