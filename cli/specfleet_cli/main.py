@@ -91,8 +91,9 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
 
     sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category; "
                                  "`specfleet bench --help` lists its flags", add_help=False)
-    sub.add_parser("train-draft", help="train an EAGLE draft head for a target model (self-distillation, features, "
-                                       "training, evaluation); `specfleet train-draft --help`", add_help=False)
+    sub.add_parser("train-draft", help="train an EAGLE draft head or Medusa heads for a target model "
+                                       "(self-distillation, features, training, evaluation); "
+                                       "`specfleet train-draft --help`", add_help=False)
     sub.add_parser("serve", help="run the gRPC worker; `specfleet serve --help` lists its flags", add_help=False)
     sub.add_parser("operator", help="run the Kubernetes operator; `specfleet operator --help` lists its flags",
                    add_help=False)

@@ -240,7 +240,7 @@ def test_train_draft_resumes_and_refuses_to_mix_runs(trained, capsys):
 @pytest.mark.parametrize("args, message", [
     (["--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file"),
     (["--train-prompts", "0"], "--train-prompts must be >= 1"),
-    (["--method", "medusa"], "medusa is not built yet"),
+    (["--unroll", "0"], "--unroll must be >= 1"),
 ])
 def test_train_draft_refuses_bad_arguments_naming_them(tmp_path, args, message):
     prompts = tmp_path / "p.jsonl"

@@ -16,28 +16,31 @@ from specfleet_engine.engine import Engine
 from specfleet_engine.proposers import Capabilities, NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.proposers.eagle import EagleProposer
+from specfleet_engine.proposers.medusa import MedusaProposer
 from specfleet_engine.sampling import SamplingParams
 from specfleet_engine.testing import (
-    TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_head, tiny_model,
+    TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_head, tiny_medusa_head, tiny_model,
 )
 
-METHODS = ("ngram", "draft-model", "eagle")
-_HEADS: dict = {}  # one trained head per target (a few seconds each)
+METHODS = ("ngram", "draft-model", "eagle", "medusa")
+_HEADS: dict = {}  # one trained head per target and kind (a few seconds each)
 
 
-def head_for(target, prompts=None):
-    """A head trained on the target's answers to `prompts` (the default: the prompts these tests
-    decode), so that its drafts are accepted often enough to exercise verification."""
+def head_for(target, prompts=None, train=tiny_head):
+    """A head (`train`: tiny_head, an EAGLE one, or tiny_medusa_head) trained on the target's
+    answers to `prompts` (the default: the prompts these tests decode), so that its drafts are
+    accepted often enough to exercise verification."""
     key = (target_fingerprint(target), target.args.architecture, target.args.attention_bias,
-           target.args.sliding_window, target.args.n_kv_heads, str(prompts))
+           target.args.sliding_window, target.args.n_kv_heads, str(prompts), train.__name__)
     if key not in _HEADS:
-        _HEADS[key] = tiny_head(target, prompts)
+        _HEADS[key] = train(target, prompts)
     return _HEADS[key]
 
 
 def proposers_for(target, prompts=None) -> dict:
     return {"ngram": NgramProposer(), "draft-model": DraftModelProposer(tiny_draft(target)),
-            "eagle": EagleProposer(head_for(target, prompts), target)}
+            "eagle": EagleProposer(head_for(target, prompts), target),
+            "medusa": MedusaProposer(head_for(target, prompts, tiny_medusa_head), target)}
 
 
 def tally(totals: dict[str, Counter], seq) -> None:
@@ -175,8 +178,8 @@ def test_batched_speculation_matches_single_requests(arch, branching):
     count_trees(engine, totals)
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     expected = [engine.generate(p, params, "none").output for p in ps]
-    methods = ["none", "ngram", "draft-model", "eagle"]
-    seqs = [engine.add(p, params, methods[i % 4], k=1 + i % 7) for i, p in enumerate(ps)]
+    methods = ["none", "ngram", "draft-model", "eagle", "medusa"]
+    seqs = [engine.add(p, params, methods[i % len(methods)], k=1 + i % 7) for i, p in enumerate(ps)]
     while not all(s.finished for s in seqs):
         engine.step()
         # a request joins mid-flight: continuous batching

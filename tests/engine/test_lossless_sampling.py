@@ -24,6 +24,8 @@ from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.proposers.eagle import EagleProposer
+from specfleet_engine.proposers.medusa import MedusaProposer
+from specfleet_engine.medusa_head import MedusaConfig, MedusaHead
 from specfleet_engine.sampling import SamplingParams, logits_to_probs, sample_from
 from specfleet_engine.testing import tiny_model
 from specfleet_engine.kernels import rejection
@@ -59,6 +61,8 @@ CASES = [
          choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
     # q from a head reading the target's features (a random one: any q must come out exact)
     Case("eagle head tree (2 children), T=0.8", "eagle", 3, dict(temperature=0.8), 2),
+    # Medusa heads: q of each depth from its own head, whatever the parent (random heads as well)
+    Case("medusa heads tree (2 children), T=0.8", "medusa", 3, dict(temperature=0.8), 2),
 ]
 MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
 
@@ -71,7 +75,11 @@ def models():
     head = EagleHead(HeadConfig.for_target(target, VOCAB), target.args).eval().requires_grad_(False)
     with torch.no_grad():  # sharper than its initialisation: its drafts are accepted and rejected
         head.output.weight.mul_(8.0)
-    return target, draft, head
+    medusa = MedusaHead(MedusaConfig.for_target(target, VOCAB, heads=3), target.args).eval().requires_grad_(False)
+    with torch.no_grad():
+        for out in medusa.outputs:
+            out.weight.mul_(8.0)
+    return target, draft, head, medusa
 
 
 def exact_distribution(model, params: SamplingParams, prompt: list[int]) -> torch.Tensor:
@@ -130,8 +138,9 @@ class Sampled(NamedTuple):
 
 
 def sample_speculatively(models, case: Case, n: int = N) -> Sampled:
-    target, draft, head = models
-    proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target)}
+    target, draft, head, medusa = models
+    proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target),
+                 "medusa": MedusaProposer(medusa, target)}
     engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
                     tree_branching=case.branching, tree_choices=case.choices)
     # max_tokens leaves room for K drafts in every step that makes a scored token

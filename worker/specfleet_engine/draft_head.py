@@ -12,7 +12,11 @@ output is the target's distribution.
 On disk: a directory with `head.safetensors` (the weights and the draft vocabulary) and
 `config.json` (the architecture, and the target it fits: layers, width, vocabulary and a
 fingerprint of its weights); `load_head` refuses a head that does not fit its target, naming what
-differs. The head shares the target's token embeddings (not stored)."""
+differs. The head shares the target's token embeddings (not stored).
+
+What every head file shares (the target it fits, its reduced draft vocabulary, its safetensors
+file) lives here, in `FitsTarget`, `DraftVocabHead`, `save_head` and `load_module`; Medusa's
+heads (medusa_head.py) reuse them."""
 
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -55,8 +60,59 @@ def target_fingerprint(model: Transformer) -> str:
     return h.hexdigest()[:16]
 
 
+class FitsTarget:
+    """What a head's config says of the target it fits (its dataclass fields `target_vocab_size`,
+    `target_dim`, `target_layers`, `target_fingerprint` and `format`), and the checks against a
+    target that name what differs."""
+
+    FORMAT: ClassVar[str]
+    TUPLES: ClassVar[tuple[str, ...]] = ()  # fields JSON holds as lists
+
+    def shape_problems(self, a: ModelArgs) -> list[str]:
+        """How this head does not fit a target of these arguments ([]: its shape fits)."""
+        out = []
+        if self.format != self.FORMAT:
+            out.append(f"format {self.format!r}, this engine reads {self.FORMAT!r}")
+        for what, mine, theirs in (("vocabulary size", self.target_vocab_size, a.vocab_size),
+                                   ("hidden size", self.target_dim, a.dim), ("layers", self.target_layers, a.n_layers)):
+            if mine != theirs:
+                out.append(f"the head was trained for a target with {what} {mine}, this target has {theirs}")
+        return out
+
+    def mismatches(self, target: Transformer) -> list[str]:
+        """How this head does not fit `target` ([]: it fits): its shape, then its weights."""
+        out = self.shape_problems(target.args)
+        if not out and self.target_fingerprint != target_fingerprint(target):
+            out.append(f"the head was trained for a target whose weights' fingerprint is {self.target_fingerprint}, "
+                       f"this target's is {target_fingerprint(target)} (another model of the same shape)")
+        return out
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        for name in self.TUPLES:
+            d[name] = list(d[name])
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict):
+        if d.get("format", cls.FORMAT) != cls.FORMAT:  # another kind of head: say so, not its fields
+            raise HeadMismatch(f"{CONFIG_FILE}: a {d['format']!r} head, where a {cls.FORMAT!r} one is wanted")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"{CONFIG_FILE}: unknown fields {unknown}")
+        missing = sorted(f.name for f in dataclasses.fields(cls)
+                         if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
+        if missing:
+            raise ValueError(f"{CONFIG_FILE}: missing fields {missing}")
+        return cls(**{**d, **{name: tuple(d[name]) for name in cls.TUPLES}})
+
+
 @dataclass(frozen=True)
-class HeadConfig:
+class HeadConfig(FitsTarget):
+    FORMAT: ClassVar[str] = FORMAT
+    TUPLES: ClassVar[tuple[str, ...]] = ("feature_layers",)
+
     feature_layers: tuple[int, ...]
     draft_vocab_size: int
     intermediate_size: int
@@ -77,54 +133,51 @@ class HeadConfig:
                    intermediate_size=intermediate_size or a.intermediate_size, target_vocab_size=a.vocab_size,
                    target_dim=a.dim, target_layers=a.n_layers, target_fingerprint=target_fingerprint(target))
 
-    def shape_problems(self, a: ModelArgs) -> list[str]:
-        """How this head does not fit a target of these arguments ([]: its shape fits)."""
-        out = []
-        if self.format != FORMAT:
-            out.append(f"format {self.format!r}, this engine reads {FORMAT!r}")
-        for what, mine, theirs in (("vocabulary size", self.target_vocab_size, a.vocab_size),
-                                   ("hidden size", self.target_dim, a.dim), ("layers", self.target_layers, a.n_layers)):
-            if mine != theirs:
-                out.append(f"the head was trained for a target with {what} {mine}, this target has {theirs}")
-        return out
-
-    def mismatches(self, target: Transformer) -> list[str]:
-        """How this head does not fit `target` ([]: it fits): its shape, then its weights."""
-        out = self.shape_problems(target.args)
-        if not out and self.target_fingerprint != target_fingerprint(target):
-            out.append(f"the head was trained for a target whose weights' fingerprint is {self.target_fingerprint}, "
-                       f"this target's is {target_fingerprint(target)} (another model of the same shape)")
-        return out
-
     def head_args(self, target_args: ModelArgs) -> ModelArgs:
         """The head's decoder layer: the target's attention shape, one layer."""
         return dataclasses.replace(target_args, n_layers=1, intermediate_size=self.intermediate_size,
                                    vocab_size=self.draft_vocab_size, tie_word_embeddings=False)
 
-    def to_json(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["feature_layers"] = list(self.feature_layers)
-        return d
 
-    @classmethod
-    def from_json(cls, d: dict) -> HeadConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(d) - known)
-        if unknown:
-            raise ValueError(f"{CONFIG_FILE}: unknown fields {unknown}")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING)
-        if missing:
-            raise ValueError(f"{CONFIG_FILE}: missing fields {missing}")
-        return cls(**{**d, "feature_layers": tuple(d["feature_layers"])})
+class DraftVocabHead(nn.Module):
+    """A head scoring a reduced draft vocabulary (`draft_vocab`: row -> the target's token id),
+    which `to_target_logits` maps back to the target's ids."""
+
+    def __init__(self, draft_vocab_size: int):
+        super().__init__()
+        self.register_buffer("draft_vocab", torch.arange(draft_vocab_size), persistent=True)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.draft_vocab_weight().dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.draft_vocab_weight().device
+
+    def draft_vocab_weight(self) -> Tensor:
+        """A weight of the head (its dtype and device are the head's)."""
+        raise NotImplementedError
+
+    def to_target_logits(self, logits: Tensor, vocab_size: int) -> Tensor:
+        """Draft-vocabulary logits [..., Vd] -> the target's vocabulary [..., V] (-inf off the draft
+        vocabulary: the head never drafts those tokens)."""
+        out = logits.new_full((*logits.shape[:-1], vocab_size), float("-inf"))
+        return out.index_copy_(-1, self.draft_vocab, logits)
 
 
-class EagleHead(nn.Module):
+def lm_head_rows(target: Transformer, draft_vocab: Tensor) -> Tensor:
+    """The target's LM-head rows of the draft vocabulary (whatever layout serves it): where a
+    head's projection starts."""
+    return dense_weight(target.output)[draft_vocab]
+
+
+class EagleHead(DraftVocabHead):
     """The head's weights and its two forwards: `forward` over the paged cache (serving), and
     `forward_dense` under an explicit mask (training)."""
 
     def __init__(self, config: HeadConfig, target_args: ModelArgs):
-        super().__init__()
+        super().__init__(config.draft_vocab_size)
         self.config = config
         self.args = args = config.head_args(target_args)
         d = args.dim
@@ -135,26 +188,19 @@ class EagleHead(nn.Module):
         self.layer = Block(args)
         self.norm = RMSNorm(d, args.norm_eps)
         self.output = nn.Linear(d, config.draft_vocab_size, bias=False)
-        # draft vocabulary row -> the target's token id
-        self.register_buffer("draft_vocab", torch.arange(config.draft_vocab_size), persistent=True)
         cos, sin = rope_cache(args, args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.output.weight.dtype
-
-    @property
-    def device(self) -> torch.device:
-        return self.output.weight.device
+    def draft_vocab_weight(self) -> Tensor:
+        return self.output.weight
 
     def init_from(self, target: Transformer, draft_vocab: Tensor) -> EagleHead:
         """A starting point that already drafts something: the target's LM-head rows of the draft
         vocabulary and its last layer's norm; the fusion reads the top feature layer as is."""
         with torch.no_grad():
             self.draft_vocab.copy_(draft_vocab)
-            self.output.weight.copy_(dense_weight(target.output)[draft_vocab])  # whatever layout serves it
+            self.output.weight.copy_(lm_head_rows(target, draft_vocab))
             # the target's final norm, damped: its LM head read the target's next token, the head
             # predicts the one after (a confident start would be confidently wrong)
             self.norm.weight.copy_(target.norm.weight.detach().float() * 0.1)
@@ -205,45 +251,46 @@ class EagleHead(nn.Module):
         sin = self.rope_sin.index_select(0, positions).to(feature.dtype)
         return dense_block(self.layer, self._input(emb, feature), cos, sin, mask, past, queries)
 
-    def to_target_logits(self, logits: Tensor, vocab_size: int) -> Tensor:
-        """Draft-vocabulary logits [R, Vd] -> the target's vocabulary [R, V] (-inf off the draft
-        vocabulary: the head never drafts those tokens)."""
-        out = logits.new_full((logits.shape[0], vocab_size), float("-inf"))
-        return out.index_copy_(1, self.draft_vocab, logits)
 
-
-def save_head(head: EagleHead, out: str | Path) -> Path:
+def save_head(head: DraftVocabHead, out: str | Path) -> Path:
     from safetensors.torch import save_file
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to(torch.bfloat16 if v.is_floating_point() else v.dtype).contiguous()
                for k, v in head.state_dict().items()}
-    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": FORMAT})
+    save_file(tensors, str(out / WEIGHTS_FILE), metadata={"format": head.config.format})
     (out / CONFIG_FILE).write_text(json.dumps(head.config.to_json(), indent=1) + "\n")
     return out
 
 
-def read_config(path: str | Path) -> HeadConfig:
+def read_config(path: str | Path, config_class: type = HeadConfig):
     path = Path(path)
     f = path / CONFIG_FILE
     if not f.is_file():
         raise FileNotFoundError(f"no draft head at {path}: {CONFIG_FILE} is missing")
     try:
-        return HeadConfig.from_json(json.loads(f.read_text()))
+        return config_class.from_json(json.loads(f.read_text()))
     except (json.JSONDecodeError, TypeError) as e:
         raise ValueError(f"{f}: not a draft head config ({e})") from e
 
 
 def load_head(path: str | Path, target: Transformer, dtype: torch.dtype | None = None) -> EagleHead:
-    """The head at `path` for `target` (safetensors only, never a pickle); HeadMismatch names what
-    does not fit."""
+    """The EAGLE head at `path` for `target` (safetensors only, never a pickle); HeadMismatch
+    names what does not fit."""
+    return load_module(path, target, HeadConfig, EagleHead, dtype)
+
+
+def load_module(path: str | Path, target: Transformer, config_class: type, head_class: type,
+                dtype: torch.dtype | None = None):
+    """A head of `head_class` (its config a `config_class`) at `path` for `target`, from
+    safetensors only (never a pickle); HeadMismatch names what does not fit."""
     from safetensors.torch import load_file
     path = Path(path)
-    config = read_config(path)
+    config = read_config(path, config_class)
     problems = config.mismatches(target)
     if problems:
         raise HeadMismatch(f"draft head {path} does not fit the target: " + "; ".join(problems))
-    head = EagleHead(config, target.args)
+    head = head_class(config, target.args)
     state = load_file(str(path / WEIGHTS_FILE))
     missing, unexpected = head.load_state_dict({k: v.float() if v.is_floating_point() else v
                                                 for k, v in state.items()}, strict=False)

@@ -1,16 +1,18 @@
-"""`specfleet train-draft`: an EAGLE head for a target model, in four stages that each resume.
+"""`specfleet train-draft`: an EAGLE head or Medusa heads for a target model, in four stages that each resume.
 
     distill   the engine answers the training prompts (batched; a mix of greedy and sampled answers),
               so the head learns the target's own distribution, not a dataset's
     features  one target forward over each prompt + answer: the features of the head's layers at
               every position, and the target's top next tokens with their probabilities (the labels)
     train     the head, on those, with a progress line and a loss curve; each step unrolls the
-              head on its own outputs (EAGLE-3's training-time test), as it drafts when serving
+              head on its own outputs (EAGLE-3's training-time test), as it drafts when serving;
+              Medusa (`--method medusa`): the sum over heads of each one's cross-entropy on the
+              answer's tokens, head i's weighted 0.8^i
     eval      the head drafts for held-back prompts in the real engine: acceptance by draft
               position and tau (tokens per verify step), greedy output checked against plain
               decoding; a PNG of the loss and the acceptance
 
-Output (`--out DIR`): `config.json` + `head.safetensors` (draft_head.py), what `draft.uri` loads;
+Output (`--out DIR`): `config.json` + `head.safetensors` (draft_head.py, medusa_head.py), what `draft.uri` loads;
 the stages' files under DIR/work (a stage whose file is complete is skipped on a rerun; distill
 and train resume where they stopped)."""
 
@@ -25,6 +27,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from torch import Tensor
@@ -32,6 +35,7 @@ from specfleet_api import limits
 from specfleet_api.enums import DEVICES, Method
 
 from .draft_head import EagleHead, HeadConfig, load_head, save_head
+from .medusa_head import DEFAULT_HEADS, MedusaConfig, MedusaHead, load_medusa_head
 from .engine import Engine
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata
 from .sampling import SamplingParams
@@ -59,7 +63,8 @@ class TrainArgs:
     draft_vocab: int = 4096
     epochs: float = 2.0
     lr: float = 1e-3
-    unroll: int = 2  # draft steps a training row unrolls
+    unroll: int = 2  # draft steps a training row unrolls (EAGLE)
+    heads: int = DEFAULT_HEADS  # Medusa's
     train_batch: int = 8  # sequences an optimizer step
     top_k_labels: int = 8
     seed: int = 0
@@ -289,14 +294,80 @@ def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, t
     return total, losses, hits
 
 
-def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_path: Path, config: HeadConfig) -> EagleHead:
+def medusa_loss(head: MedusaHead, row: dict, feats: torch.Tensor, vocab_row: torch.Tensor,
+                decay: float = 0.8) -> tuple[torch.Tensor, list[float], list[float]]:
+    """The loss of one sequence for Medusa heads: the sum over heads of head i's cross-entropy
+    against the answer's token at t + i + 2 from the features at t (tokens off the draft
+    vocabulary left out), weighted decay^i; and per head its loss and the share of rows whose top
+    draft token is that token."""
+    seq = row["prompt"] + row["output"]
+    n, answer = len(seq), len(row["prompt"])
+    tokens = torch.tensor(seq, dtype=torch.long)
+    lo = max(0, answer - head.config.heads - 1)  # the first row any head needs
+    logits = head(feats[lo:].float())  # [n - lo, heads, Vd]
+    total, losses, hits = 0.0, [], []
+    for i in range(head.config.heads):
+        t = torch.arange(max(lo, answer - i - 2), n - i - 2)  # rows whose label (t + i + 2) is an answer token
+        labels = vocab_row[tokens[t + i + 2]] if len(t) else t
+        keep = (labels >= 0).nonzero().flatten()
+        if len(keep) == 0:
+            losses.append(0.0)
+            hits.append(0.0)
+            continue
+        picked = logits[t[keep] - lo, i]
+        loss = torch.nn.functional.cross_entropy(picked, labels[keep])
+        total = total + loss * decay ** i
+        losses.append(float(loss.detach()))
+        hits.append(float((picked.detach().argmax(1) == labels[keep]).float().mean()))
+    return total, losses, hits
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one kind of head brings to the shared stages: its config, its module, its loss (of a
+    sequence: the loss, and per term its loss and top-1 agreement), how many terms the loss has,
+    its proposer and its loader."""
+
+    config: Callable  # (target, TrainArgs) -> its config
+    module: type
+    loss: Callable  # (head, embeddings, row, feats, top, probs, vocab_row, TrainArgs) -> (loss, [loss], [top-1])
+    terms: Callable  # TrainArgs -> int
+    proposer: Callable  # (head, target) -> proposer
+    load: Callable  # (path, target) -> head
+
+
+def _eagle_proposer(head, target):
+    from .proposers.eagle import EagleProposer
+    return EagleProposer(head, target)
+
+
+def _medusa_proposer(head, target):
+    from .proposers.medusa import MedusaProposer
+    return MedusaProposer(head, target)
+
+
+RECIPES = {
+    Method.EAGLE.value: Recipe(
+        config=lambda target, a: HeadConfig.for_target(target, a.draft_vocab), module=EagleHead,
+        loss=lambda head, emb, row, f, top, p, vocab_row, a: sequence_loss(head, emb, row, f, top, p, vocab_row,
+                                                                           a.unroll),
+        terms=lambda a: a.unroll, proposer=_eagle_proposer, load=load_head),
+    Method.MEDUSA.value: Recipe(
+        config=lambda target, a: MedusaConfig.for_target(target, a.draft_vocab, a.heads), module=MedusaHead,
+        loss=lambda head, emb, row, f, top, p, vocab_row, a: medusa_loss(head, row, f, vocab_row),
+        terms=lambda a: a.heads, proposer=_medusa_proposer, load=load_medusa_head),
+}
+
+
+def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_path: Path, config):
     from safetensors.torch import load_file, save_file
     torch.manual_seed(a.seed)
     data = load_file(str(feats_path))
     eos = list(getattr(tokenizer, "eos_token_ids", None) or model.args.eos_token_ids)
     vocab = draft_vocabulary(rows, config.draft_vocab_size, model.args.vocab_size, eos)
     config = dataclasses.replace(config, draft_vocab_size=len(vocab))
-    head = EagleHead(config, model.args).float()
+    recipe = RECIPES[a.method]
+    head = recipe.module(config, model.args).float()
     ckpt, state_file = work / "train.safetensors", work / "train.json"
     state = json.loads(state_file.read_text()) if state_file.exists() else {"step": 0, "curve": []}
     if ckpt.exists():
@@ -326,8 +397,8 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
         opt.zero_grad()
         losses, hits = [], []
         for r in picks:
-            loss, ls, hs = sequence_loss(head, embeddings, rows[r], data[f"f{r}"], data[f"top{r}"], data[f"p{r}"],
-                                         vocab_row, a.unroll)
+            loss, ls, hs = recipe.loss(head, embeddings, rows[r], data[f"f{r}"], data[f"top{r}"], data[f"p{r}"],
+                                       vocab_row, a)
             if isinstance(loss, torch.Tensor):
                 (loss / batch).backward()
             losses.append(ls)
@@ -335,8 +406,9 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         step += batch
-        mean = [sum(x[j] for x in losses) / len(losses) for j in range(a.unroll)]
-        acc = [sum(x[j] for x in hits) / len(hits) for j in range(a.unroll)]
+        terms = recipe.terms(a)
+        mean = [sum(x[j] for x in losses) / len(losses) for j in range(terms)]
+        acc = [sum(x[j] for x in hits) / len(hits) for j in range(terms)]
         state["curve"].append({"step": step, "loss": mean, "top1": acc, "lr": lr})
         state["step"] = step
         if step % (batch * 25) < batch or step >= total_steps:
@@ -344,11 +416,12 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
             torch.save(opt.state_dict(), work / "optim.pt")
             state_file.write_text(json.dumps(state))
             recent = state["curve"][-25:]
-            rl = [sum(c["loss"][j] for c in recent) / len(recent) for j in range(a.unroll)]
-            ra = [sum(c["top1"][j] for c in recent) / len(recent) for j in range(a.unroll)]
+            rl = [sum(c["loss"][j] for c in recent) / len(recent) for j in range(terms)]
+            ra = [sum(c["top1"][j] for c in recent) / len(recent) for j in range(terms)]
             spent = time.perf_counter() - t0
             log(f"[train] {min(step, total_steps)}/{total_steps} sequences ({step / len(rows):.2f} epochs), "
-                f"loss by draft step {' '.join(f'{x:.3f}' for x in rl)}, top-1 agreement "
+                f"loss by draft {'head' if a.method == Method.MEDUSA else 'step'} "
+                f"{' '.join(f'{x:.3f}' for x in rl)}, top-1 agreement "
                 f"{' '.join(f'{x:.3f}' for x in ra)}, {spent / 60:.1f} min")
     return head.eval().requires_grad_(False)
 
@@ -360,11 +433,10 @@ def float_embeddings(model) -> torch.nn.Embedding:
 
 # -- stage 4: evaluation ---------------------------------------------------------------------
 
-def evaluate(a: TrainArgs, model, tokenizer, head: EagleHead, prompts: list[str], eval_ids: list[int]) -> dict:
+def evaluate(a: TrainArgs, model, tokenizer, head, prompts: list[str], eval_ids: list[int]) -> dict:
     """The head in the real engine, greedy, chains of eval_k: acceptance by draft position, tau,
     and greedy output equal to plain decoding's on every prompt."""
-    from .proposers.eagle import EagleProposer
-    engine = Engine(model, tokenizer, proposers={"eagle": EagleProposer(head, model)}, k_policy="fixed")
+    engine = Engine(model, tokenizer, proposers={a.method: RECIPES[a.method].proposer(head, model)}, k_policy="fixed")
     plain = Engine(model, tokenizer, proposers={})
     reached = [0] * a.eval_k  # steps whose draft had a node at position i
     accepted = [0] * a.eval_k
@@ -374,7 +446,7 @@ def evaluate(a: TrainArgs, model, tokenizer, head: EagleHead, prompts: list[str]
         if not 0 < len(ids) <= a.max_prompt_tokens:
             continue
         params = SamplingParams(max_tokens=a.max_new_tokens)
-        s = engine.add(ids, params, "eagle", a.eval_k)
+        s = engine.add(ids, params, a.method, a.eval_k)
         while not s.finished:
             for out in engine.step():
                 if out.stats is None or out.stats.num_draft_tokens == 0:
@@ -421,13 +493,20 @@ def plot(curve: list[dict], result: dict, path: Path) -> None:
 # -- the command -------------------------------------------------------------------------------
 
 def run(a: TrainArgs) -> dict:
-    if a.method != Method.EAGLE:
-        raise ValueError(f"--method {a.method}: this command trains eagle heads (medusa is not built yet)")
+    if a.method not in RECIPES:
+        raise ValueError(f"--method {a.method}: this command trains {' and '.join(RECIPES)} heads")
+    if a.method == Method.MEDUSA:
+        a = dataclasses.replace(a, eval_k=min(a.eval_k, a.heads))  # a chain has one token a head
     if a.threads:
         torch.set_num_threads(a.threads)
     out = Path(a.out)
     work = out / "work"
     work.mkdir(parents=True, exist_ok=True)
+    made = work / "method"  # the stages' files are one kind of head's: a resume must not mix kinds
+    if made.exists() and made.read_text() != a.method:
+        raise ValueError(f"{work} holds a {made.read_text()} run: resume it with --method {made.read_text()}, "
+                         f"or choose another --out")
+    made.write_text(a.method)
     prompts = read_prompts(a.prompts)
     train_ids, eval_ids = split_prompts(prompts, a.train_prompts, a.eval_prompts, a.seed)
     log(f"train-draft: {a.method} head for {a.target}: {len(train_ids)} training prompts, {len(eval_ids)} held back")
@@ -440,7 +519,8 @@ def run(a: TrainArgs) -> dict:
         spent_file.write_text(json.dumps({k: round(v / 60, 2) for k, v in timings.items()}))
 
     model, tokenizer = load_target(a.target, a.dtype, a.quantization, a.device)
-    config = HeadConfig.for_target(model, a.draft_vocab)
+    recipe = RECIPES[a.method]
+    config = recipe.config(model, a)
     t = time.perf_counter()
     rows_path = distill(a, work, model, tokenizer, prompts, train_ids) if "distill" in a.stages else work / "distill.jsonl"
     spent("distill_s", t)
@@ -462,7 +542,8 @@ def run(a: TrainArgs) -> dict:
         "target": a.target, "prompts": str(a.prompts), "train_prompts": len(rows),
         "answer_tokens": sum(len(r["output"]) for r in rows),
         "sampled_share": a.sampled_share, "temperature": a.temperature,
-        "epochs": a.epochs, "unroll": a.unroll, "draft_vocab": len(head.draft_vocab),
+        "epochs": a.epochs, "draft_vocab": len(head.draft_vocab),
+        **({"heads": a.heads} if a.method == Method.MEDUSA else {"unroll": a.unroll}),
         "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
         "total_minutes": round(sum(timings.values()) / 60, 2), "eval": result,
     }
@@ -471,7 +552,7 @@ def run(a: TrainArgs) -> dict:
     (out / "train-draft.json").write_text(json.dumps({**trained, "curve_points": len(curve)}, indent=1) + "\n")
     if curve and result:
         plot(curve, result, out / "train-draft.png")
-    load_head(out, model)  # what serving will load: it must fit
+    recipe.load(out, model)  # what serving will load: it must fit
     log(f"train-draft: wrote {out} ({trained['total_minutes']} min): acceptance {result.get('acceptance')}, "
         f"tau {result.get('tau')}, greedy == plain on {result.get('greedy_equal_plain')}/{result.get('prompts')}")
     return trained
@@ -492,7 +573,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="go on from the files under DIR/work (the default: a "
                    "stage whose output is complete is never redone; without --resume an existing DIR/work is refused)")
     for name in ("train_prompts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "batch", "draft_vocab",
-                 "unroll", "train_batch", "top_k_labels", "seed", "threads", "eval_k"):
+                 "unroll", "heads", "train_batch", "top_k_labels", "seed", "threads", "eval_k"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
     for name in ("sampled_share", "temperature", "epochs", "lr"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
@@ -508,8 +589,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fields = {f.name for f in dataclasses.fields(TrainArgs)}
     a = TrainArgs(**{k: v for k, v in vars(ns).items() if k in fields})
-    for name in ("train_prompts", "eval_prompts", "max_new_tokens", "batch", "draft_vocab", "unroll", "train_batch",
-                 "top_k_labels", "eval_k"):
+    for name in ("train_prompts", "eval_prompts", "max_new_tokens", "batch", "draft_vocab", "unroll", "heads",
+                 "train_batch", "top_k_labels", "eval_k"):
         if getattr(a, name) < 1:
             print(f"specfleet train-draft: --{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}",
                   file=sys.stderr)

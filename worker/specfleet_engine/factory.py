@@ -43,10 +43,11 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
                        draft_model: str | None = None, threads: int | None = None, device: str = Device.CPU.value,
-                       ngram_corpus_tokens: int = 0, draft_head: str | None = None):
+                       ngram_corpus_tokens: int = 0, draft_head: str | None = None, medusa_head: str | None = None):
     """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`; `device`
     and `ngram_corpus_tokens` as engine.json's (device auto: cuda when torch sees a GPU);
-    draft_head: an EAGLE head's directory (`specfleet train-draft`), refused when it does not fit."""
+    draft_head: an EAGLE head's directory (`specfleet train-draft`), refused when it does not fit;
+    medusa_head: Medusa heads' directory (`specfleet train-draft --method medusa`), likewise."""
     if threads:
         torch.set_num_threads(threads)
     device = device_of(device)
@@ -59,6 +60,8 @@ def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str =
         proposers[Method.DRAFT_MODEL.value] = draft_class(prepare_model(draft_model, dtype, quantization, device=device))
     if draft_head:
         proposers[Method.EAGLE.value] = eagle_proposer(draft_head, model)
+    if medusa_head:
+        proposers[Method.MEDUSA.value] = medusa_proposer(medusa_head, model)
     return model, tokenizer, proposers
 
 
@@ -71,3 +74,12 @@ def eagle_proposer(path: str, model):
 
     head = load_head(bundled_model(path) or path, model).to(model.device)
     return proposer_class(Method.EAGLE)(head, model)
+
+
+def medusa_proposer(path: str, model):
+    """The Medusa proposer of the heads at `path` (a folder) for `model` (HeadMismatch names what
+    does not fit)."""
+    from .medusa_head import load_medusa_head
+
+    head = load_medusa_head(path, model).to(model.device)
+    return proposer_class(Method.MEDUSA)(head, model)

@@ -182,3 +182,32 @@ def tiny_head(target: Transformer, prompts: list[list[int]] | None = None, steps
         loss.backward()
         opt.step()
     return head.eval().requires_grad_(False)
+
+
+def tiny_medusa_head(target: Transformer, prompts: list[list[int]] | None = None, steps: int = 120, seed: int = 0,
+                     heads: int = 4):
+    """Medusa heads for `target`, trained for a few seconds by the real training loss on the
+    target's greedy answers to `prompts` (as `tiny_head`), so that their drafts are often accepted."""
+    from .draft_training import medusa_loss, target_pass
+    from .engine import Engine
+    from .medusa_head import MedusaConfig, MedusaHead
+    from .sampling import SamplingParams
+
+    prompts = prompts or repeating_prompts(8) + branching_prompts(4)
+    engine = Engine(target, proposers={})
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    rows = [{"prompt": p, "output": engine.generate(p, params, "none").output} for p in prompts]
+    vocab = target.args.vocab_size
+    with torch.random.fork_rng():
+        torch.manual_seed(seed)
+        head = MedusaHead(MedusaConfig.for_target(target, vocab, heads), target.args).float()
+        head.init_from(target, torch.arange(vocab))
+    data = target_pass(target, head.config.feature_layers, [r["prompt"] + r["output"] for r in rows], 1)
+    opt = torch.optim.AdamW(head.parameters(), lr=5e-3)
+    for step in range(steps):
+        r = step % len(rows)
+        opt.zero_grad()
+        loss, _, _ = medusa_loss(head, rows[r], data[r][0], torch.arange(vocab))
+        loss.backward()
+        opt.step()
+    return head.eval().requires_grad_(False)

@@ -21,6 +21,10 @@ def proposer_class(method: str) -> type:
         from .eagle import EagleProposer  # its head comes from the factory
 
         return EagleProposer
+    if method == Method.MEDUSA:
+        from .medusa import MedusaProposer  # its heads come from the factory
+
+        return MedusaProposer
     raise ValueError(f"no proposer for draft method {method!r}; proposers exist for {', '.join(SPECULATIVE_METHODS)}")
 
 

@@ -17,6 +17,27 @@ class TokenizerMismatch(ValueError):
     pass
 
 
+def draft_children(seq: SequenceView, row: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor | None, float]]:
+    """A node's `width` children from its draft logits `row` [V]: (token, the q it was drawn
+    from, its draft log-prob).
+
+    Greedy: the top tokens. Sampled: draws without replacement (Gumbel top-k: the order is
+    that of drawing one by one), each with q renormalised over what earlier siblings left."""
+    if seq.params.greedy:
+        logp = torch.log_softmax(row, dim=-1)
+        top = torch.topk(logp, width)
+        return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
+    q = logits_to_probs(row[None], seq.params)[0]
+    keys = q.log() - torch.empty_like(q).exponential_(generator=seq.generator).log()
+    order = torch.topk(keys, min(width, int((q > 0).sum()))).indices.tolist()
+    out, left = [], q.clone()
+    for t in order:
+        cond = left / left.sum()
+        out.append((t, cond, float(q[t].log())))
+        left[t] = 0.0
+    return out
+
+
 class DraftModelProposer:
     name = Method.DRAFT_MODEL.value
     # forwards cost: not cheap; a tree of the top tokens (or draws) at each level, or the children
@@ -118,23 +139,7 @@ class DraftModelProposer:
         return out
 
     def _children(self, seq: SequenceView, row: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor | None, float]]:
-        """A node's `width` children: (token, the q it was drawn from, its draft log-prob).
-
-        Greedy: the top tokens. Sampled: draws without replacement (Gumbel top-k: the order is
-        that of drawing one by one), each with q renormalised over what earlier siblings left."""
-        if seq.params.greedy:
-            logp = torch.log_softmax(row, dim=-1)
-            top = torch.topk(logp, width)
-            return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
-        q = logits_to_probs(row[None], seq.params)[0]
-        keys = q.log() - torch.empty_like(q).exponential_(generator=seq.generator).log()
-        order = torch.topk(keys, min(width, int((q > 0).sum()))).indices.tolist()
-        out, left = [], q.clone()
-        for t in order:
-            cond = left / left.sum()
-            out.append((t, cond, float(q[t].log())))
-            left[t] = 0.0
-        return out
+        return draft_children(seq, row, width)
 
     def _propose_trees(self, seqs: list[SequenceView], ks: list[int], branching: list[int],
                        shape: TreeShape | None = None) -> list[Proposal]:
