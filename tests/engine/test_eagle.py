@@ -11,8 +11,8 @@ import torch
 
 from specfleet_engine.draft_head import EagleHead, HeadConfig, HeadMismatch, load_head, save_head
 from specfleet_engine.draft_training import (
-    TrainArgs, evaluate, float_embeddings, load_target, main, read_prompts, sequence_loss, split_prompts,
-    target_pass, unrolled_rows,
+    OPTIMIZER_FILE, TrainArgs, evaluate, float_embeddings, load_optimizer, load_target, main, read_prompts,
+    save_optimizer, sequence_loss, split_prompts, target_pass, unrolled_rows,
 )
 from specfleet_engine.engine import Engine
 from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
@@ -235,6 +235,27 @@ def test_train_draft_resumes_and_refuses_to_mix_runs(trained, capsys):
     assert "[distill] 40 answers on file: done" in said or "answers on file: done" in said
     assert "[features]" in said and "on file: done" in said
     assert (out / "work" / "distill.jsonl").read_text() == before
+    # what a resume reads is safetensors and JSON: no pickle is written, so none is ever loaded
+    assert (out / "work" / OPTIMIZER_FILE).exists() and not list((out / "work").glob("*.pt"))
+
+
+def test_the_optimizer_resumes_exactly_from_its_safetensors(tmp_path):
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(4, 3))
+    opt = torch.optim.AdamW([w], lr=0.05)
+    for _ in range(3):
+        opt.zero_grad()
+        (w ** 2).sum().backward()
+        opt.step()
+    save_optimizer(opt, tmp_path / OPTIMIZER_FILE)
+    w2 = torch.nn.Parameter(w.detach().clone())
+    opt2 = torch.optim.AdamW([w2], lr=0.05)
+    opt2.load_state_dict(load_optimizer(tmp_path / OPTIMIZER_FILE, opt2))
+    for p, o in ((w, opt), (w2, opt2)):  # the next step is the same as if it had never stopped
+        o.zero_grad()
+        (p ** 2).sum().backward()
+        o.step()
+    assert torch.equal(w, w2)
 
 
 @pytest.mark.parametrize("args, message", [

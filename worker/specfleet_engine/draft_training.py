@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 from torch import Tensor
+
 from specfleet_api import limits
 from specfleet_api.enums import DEVICES, Method
 
@@ -359,6 +360,40 @@ RECIPES = {
 }
 
 
+OPTIMIZER_FILE = "optim.safetensors"  # the optimizer's state for a resume: safetensors too, never a pickle
+
+
+def save_optimizer(opt: torch.optim.Optimizer, path: Path) -> None:
+    """The optimizer's per-parameter tensors as safetensors, its param groups as the file's metadata."""
+    from safetensors.torch import save_file
+
+    sd = opt.state_dict()
+    tensors = {f"{i}.{name}": (v if isinstance(v, torch.Tensor) else torch.tensor(v)).contiguous()
+               for i, st in sd["state"].items() for name, v in st.items()}
+    save_file(tensors, str(path), metadata={"param_groups": json.dumps(sd["param_groups"])})
+
+
+def load_optimizer(path: Path, opt: torch.optim.Optimizer) -> dict:
+    """The state dict `save_optimizer` wrote, for `opt.load_state_dict`.
+
+    >>> import tempfile
+    >>> w = torch.nn.Parameter(torch.ones(2)); opt = torch.optim.AdamW([w], lr=0.1)
+    >>> w.grad = torch.ones(2); opt.step()
+    >>> p = Path(tempfile.mkdtemp()) / OPTIMIZER_FILE; save_optimizer(opt, p)
+    >>> sd = load_optimizer(p, opt); sorted(sd["state"][0]), sd["param_groups"][0]["lr"]
+    (['exp_avg', 'exp_avg_sq', 'step'], 0.1)
+    """
+    from safetensors import safe_open
+
+    state: dict[int, dict] = {}
+    with safe_open(str(path), framework="pt") as f:
+        groups = json.loads(f.metadata()["param_groups"])
+        for key in f.keys():
+            i, name = key.split(".", 1)
+            state.setdefault(int(i), {})[name] = f.get_tensor(key)
+    return {"state": state, "param_groups": groups}
+
+
 def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_path: Path, config):
     from safetensors.torch import load_file, save_file
     torch.manual_seed(a.seed)
@@ -379,8 +414,8 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
     embeddings = float_embeddings(model)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
-    if (work / "optim.pt").exists():
-        opt.load_state_dict(torch.load(work / "optim.pt", weights_only=True))
+    if (work / OPTIMIZER_FILE).exists():
+        opt.load_state_dict(load_optimizer(work / OPTIMIZER_FILE, opt))
     order = list(range(len(rows)))
     total_steps = max(1, math.ceil(a.epochs * len(rows)))
     batch = a.train_batch  # sequences a step
@@ -413,7 +448,7 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
         state["step"] = step
         if step % (batch * 25) < batch or step >= total_steps:
             save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(ckpt))
-            torch.save(opt.state_dict(), work / "optim.pt")
+            save_optimizer(opt, work / OPTIMIZER_FILE)
             state_file.write_text(json.dumps(state))
             recent = state["curve"][-25:]
             rl = [sum(c["loss"][j] for c in recent) / len(recent) for j in range(terms)]
