@@ -21,6 +21,15 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     assert torch.allclose(p, torch.tensor([[1.0, 0.0, 0.0, 0.0]]))
 
 
+@pytest.mark.parametrize("vocab", [111, 49152])  # the full sort, and the partial top-k first
+def test_a_top_p_too_small_for_float32_keeps_the_most_likely_token(vocab):
+    # valid input (in (0, 1]) that rounds to 0 in float32: the fuzzed worker drew 5.4e-61
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)) * 3
+    p = logits_to_probs(logits, SamplingParams(temperature=1.0, top_p=5.4e-61))
+    assert not p.isnan().any()
+    assert (p > 0).sum(-1).tolist() == [1, 1, 1] and p.argmax(-1).tolist() == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("field,kwargs", [
     ("max_tokens", dict(max_tokens=0)),
     ("temperature", dict(temperature=-0.1)),

@@ -74,6 +74,8 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     >>> p = torch.tensor([[0.1, 0.5, 0.15, 0.25]])
     >>> top_p_filter(p, 0.7)                      # 0.5 + 0.25 crosses 0.7
     tensor([[0.0000, 0.6667, 0.0000, 0.3333]])
+    >>> top_p_filter(p, 1e-60)                    # the smallest set is the most likely token
+    tensor([[0., 1., 0., 0.]])
     """
     k = min(probs.shape[-1], TOP_P_CANDIDATES) if probs.device.type == "cpu" else probs.shape[-1]
     top, idx = torch.topk(probs, k, dim=-1) if k < probs.shape[-1] else torch.sort(probs, dim=-1, descending=True)
@@ -81,7 +83,11 @@ def top_p_filter(probs: Tensor, top_p: float) -> Tensor:
     if k < probs.shape[-1] and not bool((mass[:, -1] >= top_p).all()):
         top, idx = torch.sort(probs, dim=-1, descending=True)
         mass = top.cumsum(-1)
-    top = top.masked_fill(mass - top >= top_p, 0.0)
+    drop = mass - top >= top_p
+    # the most likely token always stays: a top_p under float32's smallest number (1e-60 is
+    # valid input) rounds to 0, and `0 >= 0` would drop every token (a row of NaN)
+    drop[..., 0] = False
+    top = top.masked_fill(drop, 0.0)
     out = torch.zeros_like(probs).scatter_(-1, idx, top)
     return out / out.sum(-1, keepdim=True)
 
