@@ -187,8 +187,10 @@ class Runner:
         method = method.removesuffix(TREE).removesuffix(RECYCLE).removesuffix(CORPUS)
         params = SamplingParams(max_tokens=self.max_tokens)
         k = self.k if self.k is not None else engine.default_k
+        # -k: that many drafts every step (the K policy may not move it); else the policy's K
+        bounds = dict(k_min=k, k_max=k) if self.k is not None and method != "none" else {}
         t = time.perf_counter()
-        seq = engine.generate(prompt, params, method, k if method != "none" else 0)
+        seq = engine.generate(prompt, params, method, k if method != "none" else 0, **bounds)
         dt = time.perf_counter() - t
         s = seq.stats
         return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens
