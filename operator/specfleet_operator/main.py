@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import hashlib
 import logging
 import os
+import re
 import signal
 import socket
 import threading
@@ -31,6 +33,7 @@ from .manifests import Settings
 from .redis_state import DefaultRedis
 
 logger = logging.getLogger("specfleet.operator")
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 
 
 @dataclasses.dataclass
@@ -65,6 +68,19 @@ class Options:
         its Lease's namespace/name, unique per chart release."""
         return f"{self.lease_namespace}/{self.lease_name}"
 
+    @property
+    def kopf_prefix(self) -> str:
+        """Where kopf keeps this install's record of each fleet (its handlers' progress, the spec
+        it last handled): an annotation prefix of its own, so two installs watching one namespace
+        never read each other's. Shared, the install that does not own a fleet took the claimant's
+        record of a handled spec for its own (and so never looked at the fleet again), and the
+        reverse could hide a spec change from the claimant. `<lease>.<namespace>.serving.specfleet.dev`,
+        or a hash of the instance where that is no valid annotation prefix."""
+        readable = f"{self.lease_name}.{self.lease_namespace}.{GROUP}"
+        if len(readable) <= 253 and all(_DNS_LABEL.fullmatch(p) for p in readable.split(".")):
+            return readable
+        return f"i{hashlib.sha256(self.instance.encode()).hexdigest()[:10]}.{GROUP}"
+
     def default_redis(self) -> DefaultRedis | None:
         """The fleets' default Redis with its admin password read from the file (OSError naming it)."""
         if not self.redis_url:
@@ -76,9 +92,10 @@ class Options:
 def operator_settings(options: Options) -> kopf.OperatorSettings:
     settings = kopf.OperatorSettings()
     # Progress and the diff base live in annotations: the status schema is ours alone.
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=GROUP)
+    # Each install its own (Options.kopf_prefix); the finalizer is shared (handlers.await_claimant).
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=options.kopf_prefix)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix=GROUP, key="last-handled-configuration")
+        prefix=options.kopf_prefix, key="last-handled-configuration")
     settings.persistence.finalizer = f"{GROUP}/cleanup"
     settings.peering.standalone = True  # the Lease, not kopf peering, decides who runs
     # Watching listed namespaces, the operator holds Roles there and nothing cluster-wide: kopf then

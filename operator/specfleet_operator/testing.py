@@ -17,6 +17,7 @@ import uuid
 from typing import Any, Callable
 
 import attrs
+import jsonpatch
 import kmock
 import kopf
 from kmock._internal import enums
@@ -101,7 +102,13 @@ class Cluster(kmock.KubernetesEmulator):
                             meta["generation"] = live["metadata"].get("generation", 1) + 1
                             deployment_written = request.resource.plural == "deployments"
                     meta["resourceVersion"] = str(next(self._rv))
-        response = await super()._handle(request)
+        try:
+            response = await super()._handle(request)
+        except (jsonpatch.JsonPatchTestFailed, jsonpatch.JsonPatchConflict) as exc:
+            # an API server answers a JSON patch that does not apply 422 Unprocessable Entity (kopf
+            # then patches again on its next cycle); the plain emulator's 500 made kopf retry the
+            # stale patch with backoffs for up to a minute
+            raise kmock.KubernetesError(status=422, reason="Invalid", message=str(exc)) from exc
         if deployment_written and response.status < 300:
             name = request.name or request.data["metadata"]["name"]
             key = (request.resource, request.namespace or request.data["metadata"].get("namespace"), name)

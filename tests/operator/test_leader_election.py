@@ -17,7 +17,8 @@ def holder(cluster):
 
 def handled(cluster, name):
     sdd = cluster.live("serving.specfleet.dev/v1alpha1", "specdecodedeployments", "default", name) or {}
-    return "serving.specfleet.dev/last-handled-configuration" in sdd.get("metadata", {}).get("annotations", {})
+    return any(k.endswith(".serving.specfleet.dev/last-handled-configuration")
+               for k in sdd.get("metadata", {}).get("annotations", {}))
 
 
 async def _failover(cluster, kube, crash, memo_a=None):

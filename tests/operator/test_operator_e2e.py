@@ -249,6 +249,30 @@ async def test_kubectl_objects_conflict_is_handled_as_already_there(cluster, kub
         raise AssertionError("a second create must conflict")
 
 
+async def test_a_json_patch_on_a_stale_resource_version_is_unprocessable(cluster, kube):
+    """What kopf relies on when it writes finalizers: a JSON patch whose `test` of the
+    resourceVersion fails is answered 422 (kopf tries again on its next cycle), not 500 (kopf
+    would retry the stale patch with backoffs for up to a minute)."""
+    path = "api/v1/namespaces/default/configmaps/c"
+    created = await kube.create({"apiVersion": "v1", "kind": "ConfigMap",
+                                 "metadata": {"name": "c", "namespace": "default"}, "data": {"a": "1"}})
+    rv = created["metadata"]["resourceVersion"]
+    patched = await kube.request("PATCH", path, [
+        {"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+        {"op": "add", "path": "/data/b", "value": "2"}], content_type="application/json-patch+json")
+    assert patched["data"] == {"a": "1", "b": "2"}
+    await kube.patch("v1", "ConfigMap", "default", "c", {"data": {"b": "3"}})  # a write since rv
+    try:
+        await kube.request("PATCH", path, [{"op": "test", "path": "/metadata/resourceVersion", "value": rv},
+                                           {"op": "add", "path": "/data/c", "value": "3"}],
+                           content_type="application/json-patch+json")
+    except ApiError as exc:
+        assert exc.status == 422, exc
+    else:
+        raise AssertionError("a JSON patch testing a stale resourceVersion must not apply")
+    assert "c" not in cluster.live("v1", "configmaps", "default", "c")["data"]
+
+
 async def test_control_loop_falls_back_per_prompt_type_and_recovers_through_the_probe(cluster, kube, redis_server):
     """The loop reads the workers' windows in Redis: a prompt type whose alpha collapses falls
     back alone (status, Event, the live state's fallback list), the workers are not restarted, and

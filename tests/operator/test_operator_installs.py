@@ -3,10 +3,12 @@ the real kopf operator on the emulator: exactly one reconciles a fleet (the one 
 claim annotation carries), the other leaves it alone and says so once; removing the claim hands
 the fleet over."""
 import contextlib
+import re
 
 import pytest
 from specfleet_operator import API_VERSION
 from specfleet_operator.handlers import CLAIM_ANNOTATION, CLAIMED_ELSEWHERE
+from specfleet_operator.main import Options
 from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
 
 FAST = {"converge_interval": 0.5}  # the periodic converge: what picks a released fleet up
@@ -58,6 +60,11 @@ async def test_two_installs_never_both_reconcile_one_fleet(cluster, kube):
         await wait_for(lambda: ready(cluster, "chat"), 30, "chat Ready at 2 replicas")
         assert ("default", "chat") not in other.memo["applied_generations"]
         (said,) = events(cluster, CLAIMED_ELSEWHERE)  # once, not once per reconcile
+        # each install keeps its own record of what it handled: shared, the one that leaves the
+        # fleet alone took the claimant's record for its own and never looked at the fleet again
+        notes = cluster.live(API_VERSION, "specdecodedeployments", "default", "chat")["metadata"]["annotations"]
+        for op in (a, b):
+            assert f"{op.options.kopf_prefix}/last-handled-configuration" in notes
         assert owner in said["message"] and CLAIM_ANNOTATION in said["message"]
         # the claimant goes (uninstalled); its claim removed, the other install takes the fleet over
         await mine.stop_and_join()
@@ -78,3 +85,15 @@ async def test_a_fleet_claimed_by_another_install_is_deleted_by_that_install(clu
         await wait_for(lambda: cluster.live(API_VERSION, "specdecodedeployments", "default", "chat") is None, 30,
                        "the fleet to go")
         assert not [d for d in cluster.all_live("apps/v1", "deployments") if d["metadata"]["name"].startswith("chat")]
+
+
+@pytest.mark.parametrize("name,namespace", [("team-a", "default"), ("specfleet", "specfleet-system"),
+                                            ("a" * 63, "b" * 63), ("x" * 200, "ns"), ("my.lease", "ns")])
+def test_each_install_has_a_valid_annotation_prefix_of_its_own(name, namespace):
+    prefix = Options(lease_name=name, lease_namespace=namespace).kopf_prefix
+    assert len(prefix) <= 253 and re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*", prefix)
+    assert all(len(label) <= 63 for label in prefix.split("."))
+    assert prefix.endswith(".serving.specfleet.dev")
+    others = {Options(lease_name=name + "x", lease_namespace=namespace).kopf_prefix,
+              Options(lease_name=name, lease_namespace=namespace + "x").kopf_prefix}
+    assert prefix not in others
