@@ -32,6 +32,9 @@ SLOWDOWN_PERCENT = (1, 100)  # speculation.latencyGuard.maxSlowdownPercent's bou
 INVALID, UNSUPPORTED = "InvalidSpec", "Unsupported"  # the condition reasons a problem earns
 MISSING = "WeightsNotFound"  # weights absent where the check ran (never judged by the operator)
 WEIGHTED_METHODS = (Method.DRAFT_MODEL.value, Method.EAGLE.value, Method.MEDUSA.value)  # need draft.uri
+#: The methods that draft with a learned head on the target (a folder from `specfleet train-draft`),
+#: with what their folder holds, in a problem's words.
+HEAD_KINDS = {Method.EAGLE.value: "EAGLE head", Method.MEDUSA.value: "Medusa heads"}
 
 MODEL_CACHE_ENV = "SPECFLEET_MODEL_CACHE"
 DEFAULT_MODEL_CACHE = "/var/cache/specfleet"
@@ -279,8 +282,8 @@ class EngineConfig:
         return str(found) if found else self.model_name
 
     def draft_source(self, cache: Path | None) -> Path | None:
-        """The folder an EAGLE head is read from: draft.uri's, as is or under `cache`, or a head
-        the image carries under that name; None if absent."""
+        """The folder a learned head (EAGLE or Medusa) is read from: draft.uri's, as is or under
+        `cache`, or a head the image carries under that name; None if absent."""
         if not self.draft_uri:
             return None
         return find_local(self.draft_uri, cache) or bundled_model(self.draft_uri)
@@ -292,7 +295,8 @@ class EngineConfig:
 
     def file_problems(self, cache: Path | None) -> list[Problem]:
         """The weights that this machine lacks, looked for as the worker does: the target as
-        `model_source` says; the draft model's uri as is (not in the cache), or a bundled name."""
+        `model_source` says; the draft model's uri as is (not in the cache), or a bundled name;
+        a learned head's (EAGLE or Medusa) folder as `draft_source` says."""
         out = []
         if self.model_uri is None or uri_path(self.model_uri) is not None:
             if self.target_weights(cache) is None:
@@ -304,10 +308,11 @@ class EngineConfig:
             if not (find_local(self.draft_uri) or bundled_model(self.draft_uri)):
                 out.append(Problem("draft.uri", f"no weights here: no file at {uri_path(self.draft_uri)} (a draft "
                                                 "model is not looked up in the model cache)", MISSING))
-        if self.draft_method == Method.EAGLE and self.draft_uri and uri_path(self.draft_uri) is not None:
+        heads = HEAD_KINDS.get(self.draft_method)
+        if heads and self.draft_uri and uri_path(self.draft_uri) is not None:
             if self.draft_source(cache) is None:
                 looked = " or ".join(str(p) for p in _candidates(self.draft_uri, cache))
-                out.append(Problem("draft.uri", f"no EAGLE head here: no folder at {looked}, and it is not a head "
+                out.append(Problem("draft.uri", f"no {heads} here: no folder at {looked}, and it is not a head "
                                                 f"installed here ({', '.join(BUNDLED_MODELS)})", MISSING))
         return out
 

@@ -17,7 +17,7 @@ class Method(str, Enum):
     NGRAM = "ngram"  # prompt lookup: no parameters, no model
     DRAFT_MODEL = "draft-model"  # a smaller model that shares the target's tokenizer
     EAGLE = "eagle"  # a draft head on the target's features (specfleet train-draft)
-    MEDUSA = "medusa"  # several next-token heads (not served yet)
+    MEDUSA = "medusa"  # heads on the target's last hidden state (specfleet train-draft --method medusa)
     NONE = "none"  # plain decoding
 
     def __str__(self) -> str:
@@ -78,7 +78,7 @@ class UriScheme(str, Enum):
 
 
 METHODS: tuple[str, ...] = tuple(m.value for m in Method)
-SERVED_METHODS: tuple[str, ...] = ("ngram", "draft-model", "eagle", "none")
+SERVED_METHODS: tuple[str, ...] = ("ngram", "draft-model", "eagle", "medusa", "none")
 SPECULATIVE_METHODS: tuple[str, ...] = tuple(m for m in SERVED_METHODS if m != Method.NONE)
 
 K_POLICIES: tuple[str, ...] = tuple(p.value for p in KPolicy)
@@ -115,8 +115,8 @@ DEFAULT_NGRAM_CORPUS_TOKENS = 0
 def not_served(kind: str, value: object, served: tuple[object, ...]) -> str:
     """The one wording for a value the API names but the worker does not serve yet.
 
-    >>> not_served("draft.method", "medusa", SERVED_METHODS)
-    "draft.method 'medusa' is not supported yet; supported: ngram, draft-model, eagle, none"
+    >>> not_served("quantization", "fp8", SERVED_QUANTIZATIONS)
+    "quantization 'fp8' is not supported yet; supported: none, int8"
     >>> not_served("dtype", "float16", SERVED_DTYPES)
     "dtype 'float16' is not supported yet; supported: auto, float32, bfloat16"
     """

@@ -14,7 +14,7 @@ import signal
 import socket
 import sys
 
-from specfleet_api.enums import PROMPT_TYPES, SERVED_METHODS, Method, not_served
+from specfleet_api.enums import METHODS, PROMPT_TYPES, SERVED_METHODS, Method, not_served
 from specfleet_api.limits import OPENAI_DEFAULT_TEMPERATURE
 from specfleet_api.live_state import LiveState
 
@@ -112,6 +112,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             raise ValueError(f"--route {spec!r}: expected TYPE=METHOD, for example code=ngram")
         if t not in PROMPT_TYPES:
             raise ValueError(f"--route {spec!r}: the prompt type must be one of {', '.join(PROMPT_TYPES)}")
+        if m not in METHODS:
+            raise ValueError(f"--route {spec!r}: the method must be one of {', '.join(SERVED_METHODS)}")
         if m not in SERVED_METHODS:
             raise ValueError(f"--route {spec!r}: " + not_served("method", m, SERVED_METHODS))
         routes[t] = m

@@ -71,10 +71,18 @@ def test_canary_replicas_and_image_are_overridden(tmp_path):
     assert {"spec.canary.replicas", "spec.canary.overrides.image", "spec.replicas"} <= said
 
 
-def test_a_spec_with_problems_is_refused_with_the_crds_words():
+def test_a_spec_with_problems_is_refused_with_the_crds_words(tmp_path):
+    reserved = yaml.safe_load((EXAMPLES / "ngram.yaml").read_text())
+    reserved["spec"]["quantization"] = "fp8"
+    (tmp_path / "fp8.yaml").write_text(yaml.safe_dump(reserved))
+    with pytest.raises(SpecError) as e:
+        make_plan(load_resource(tmp_path / "fp8.yaml"), "fp8.yaml")
+    assert any("quantization 'fp8' is not supported yet" in p for p in e.value.problems), e.value.problems
+    # a served method whose heads this machine lacks: refused, naming the folder looked for
     with pytest.raises(SpecError) as e:
         make_plan(load_resource(EXAMPLES / "medusa-tree.yaml"), "medusa-tree.yaml")
-    assert any("is not supported yet" in p for p in e.value.problems), e.value.problems
+    assert any("no Medusa heads here: no folder at /models/llama-3.1-8b-medusa" in p
+               for p in e.value.problems), e.value.problems
     # weights this machine lacks: refused before a worker would fail to load them, with the way out
     with pytest.raises(SpecError) as e:
         make_plan(load_resource(EXAMPLES / "draft-model.yaml"))

@@ -30,13 +30,24 @@ BLOCK_TORCH = ("import sys\n"
 
 def rendered(path: pathlib.Path, tmp_path: pathlib.Path) -> list[pathlib.Path]:
     """engine.json of each role the example runs, as the operator writes it into the ConfigMap."""
-    spec = specs.with_defaults(yaml.safe_load(path.read_text())["spec"])
+    return rendered_spec(yaml.safe_load(path.read_text())["spec"], path.stem, tmp_path)
+
+
+def rendered_spec(spec: dict, stem: str, tmp_path: pathlib.Path) -> list[pathlib.Path]:
+    spec = specs.with_defaults(spec)
     out = []
     for role in ("stable", "canary") if spec.get("canary") else ("stable",):
-        f = tmp_path / f"{path.stem}-{role}.json"
+        f = tmp_path / f"{stem}-{role}.json"
         f.write_text(json.dumps(fs.engine_config(spec, role)))
         out.append(f)
     return out
+
+
+def reserved_spec() -> dict:
+    """The n-gram example with values the API reserves and no worker serves (no example asks for
+    one: every example is served): fp8 weights, and a float16 canary."""
+    spec = yaml.safe_load((ROOT / "deploy" / "examples" / "ngram.yaml").read_text())["spec"]
+    return {**spec, "quantization": "fp8", "canary": {"weight": 5, "overrides": {"dtype": "float16"}}}
 
 
 def test_every_example_has_a_verdict():
@@ -65,6 +76,21 @@ def test_each_example_is_served_or_rejected_before_any_pod(path, tmp_path, capsy
         assert problems and specs.rejection_reason(problems) == specs.UNSUPPORTED
 
 
+def test_a_reserved_value_is_refused_by_the_worker_in_the_operators_words(tmp_path, capsys):
+    """What the operator holds at Unsupported, each role's worker refuses before opening a port."""
+    spec = specs.with_defaults(reserved_spec())
+    problems = specs.problems(spec)
+    assert problems and specs.rejection_reason(problems) == specs.UNSUPPORTED
+    stable, canary = rendered_spec(reserved_spec(), "reserved", tmp_path)
+    for f, words in ((stable, ["quantization 'fp8' is not supported yet"]),
+                     (canary, ["quantization 'fp8' is not supported yet", "dtype 'float16' is not supported yet"])):
+        assert check_config(str(f), files=False) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and all(w in err for w in words), err
+        # the worker would refuse what the operator refuses, in the same words
+        assert all(p.message in err for p in problems if p.field.startswith("spec.") and "overrides" not in p.field)
+
+
 def test_weights_are_looked_for_where_the_check_runs(tmp_path, monkeypatch, capsys):
     """Without --skip-files the check looks for the weights as the worker would: a relative
     path as is or under SPECFLEET_MODEL_CACHE, an absolute one as is."""
@@ -89,7 +115,7 @@ def test_weights_are_looked_for_where_the_check_runs(tmp_path, monkeypatch, caps
 def test_check_config_runs_without_torch(tmp_path):
     """`specfleet serve --check-config` through the CLI, in a process where torch cannot load."""
     served, = rendered(ROOT / "deploy" / "examples" / "draft-model.yaml", tmp_path)
-    rejected, = rendered(ROOT / "deploy" / "examples" / "medusa-tree.yaml", tmp_path)
+    rejected, _ = rendered_spec(reserved_spec(), "reserved", tmp_path)
     code = BLOCK_TORCH + (
         "from specfleet_cli.main import main\n"
         f"rcs = [main(['serve', '--check-config', {str(served)!r}, '--skip-files']),\n"
@@ -100,4 +126,4 @@ def test_check_config_runs_without_torch(tmp_path):
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[-1] == "rcs [0, 2]"
-    assert "draft.method 'medusa' is not supported yet" in result.stderr
+    assert "quantization 'fp8' is not supported yet" in result.stderr

@@ -229,18 +229,11 @@ _NOT_SERVED = "is not supported yet; supported: "
 #: Values the API reserves: the API server rejects each (CEL, the same words as specfleet_api's
 #: not_served) and so does the operator, reason Unsupported, for objects that got past CEL.
 UNSUPPORTED = {
-    "medusa": ({"draft": {"method": "medusa", "uri": "/m/medusa"}}, "spec.draft.method",
-               enums.not_served("draft.method", "medusa", enums.SERVED_METHODS)),
     "fp8": ({"quantization": "fp8"}, "spec.quantization",
             enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS)),
     "fp4": ({"quantization": "fp4"}, "spec.quantization",
             enums.not_served("quantization", "fp4", enums.SERVED_QUANTIZATIONS)),
     "float16": ({"dtype": "float16"}, "spec.dtype", enums.not_served("dtype", "float16", enums.SERVED_DTYPES)),
-    "routing default": ({"routing": {"default": "medusa"}}, "spec.routing.default",
-                        enums.not_served("routing.default", "medusa", enums.SERVED_METHODS)),
-    "canary medusa": ({"canary": {"overrides": {"draft": {"method": "medusa", "uri": "/m/m"}}}},
-                      "spec.canary.overrides.draft.method",
-                      enums.not_served("draft.method", "medusa", enums.SERVED_METHODS)),
     "canary fp8": ({"canary": {"overrides": {"quantization": "fp8"}}}, "spec.canary.overrides.quantization",
                    enums.not_served("quantization", "fp8", enums.SERVED_QUANTIZATIONS)),
     "canary float16": ({"canary": {"overrides": {"dtype": "float16"}}}, "spec.canary.overrides.dtype",
@@ -259,12 +252,32 @@ def test_reserved_values_are_rejected_as_not_supported_yet_by_cel_and_operator(c
     assert specs.rejection_reason(problems) == specs.UNSUPPORTED
 
 
-def test_routes_to_a_reserved_method_are_rejected_by_cel_and_operator():
-    doc = _with({"routing": {"byPromptType": {"code": "ngram", "chat": "medusa"}}})
-    assert cel_failures(doc) == [enums.not_served("routing.byPromptType", "medusa", enums.SERVED_METHODS)]
-    assert specs.problems(doc["spec"]) == [specs.Problem(
-        "spec.routing.byPromptType.chat", enums.not_served("routing.byPromptType.chat", "medusa", enums.SERVED_METHODS),
-        specs.UNSUPPORTED)]
+def test_medusa_is_served_in_the_spec_the_routes_and_the_canary():
+    """No draft method is reserved any more: medusa passes the schema, CEL and the operator as the
+    spec's method, as a route and as the canary's method."""
+    doc = _with({"draft": {"method": "medusa", "uri": "/models/llama-3.1-8b-medusa"},
+                 "routing": {"default": "medusa", "byPromptType": {"code": "ngram", "chat": "medusa"}},
+                 "canary": {"overrides": {"draft": {"method": "medusa", "uri": "/models/other-medusa"}}}})
+    validate_openapi(doc)
+    assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    # its heads are weights: without draft.uri both refuse it, as for eagle
+    doc = _with({"draft": {"method": "medusa"}})
+    assert any("draft.uri is required" in f for f in cel_failures(doc))
+    assert [p.field for p in specs.problems(doc["spec"])] == ["spec.draft.uri"]
+
+
+def test_routes_to_a_method_no_worker_serves_are_the_operators_to_reject(monkeypatch):
+    """Every method the API names is served today; were one reserved again (eagle here, pretended),
+    the operator would hold every route to it at Unsupported, in not_served's words."""
+    from specfleet_api import engine_config
+
+    served = tuple(m for m in enums.SERVED_METHODS if m != "eagle")
+    monkeypatch.setattr(engine_config, "SERVED_METHODS", served)
+    doc = _with({"routing": {"default": "eagle", "byPromptType": {"code": "ngram", "chat": "eagle"}}})
+    assert specs.problems(doc["spec"]) == [
+        specs.Problem("spec.routing.default", enums.not_served("routing.default", "eagle", served), specs.UNSUPPORTED),
+        specs.Problem("spec.routing.byPromptType.chat", enums.not_served("routing.byPromptType.chat", "eagle", served),
+                      specs.UNSUPPORTED)]
 
 
 @pytest.mark.parametrize("over, field, words", [

@@ -1,5 +1,6 @@
 """`kubectl apply --validate=false -f deploy/examples/` against the emulator (no CEL there), then the
-operator: each served example becomes Ready, each reserved one is held at Unsupported, workerless."""
+operator: each served example becomes Ready, each reserved one (and a resource asking for a value
+the API reserves, beside them) is held at Unsupported, workerless."""
 import asyncio
 import pathlib
 import subprocess
@@ -23,14 +24,19 @@ def kubectl_path():
 async def test_kubectl_apply_examples(cluster, tmp_path):
     kubeconfig = tmp_path / "kubeconfig"
     write_kubeconfig(kubeconfig, cluster.endpoint)
+    # every example is served today: beside them, the n-gram one asking for fp8 weights (reserved)
+    reserved = yaml.safe_load((ROOT / "deploy" / "examples" / "ngram.yaml").read_text())
+    reserved["metadata"]["name"], reserved["spec"]["quantization"] = "reserved-fp8", "fp8"
+    (tmp_path / "reserved-fp8.yaml").write_text(yaml.safe_dump(reserved))
     proc = await asyncio.create_subprocess_exec(
         kubectl_path(), f"--kubeconfig={kubeconfig}", "apply", "--validate=false", "-f", str(ROOT / "deploy" / "examples"),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        "-f", str(tmp_path / "reserved-fp8.yaml"), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     out, _ = await asyncio.wait_for(proc.communicate(), 60)
     text = out.decode()
     assert proc.returncode == 0, text
     verdicts = {yaml.safe_load(p.read_text())["metadata"]["name"]: EXAMPLE_VERDICTS[p.stem]
                 for p in (ROOT / "deploy" / "examples").glob("*.yaml")}
+    verdicts["reserved-fp8"] = "rejected"
     for name in verdicts:
         assert f"specdecodedeployment.serving.specfleet.dev/{name} created" in text, text
     served = [n for n, v in verdicts.items() if v == "served"]

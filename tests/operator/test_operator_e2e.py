@@ -178,12 +178,12 @@ def conditions(cluster, name):
 
 async def test_what_no_worker_serves_is_held_unsupported_before_any_pod(cluster, kube):
     """The emulator runs no CEL, as an API server that predates a rule would not: the operator
-    itself holds the reserved example, and a URI scheme only it judges, at Ready=False."""
+    itself holds a reserved quantization, and a URI scheme only it judges, at Ready=False."""
     op = OperatorThread(cluster.endpoint, "op-a").start()
     try:
-        await kube.create(example("medusa-tree"))
+        await kube.create(sdd_body("fp8-tree", quantization="fp8", speculation={"tree": {"branching": 3, "depth": 5}}))
         await kube.create(sdd_body("from-hub", model={"name": "m", "uri": "hf://org/model"}))
-        for name, words in [("llama-medusa", ["draft.method 'medusa' is not supported yet"]),
+        for name, words in [("fp8-tree", ["quantization 'fp8' is not supported yet"]),
                             ("from-hub", ["model.uri scheme 'hf' is not supported yet"])]:
             cond = await wait_for(lambda: conditions(cluster, name).get("Ready", {}).get("reason") == "Unsupported"
                                   and conditions(cluster, name), 20, f"{name} Unsupported")

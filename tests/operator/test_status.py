@@ -85,12 +85,12 @@ def test_workers_from_deployment_wait_for_the_controller():
 
 
 def test_a_spec_no_worker_serves_is_unsupported_not_ready_and_not_speculating():
-    medusa = Problem("spec.draft.method", "draft.method 'medusa' is not supported yet; supported: ngram", "Unsupported")
-    s = compute(Observed(generation=1, problems=(medusa,), draft_method="medusa"), None, T0)
+    fp8 = Problem("spec.quantization", "quantization 'fp8' is not supported yet; supported: none, int8", "Unsupported")
+    s = compute(Observed(generation=1, problems=(fp8,), draft_method="eagle"), None, T0)
     ready, speculating = condition(s, "Ready"), condition(s, "Speculating")
     assert (ready["status"], ready["reason"]) == ("False", "Unsupported") and "not supported yet" in ready["message"]
     assert (speculating["status"], speculating["reason"]) == ("False", "Unsupported")
-    mixed = compute(Observed(generation=1, problems=(medusa, Problem("spec", "set exactly one of ..."))), None, T0)
+    mixed = compute(Observed(generation=1, problems=(fp8, Problem("spec", "set exactly one of ..."))), None, T0)
     assert condition(mixed, "Ready")["reason"] == "InvalidSpec"  # something the user must fix comes first
 
 

@@ -67,7 +67,7 @@ def test_the_routing_table_from_flags_picks_the_method(h, both_arms):
 
 @pytest.mark.parametrize("argv, wrong", [
     (["--route", "poetry=ngram"], "prompt type"),
-    (["--route", "code=medusa"], "not supported yet"),
+    (["--route", "code=medusa2"], "the method must be one of ngram, draft-model, eagle, medusa, none"),
     (["--route", "code"], "TYPE=METHOD"),
     (["--canary-weight", "1.234"], "two decimals"),
     (["--backend", "blue=h:1"], "stable or canary"),
@@ -80,6 +80,19 @@ def test_the_routing_table_from_flags_picks_the_method(h, both_arms):
 def test_bad_flags_say_what_is_wrong(argv, wrong):
     args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", *argv])
     with pytest.raises(ValueError, match=wrong):
+        config_from_args(args)
+
+
+def test_routes_to_every_served_method_are_taken_and_a_reserved_one_is_refused(monkeypatch):
+    from specfleet_router import main as router_main
+
+    args = build_parser().parse_args(["--backend", "stable=127.0.0.1:1", "--route", "code=medusa",
+                                      "--route", "chat=eagle", "--default-method", "medusa"])
+    state = config_from_args(args).state
+    assert (state.default_method, state.routes) == ("medusa", {"code": "medusa", "chat": "eagle"})
+    # no method is reserved today; were one again (eagle, pretended), the flag would say so
+    monkeypatch.setattr(router_main, "SERVED_METHODS", tuple(m for m in router_main.SERVED_METHODS if m != "eagle"))
+    with pytest.raises(ValueError, match="--route 'chat=eagle': method 'eagle' is not supported yet"):
         config_from_args(args)
 
 

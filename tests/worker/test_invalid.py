@@ -34,7 +34,7 @@ BAD = [
     ("top_p above one", dict(prompt_token_ids=OK_PROMPT, top_p=1.5), "top_p"),
     ("top_p NaN", dict(prompt_token_ids=OK_PROMPT, top_p=math.nan), "top_p"),
     ("top_k negative", dict(prompt_token_ids=OK_PROMPT, top_k=-1), "top_k"),
-    ("unknown method", dict(prompt_token_ids=OK_PROMPT, speculation_method="medusa"), "speculation_method"),
+    ("a method the worker lacks", dict(prompt_token_ids=OK_PROMPT, speculation_method="medusa"), "speculation_method"),
     ("empty stop string", dict(prompt="hi", stop=[""]), "stop"),
     ("too many stop strings", dict(prompt="hi", stop=["a"] * 9), "stop"),
     ("oversized request", dict(prompt_token_ids=OK_PROMPT, request_id="x" * 100, stop=["y" * 200] * 300), "request"),

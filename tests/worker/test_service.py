@@ -113,7 +113,7 @@ def test_bad_admin_updates_are_refused_and_change_nothing(worker):
     before = worker.admin.GetConfig(pb.GetConfigRequest())
     for bad, field in [(pb.UpdateConfigRequest(k_min=5, k_max=2), "k_min"),
                        (pb.UpdateConfigRequest(k_max=99), "k_max"),
-                       (pb.UpdateConfigRequest(default_method="medusa"), "default_method"),
+                       (pb.UpdateConfigRequest(default_method="draft-model"), "default_method"),  # a method it lacks
                        (pb.UpdateConfigRequest(method_by_prompt_type={"chat": "eagle"}), "method_by_prompt_type")]:
         with pytest.raises(grpc.RpcError) as e:
             worker.admin.UpdateConfig(bad)
