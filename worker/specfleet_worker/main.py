@@ -19,7 +19,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from specfleet_api.engine_config import model_cache
+from specfleet_api.engine_config import HEAD_KINDS, model_cache
 from specfleet_api.enums import Method
 
 from .config import EngineConfig, LiveConfig
@@ -103,14 +103,16 @@ def check_config(path: str, *, files: bool = True) -> int:
         return 2
     problems = cfg.problems()
     if files and not problems:
-        problems = cfg.file_problems(model_cache())
-    if files and not problems and cfg.draft_method == Method.EAGLE:
+        # the tests' tiny model is built in memory, as `_build_engine` does: no file to look for
+        problems = [p for p in cfg.file_problems(model_cache()) if not (p.field == "model.uri" and _tiny(cfg))]
+    if files and not problems and cfg.draft_method in HEAD_KINDS:
         problems = head_problems(cfg)
     for problem in problems:
         print(f"{path}: {problem}", file=sys.stderr)
     if problems:
         return 2
-    weights = cfg.target_weights(model_cache()) if files else "weights not checked: --skip-files"
+    weights = (TINY_MODEL if _tiny(cfg) else cfg.target_weights(model_cache())) if files else \
+        "weights not checked: --skip-files"
     guard = f", latency guard {cfg.max_slowdown * 100:g}%" if cfg.max_slowdown is not None else ""
     shape = f", tree choices {len(cfg.tree_choices)} nodes" if cfg.tree_choices else ""
     print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}, "
@@ -118,21 +120,30 @@ def check_config(path: str, *, files: bool = True) -> int:
     return 0
 
 
+def _tiny(cfg: EngineConfig) -> bool:
+    """Whether engine.json names the tests' tiny random model (built in memory, no weights)."""
+    return TINY_MODEL in (cfg.model_name, cfg.model_uri)
+
+
 def head_problems(cfg: EngineConfig) -> list[str]:
-    """Why the EAGLE head at draft.uri cannot serve the target, read from the files' headers
-    (the head's config, the target's metadata: no weights loaded); [] when it fits. The weights'
-    fingerprint is checked when the worker loads them."""
-    from specfleet_engine.draft_head import read_config
+    """Why the learned head at draft.uri (an EAGLE head, or Medusa heads, as draft.method says)
+    cannot serve the target, read from the files' headers (the head's config, the target's
+    metadata: no weights loaded); [] when it fits. The weights' fingerprint is checked when the
+    worker loads them."""
+    from specfleet_engine.draft_head import HeadConfig, read_config
     from specfleet_engine.loader import read_model_args
+    from specfleet_engine.medusa_head import MedusaConfig
     from specfleet_engine.testing import tiny_args
 
+    config_class = MedusaConfig if cfg.draft_method == Method.MEDUSA else HeadConfig
     try:
-        head = read_config(_draft_source(cfg))
+        head = read_config(_draft_source(cfg), config_class)
         source = _model_source(cfg)
-        args = tiny_args() if TINY_MODEL in (cfg.model_name, cfg.model_uri) else read_model_args(source)
+        args = tiny_args() if _tiny(cfg) else read_model_args(source)
     except (OSError, ValueError) as e:
         return [f"draft.uri: {e}"]
-    return [f"draft.uri: the head does not fit the target: {p}" for p in head.shape_problems(args)]
+    what = "the Medusa heads do" if cfg.draft_method == Method.MEDUSA else "the head does"
+    return [f"draft.uri: {what} not fit the target: {p}" for p in head.shape_problems(args)]
 
 
 def on_short_lived_thread(fn: Callable[[], T]) -> T:
@@ -182,23 +193,25 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
 
     if threads:
         torch.set_num_threads(threads)
-    if TINY_MODEL in (cfg.model_name, cfg.model_uri):
+    if _tiny(cfg):
         from specfleet_engine.testing import CharTokenizer, tiny_model
 
         model, tokenizer = tiny_model(seed=0, scale=4.0), CharTokenizer()
         proposers = default_proposers(cfg.ngram_corpus_tokens)
-        if cfg.draft_method == Method.EAGLE:
-            from specfleet_engine.factory import eagle_proposer
+        if cfg.draft_method in HEAD_KINDS:
+            from specfleet_engine.factory import eagle_proposer, medusa_proposer
 
-            proposers[Method.EAGLE.value] = eagle_proposer(_draft_source(cfg), model)
+            learned = eagle_proposer if cfg.draft_method == Method.EAGLE else medusa_proposer
+            proposers[cfg.draft_method] = learned(_draft_source(cfg), model)
     else:
         from specfleet_engine.factory import build_engine_parts
 
         draft = cfg.draft_uri if cfg.draft_method == Method.DRAFT_MODEL else None
         head = _draft_source(cfg) if cfg.draft_method == Method.EAGLE else None
+        medusa = _draft_source(cfg) if cfg.draft_method == Method.MEDUSA else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
                                                          device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens,
-                                                         draft_head=head)
+                                                         draft_head=head, medusa_head=medusa)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
                     tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, tree_choices=cfg.tree_choices,
                     max_slowdown=cfg.max_slowdown, prefill_chunk=prefill_chunk or None)
