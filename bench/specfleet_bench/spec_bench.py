@@ -31,7 +31,7 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "default ../shared/data/spec_bench/question.dev.jsonl")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma-separated PRECISION/METHOD: precision fp32|bf16|int8, method none|ngram|eagle "
+                   help="comma-separated PRECISION/METHOD: precision fp32|bf16|int8, method none|ngram|eagle|medusa "
                         "(+ -tree for trees); "
                         "hf/plain and hf/lookup run HF transformers' generate (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
@@ -46,6 +46,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-head", default=BUNDLED_EAGLE_HEAD,
                    help="the EAGLE head of eagle configs: a folder from `specfleet train-draft`, or a bundled "
                         "head's name (default %(default)s)")
+    p.add_argument("--medusa-heads", default=None, metavar="FOLDER",
+                   help="the Medusa heads of medusa configs (required by them): a folder from "
+                        "`specfleet train-draft --method medusa` for --model")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="prompt_lookup_num_tokens for hf/lookup")
     p.add_argument("--threads", type=int, default=None)
     p.add_argument("--out", type=Path, default=Path("results/bench.json"), help="JSON results")
@@ -83,11 +86,11 @@ class Run:
 PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + tuple(
     q for q in SERVED_QUANTIZATIONS if q != Quantization.NONE)
 #: METHOD names of --configs (no smaller model shares SmolLM2's tokenizer, so no draft model;
-#: eagle drafts with the head at --draft-head); METHOD + TREE drafts trees (up to --tree-branching
+#: eagle drafts with the head at --draft-head, medusa with the heads at --medusa-heads); METHOD + TREE drafts trees (up to --tree-branching
 #: children a node), the rest chains;
 #: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens);
 #: ngram [+ CORPUS] + RECYCLE (before any TREE) also drafts the target's own top next tokens (--recycle)
-METHODS = (Method.NONE.value, Method.NGRAM.value, Method.EAGLE.value)
+METHODS = (Method.NONE.value, Method.NGRAM.value, Method.EAGLE.value, Method.MEDUSA.value)
 TREE, CORPUS, RECYCLE = "-tree", "-corpus", "-recycle"
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
@@ -126,7 +129,7 @@ class Runner:
 
     def __init__(self, model_name: str, precisions: set[str], want_hf: bool, max_tokens: int, k: int | None,
                  tree_branching: int = 4, corpus_tokens: int = CORPUS_TOKENS, recycle: int = RECYCLE_TOP,
-                 draft_head: str = BUNDLED_EAGLE_HEAD):
+                 draft_head: str = BUNDLED_EAGLE_HEAD, medusa_heads: str | None = None):
         import torch
 
         from specfleet_engine.engine import Engine
@@ -135,7 +138,7 @@ class Runner:
 
         self.tokenizer = load_tokenizer(model_name)
         self.max_tokens, self.k, self.tree_branching, self.corpus_tokens = max_tokens, k, tree_branching, corpus_tokens
-        self.recycle, self.draft_head = recycle, draft_head
+        self.recycle, self.draft_head, self.medusa_heads = recycle, draft_head, medusa_heads
         self.proposers: dict[tuple[str, str], object] = {}  # (precision, method): its own n-gram proposer
         self.engines = {}
         for prec in sorted(precisions):
@@ -178,6 +181,10 @@ class Runner:
             from specfleet_engine.factory import eagle_proposer
 
             engine.proposers[Method.EAGLE.value] = eagle_proposer(self.draft_head, engine.model)
+        if method.removesuffix(TREE) == Method.MEDUSA and Method.MEDUSA.value not in engine.proposers:
+            from specfleet_engine.factory import medusa_proposer
+
+            engine.proposers[Method.MEDUSA.value] = medusa_proposer(self.medusa_heads, engine.model)
         recycle = method.removesuffix(TREE).endswith(RECYCLE)
         corpus = method.removesuffix(TREE).removesuffix(RECYCLE).endswith(CORPUS)
         if (prec, method) not in self.proposers:
@@ -323,6 +330,9 @@ def run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = parse_configs(args.configs)
+    if any(m.removesuffix(TREE) == Method.MEDUSA for _, m in configs) and not getattr(args, "medusa_heads", None):
+        raise ValueError("--configs: medusa configs need --medusa-heads FOLDER (`specfleet train-draft --method "
+                         "medusa` makes one for --model)")
     questions = load_questions(args.questions or default_questions(), args.per_category)
     precisions = {p for p, _ in configs if p != "hf"}
     console.print(f"[bold]specfleet bench[/]: {len(questions)} questions, configs {', '.join(f'{p}/{m}' for p, m in configs)}, "
@@ -330,7 +340,8 @@ def run_bench(args) -> int:
     with console.status("loading models"):
         runner = Runner(args.model, precisions, any(p == "hf" for p, _ in configs), args.max_tokens, args.k,
                         getattr(args, "tree_branching", 4), getattr(args, "corpus_tokens", CORPUS_TOKENS),
-                        getattr(args, "recycle", RECYCLE_TOP), getattr(args, "draft_head", BUNDLED_EAGLE_HEAD))
+                        getattr(args, "recycle", RECYCLE_TOP), getattr(args, "draft_head", BUNDLED_EAGLE_HEAD),
+                        getattr(args, "medusa_heads", None))
         bandwidth = memory_bandwidth_gbs()
     from specfleet_engine.kernels import cpu_gemm
 

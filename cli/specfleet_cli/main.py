@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from specfleet_api import limits
 from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
@@ -81,6 +82,9 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     p.add_argument("--draft-head", default=BUNDLED_EAGLE_HEAD,
                    help="the EAGLE head for --method eagle: a folder from `specfleet train-draft`, or a bundled "
                         "head's name (default %(default)s, for smollm2-135m)")
+    p.add_argument("--medusa-heads", default=None, metavar="FOLDER",
+                   help="the Medusa heads for --method medusa (required with it): a folder from "
+                        "`specfleet train-draft --method medusa` for --model")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=limits.WIRE_DEFAULT_TEMPERATURE,
@@ -116,6 +120,12 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
 
             return run_demo(args.per_category, args.max_tokens)
         if args.command == "generate":
+            if args.method == Method.MEDUSA and not args.medusa_heads:
+                parser.error("--method medusa needs --medusa-heads FOLDER (`specfleet train-draft --method medusa` "
+                             "makes one for your model)")
+            if args.method == Method.MEDUSA and not Path(args.medusa_heads).is_dir():  # before loading the model
+                raise FileNotFoundError(f"--medusa-heads {args.medusa_heads}: no such folder (Medusa heads are a "
+                                        "folder from `specfleet train-draft --method medusa`)")
             return _generate(args)
     except (ValueError, FileNotFoundError) as e:
         print(f"specfleet {args.command}: error: {e}", file=sys.stderr)
@@ -145,8 +155,10 @@ def _generate(args) -> int:
     from specfleet_engine.sampling import SamplingParams
 
     head = args.draft_head if args.method == Method.EAGLE else None
+    medusa = args.medusa_heads if args.method == Method.MEDUSA else None
     model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
-                                                     args.draft_model, args.threads, draft_head=head)
+                                                     args.draft_model, args.threads, draft_head=head,
+                                                     medusa_head=medusa)
     engine = Engine(model, tokenizer, proposers=proposers)
     if args.method != Method.NONE:
         engine.calibrate(sizes=list(range(1, args.k + 2)))  # adaptive K prices drafts with these costs

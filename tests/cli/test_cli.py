@@ -57,6 +57,18 @@ def test_bench_runs_end_to_end_on_smollm2(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 0 and out_json.with_suffix(".md").exists()
 
 
+def test_generate_and_bench_with_medusa_need_the_heads_folder_and_name_a_missing_one(tmp_path):
+    """Medusa heads are trained per model (no bundled ones): --method medusa (a medusa bench
+    config) without --medusa-heads, or with a folder that is not there, exits 2 saying which,
+    before any model loads."""
+    out = specfleet("generate", "Hi", "--method", "medusa")
+    assert out.returncode == 2 and "--method medusa needs --medusa-heads FOLDER" in out.stderr
+    out = specfleet("generate", "Hi", "--method", "medusa", "--medusa-heads", str(tmp_path / "nowhere"))
+    assert out.returncode == 2 and f"--medusa-heads {tmp_path / 'nowhere'}: no such folder" in out.stderr
+    out = specfleet("bench", "--configs", "fp32/medusa-tree")
+    assert out.returncode == 2 and "medusa configs need --medusa-heads FOLDER" in out.stderr
+
+
 @pytest.mark.slow
 def test_generate_drafts_with_the_bundled_eagle_head_and_names_a_missing_one():
     out = specfleet("generate", "Write a short story about a robot.", "--method", "eagle", "--max-tokens", "24",
