@@ -301,8 +301,12 @@ def step(sample: Sample | None, state: KeyState, policy: SloPolicy, now: float
     state = dataclasses.replace(state, verdict=verdict)
     dwelled = state.since is None or now - state.since >= policy.min_dwell_s
     if state.mode == SPECULATIVE:
+        # the baseline learns from windows whose alpha is itself clear of its line: a window healthy
+        # on its speedup alone (a collapsed type whose K fell to 0 loses little time) says nothing
+        # of alpha, and learning from it would walk the baseline down to meet the collapse
         if verdict == HEALTHY and sample is not None and sample.alpha is not None \
-                and sample.draft_tokens >= policy.min_draft_tokens:
+                and sample.draft_tokens >= policy.min_draft_tokens and sample.alpha_bounds is not None \
+                and _judge_bounds(sample, state, policy, 0.0)[0] == HEALTHY:
             base, tokens = learn_baseline(state, sample.alpha, sample.draft_tokens, policy)
             return dataclasses.replace(state, baseline=base, baseline_tokens=tokens, reason=why), None
         if verdict == MISSED and policy.enabled:

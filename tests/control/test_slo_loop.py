@@ -302,6 +302,22 @@ def test_windows_too_thin_for_alpha_add_up_to_a_baseline_though_each_one_s_speed
     assert after[-1].memory.fallback_types() == ("code",), after[-1].memory.keys[type_key("code")]
 
 
+def test_windows_healthy_on_their_speedup_alone_never_walk_the_baseline_down_to_a_collapse():
+    """A collapsing type whose K fell to 0 loses little time: each window's speedup is healthy while
+    its alpha sits between the line and the baseline, not yet clear of either. Those windows say
+    nothing of alpha, so the baseline does not learn from them (it learnt from the kept evidence
+    again at every tick, and walked down to meet the collapse, which then never missed); their
+    evidence adds up until the alpha is clearly under half the baseline."""
+    ticks = run([obs(code=window(0.65))] * 2)
+    base = ticks[-1].memory.keys[type_key("code")].baseline
+    assert base == pytest.approx(0.65, abs=0.001)
+    sliding = window(0.24, speedup=1.0, drafted=30, requests=4)  # the line 0.325: unclear for a while
+    after = run([obs(code=sliding)] * 12, memory=ticks[-1].memory, start=1030.0)
+    assert [t.memory.keys[type_key("code")].baseline for t in after] == [base] * len(after)
+    assert after[-1].memory.fallback_types() == ("code",), after[-1].memory.keys[type_key("code")]
+    assert any("under 0.5 x its baseline 0.650" in m for t in after for _, m in t.events)
+
+
 def test_a_quiet_probe_adds_up_until_it_can_judge_and_speculation_returns():
     """A type in fallback on a slow machine: its probes (a few percent of its requests) finish one
     request every 13 windows. Evidence too thin to judge keeps adding up past the twelve windows
