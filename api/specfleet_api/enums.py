@@ -29,6 +29,9 @@ class KPolicy(str, Enum):
 
     ADAPTIVE = "adaptive"  # per-request ceiling from its acceptance window, then the cost-aware choice
     FIXED = "fixed"  # always the request's K, clamped to the bounds
+    # the adaptive draft, verified where the draft's cumulative probability of the path clears a threshold
+    CONFIDENCE = "confidence"
+    ENTROPY = "entropy"  # the adaptive draft, verified up to the first position whose draft entropy is high
 
     def __str__(self) -> str:
         return self.value

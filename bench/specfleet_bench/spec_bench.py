@@ -18,7 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
-from specfleet_api.enums import DTYPE_ALIASES, SERVED_DTYPES, SERVED_QUANTIZATIONS, Method, Quantization
+from specfleet_api.enums import (
+    DTYPE_ALIASES, SERVED_DTYPES, SERVED_K_POLICIES, SERVED_QUANTIZATIONS, Method, Quantization,
+)
 
 from .questions import default_questions, load_questions
 
@@ -31,8 +33,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "default ../shared/data/spec_bench/question.dev.jsonl")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
-                   help="comma-separated PRECISION/METHOD: precision fp32|bf16|int8, method none|ngram|eagle|medusa "
-                        "(+ -tree for trees); "
+                   help="comma-separated PRECISION/METHOD[@KPOLICY]: precision fp32|bf16|int8, method "
+                        "none|ngram|eagle|medusa (+ -tree for trees), kPolicy " + "|".join(SERVED_K_POLICIES) +
+                        " (default: adaptive; fp32/eagle@confidence,fp32/eagle@entropy compare them in one run); "
                         "hf/plain and hf/lookup run HF transformers' generate (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
     p.add_argument("--max-tokens", type=int, default=128)
@@ -95,6 +98,7 @@ TREE, CORPUS, RECYCLE = "-tree", "-corpus", "-recycle"
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
 HF_METHODS = ("plain", "lookup")
+POLICY = "@"  # METHOD@KPOLICY: the configuration's K policy (speculation.kPolicy), else the engine's adaptive
 BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
 
 
@@ -109,7 +113,11 @@ def precision_parts(prec: str) -> tuple[str, str]:
 def parse_configs(spec: str) -> list[tuple[str, str]]:
     out = []
     for item in spec.split(","):
-        prec, _, method = item.strip().partition("/")
+        prec, _, named = item.strip().partition("/")
+        method, at, policy = named.partition(POLICY)
+        if at and (policy not in SERVED_K_POLICIES or method == Method.NONE.value or prec == "hf"):
+            raise ValueError(f"--configs: {item!r}: @KPOLICY must be one of {', '.join(SERVED_K_POLICIES)}, "
+                             "after a speculative method of the engine")
         chain = method.removesuffix(TREE)
         base = chain.removesuffix(RECYCLE).removesuffix(CORPUS)
         ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)
@@ -117,8 +125,9 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
             prec == "hf" and method in HF_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
-                             f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}], or hf/{'|hf/'.join(HF_METHODS)})")
-        out.append((prec, method))
+                             f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}][{POLICY}KPOLICY], or "
+                             f"hf/{'|hf/'.join(HF_METHODS)})")
+        out.append((prec, named))
     if BASELINE not in out:
         out.insert(0, BASELINE)
     return out
@@ -140,6 +149,7 @@ class Runner:
         self.max_tokens, self.k, self.tree_branching, self.corpus_tokens = max_tokens, k, tree_branching, corpus_tokens
         self.recycle, self.draft_head, self.medusa_heads = recycle, draft_head, medusa_heads
         self.proposers: dict[tuple[str, str], object] = {}  # (precision, method): its own n-gram proposer
+        self.policies: dict[tuple[str, str], object] = {}  # (precision, kPolicy): its own state, the engine's costs
         self.engines = {}
         for prec in sorted(precisions):
             dtype, quant = precision_parts(prec)
@@ -173,9 +183,14 @@ class Runner:
             while toks and toks[-1] in self.tokenizer.eos_token_ids:
                 toks.pop()  # our engine does not count the EOS token either
             return toks, dt, len(toks), 0, 0
+        from specfleet_engine.k_policies import make_policy
         from specfleet_engine.proposers import NgramProposer
 
+        method, _, policy = method.partition(POLICY)
         engine = self.engines[prec]
+        if policy and (prec, policy) not in self.policies:
+            self.policies[prec, policy] = make_policy(policy, engine.costs)
+        default_policy = engine.k_policy
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
         if method.removesuffix(TREE) == Method.EAGLE and Method.EAGLE.value not in engine.proposers:
             from specfleet_engine.factory import eagle_proposer
@@ -196,9 +211,13 @@ class Runner:
         k = self.k if self.k is not None else engine.default_k
         # -k: that many drafts every step (the K policy may not move it); else the policy's K
         bounds = dict(k_min=k, k_max=k) if self.k is not None and method != "none" else {}
-        t = time.perf_counter()
-        seq = engine.generate(prompt, params, method, k if method != "none" else 0, **bounds)
-        dt = time.perf_counter() - t
+        engine.k_policy = self.policies[prec, policy] if policy else default_policy
+        try:
+            t = time.perf_counter()
+            seq = engine.generate(prompt, params, method, k if method != "none" else 0, **bounds)
+            dt = time.perf_counter() - t
+        finally:
+            engine.k_policy = default_policy
         s = seq.stats
         return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens
 

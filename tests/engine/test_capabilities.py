@@ -75,10 +75,11 @@ def test_the_targets_top_tokens_reach_a_proposer_that_asks_for_them():
 def test_the_shipped_proposers_declare_theirs():
     assert NgramProposer.capabilities == Capabilities(cheap=True, trees=True)
     assert NgramProposer(recycle=4).capabilities.target_top_k == 4 and NgramProposer.capabilities.target_top_k == 0
-    assert DraftModelProposer.capabilities == Capabilities(trees=True, shapes=True)
+    assert DraftModelProposer.capabilities == Capabilities(trees=True, shapes=True, draft_stats=True)
     target = tiny_model(seed=1)
     head = EagleHead(HeadConfig.for_target(target, 16, feature_layers=(0, 1)), target.args)
-    assert EagleProposer(head, target).capabilities == Capabilities(trees=True, shapes=True, target_layers=(0, 1))
+    assert EagleProposer(head, target).capabilities == Capabilities(trees=True, shapes=True, target_layers=(0, 1),
+                                                                    draft_stats=True)
 
 
 class Undeclared(Recording):

@@ -38,7 +38,7 @@ def test_every_api_policy_has_an_implementation():
     costs = linear_costs(1.0, 0.1)
     assert [make_policy(name, costs).name for name in K_POLICIES] == list(K_POLICIES)
     with pytest.raises(ValueError, match="kPolicy must be one of"):
-        make_policy("confidence", costs)
+        make_policy("eagle2", costs)
 
 
 def test_expected_tokens_is_the_geometric_series():

@@ -13,6 +13,7 @@ import pytest
 
 from specfleet_engine.draft_head import target_fingerprint
 from specfleet_engine.engine import Engine
+from specfleet_engine.k_policies import ConfidencePolicy, EntropyPolicy
 from specfleet_engine.proposers import Capabilities, NgramProposer, Proposal
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.proposers.eagle import EagleProposer
@@ -314,3 +315,55 @@ def test_a_tree_never_verifies_more_nodes_than_a_kv_reservation_leaves_room_for(
                     biggest = max(biggest, out.stats.num_draft_tokens)
         assert seq.output == plain
     assert biggest == MAX_DRAFT_NODES  # the draft model's 8 x 16 tree was cut to the cap
+
+
+def counting_nodes(policy) -> dict[str, Counter]:
+    """Wraps a policy's select_nodes: per method, nodes drafted and kept (proposals with stats apart)."""
+    counts: dict[str, Counter] = {}
+    select = policy.select_nodes
+
+    def counted(seqs, proposals, *a, **kw):
+        out = select(seqs, proposals, *a, **kw)
+        for s, p, keep in zip(seqs, proposals, out):
+            c = counts.setdefault(s.method, Counter())
+            c["drafted"] += len(p.draft_tokens)
+            c["kept"] += len(keep)
+            c["told"] += p.stats is not None
+        return out
+
+    policy.select_nodes = counted
+    return counts
+
+
+@pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
+@pytest.mark.parametrize("policy", ["confidence", "entropy"])
+def test_the_threshold_k_policies_match_plain_decoding(policy, branching):
+    """The confidence and entropy policies verify part of each draft, alone and in a continuous
+    batch of every method (n-gram drafts, without a distribution, get the adaptive choice): outputs
+    equal plain decoding, and the threshold must have pruned nodes and kept others."""
+    target = tiny_model(seed=1, scale=4.0)
+    ps = repeating_prompts(4, seed=5) + (branching_prompts(2) if branching > 1 else [])
+    engine = Engine(target, proposers=proposers_for(target, ps), tree_branching=branching)
+    engine.costs.set_curve({r: 1.0 + 0.01 * (r - 1) for r in range(1, 200)})  # rows cheap: draft deep, then prune
+    # the heads trained on these prompts are sure of most drafts: thresholds that prune some
+    engine.k_policy = ConfidencePolicy(engine.costs, min_confidence=0.9) if policy == "confidence" else \
+        EntropyPolicy(engine.costs, max_entropy=0.3)
+    counts = counting_nodes(engine.k_policy)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [engine.generate(p, params, "none").output for p in ps]
+    totals = {m: Counter() for m in METHODS}
+    for method in METHODS:
+        for p, want in zip(ps, expected):
+            seq = engine.generate(p, params, method, 8)
+            assert seq.output == want, (policy, method)
+            tally(totals, seq)
+    seqs = [engine.add(p, params, METHODS[i % len(METHODS)], k=8) for i, p in enumerate(ps)]
+    while not all(s.finished for s in seqs):
+        engine.step()
+    assert [s.output for s in seqs] == expected
+    assert_every_proposer_drafted(totals)
+    for method in ("draft-model", "eagle", "medusa"):
+        c = counts[method]
+        assert 0 < c["kept"] < c["drafted"] and c["told"] > 0, f"{policy} {method}: kept {c['kept']} of {c['drafted']}"
+    assert counts["ngram"]["told"] == 0 and counts["ngram"]["kept"] > 0
+    assert engine.cache.allocator.num_used == 0

@@ -6,9 +6,11 @@ first verify step decides tokens 2 to K+1: with K up to 3, every draft position 
 seeded speculative generations must land within a total-variation bound calibrated by drawing as
 many samples from the exact distribution itself, and must have judged drafts at every position
 (accepted and rejected). Chains and trees alike: the tree cases must have verified branching
-trees (siblings tried in turn, each rejection leaving the residual). The same check, on 40% of
-the samples (a looser bound), must reject each known-wrong acceptance rule below, so a pass
-cannot come from a check too weak to see a real bug.
+trees (siblings tried in turn, each rejection leaving the residual). The confidence and entropy K
+policies verify only part of each draft: their cases must have pruned nodes and kept others. The
+same check, on 40% of the samples (a looser bound), must reject each known-wrong acceptance rule
+below, and a confidence policy that judged a sampled node by its own draw, so a pass cannot come
+from a check too weak to see a real bug.
 """
 
 import dataclasses
@@ -20,6 +22,8 @@ import torch
 
 from specfleet_engine import engine as engine_module
 from specfleet_engine.engine import Engine
+from specfleet_engine.k_policies import ConfidencePolicy, EntropyPolicy
+from specfleet_engine.k_policies.confidence import path_confidence
 from specfleet_engine.proposers import NgramProposer
 from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.proposers.draft_model import DraftModelProposer
@@ -47,6 +51,8 @@ class Case(NamedTuple):
     branching: int = 1
     prompt: tuple = tuple(PROMPT)
     choices: tuple = ()  # a static tree shape (paths of sibling ranks)
+    policy: str = "fixed"  # the K policy; confidence and entropy with the thresholds below
+    threshold: float | None = None  # the policy's threshold where the default below would not bite
 
 
 CASES = [
@@ -63,8 +69,47 @@ CASES = [
     Case("eagle head tree (2 children), T=0.8", "eagle", 3, dict(temperature=0.8), 2),
     # Medusa heads: q of each depth from its own head, whatever the parent (random heads as well)
     Case("medusa heads tree (2 children), T=0.8", "medusa", 3, dict(temperature=0.8), 2),
+    # thresholds that bite on a 4-token vocabulary: some nodes pruned, others verified
+    Case("draft model, confidence", "draft-model", 3, dict(temperature=1.0), policy="confidence"),
+    Case("draft model tree (2 children), confidence", "draft-model", 3, dict(temperature=1.0), 2,
+         policy="confidence"),
+    Case("eagle head tree (2 children), T=0.8, confidence", "eagle", 3, dict(temperature=0.8), 2,
+         policy="confidence"),
+    Case("draft model, entropy", "draft-model", 3, dict(temperature=1.0), policy="entropy"),
+    # the sharpened head's positions are surer than the draft model's (median 0.18 nats against 1.0)
+    Case("eagle head tree (2 children), T=0.8, entropy", "eagle", 3, dict(temperature=0.8), 2, policy="entropy",
+         threshold=0.2),
+    # no distribution: the adaptive choice (nothing pruned by a threshold)
+    Case("ngram, confidence (the adaptive choice)", "ngram", 3, dict(temperature=1.0), policy="confidence"),
 ]
+MIN_CONFIDENCE, MAX_ENTROPY = 0.12, 1.15  # nats, of at most ln 4 = 1.39 here
 MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
+
+
+class Counting:
+    """Wraps a threshold policy's select_nodes: nodes drafted and nodes kept, by proposals with stats."""
+
+    def __init__(self, policy):
+        self.policy, self.drafted, self.kept = policy, 0, 0
+        select = policy.select_nodes
+
+        def counted(seqs, proposals, *a, **kw):
+            out = select(seqs, proposals, *a, **kw)
+            for p, keep in zip(proposals, out):
+                if p.stats is not None:
+                    self.drafted += len(p.draft_tokens)
+                    self.kept += len(keep)
+            return out
+
+        policy.select_nodes = counted
+
+
+def make_k_policy(case: Case, costs):
+    if case.policy == "confidence":
+        return ConfidencePolicy(costs, min_confidence=case.threshold or MIN_CONFIDENCE)
+    if case.policy == "entropy":
+        return EntropyPolicy(costs, max_entropy=case.threshold or MAX_ENTROPY)
+    return case.policy
 
 
 @pytest.fixture(scope="module")
@@ -135,14 +180,23 @@ class Sampled(NamedTuple):
     judged: Counter  # (draft position from 1, "accepted" | "rejected") -> count, scored tokens only
     draft_errors: int
     branched: int  # verify steps whose draft was a tree (more nodes than depth)
+    pruned: tuple[int, int] = (0, 0)  # a threshold policy's (nodes drafted, nodes kept) where it judged
 
 
-def sample_speculatively(models, case: Case, n: int = N) -> Sampled:
+def sample_speculatively(models, case: Case, n: int = N, k_policy=None) -> Sampled:
+    """k_policy: None (the case's), or a function of the engine's step-cost model to the policy."""
     target, draft, head, medusa = models
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target),
                  "medusa": MedusaProposer(medusa, target)}
     engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
                     tree_branching=case.branching, tree_choices=case.choices)
+    counting = None
+    if k_policy is not None or case.policy != "fixed":
+        # verify rows priced nearly free, even in a batch of BATCH: the adaptive part drafts the
+        # most (K), the threshold prunes
+        engine.costs.set_curve({r: 1.0 + 1e-6 * (r - 1) for r in range(1, 8 * BATCH)})
+        engine.k_policy = (k_policy or (lambda costs: make_k_policy(case, costs)))(engine.costs)
+        counting = Counting(engine.k_policy)
     # max_tokens leaves room for K drafts in every step that makes a scored token
     params = SamplingParams(max_tokens=DEPTH + case.k, ignore_eos=True, **case.params)
     counts = torch.zeros(VOCAB ** DEPTH, dtype=torch.float64)
@@ -170,16 +224,21 @@ def sample_speculatively(models, case: Case, n: int = N) -> Sampled:
                 idx = idx * VOCAB + t
             counts[idx] += 1
             draft_errors += s.stats.draft_errors
-    return Sampled(counts / n, judged, draft_errors, branched)
+    return Sampled(counts / n, judged, draft_errors, branched,
+                   (counting.drafted, counting.kept) if counting is not None else (0, 0))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_speculative_samples_follow_the_target_distribution(case, models, reference):
     exact, limit = reference(case.params, case.prompt)
-    dist, judged, draft_errors, branched = sample_speculatively(models, case)
+    dist, judged, draft_errors, branched, (drafted, kept) = sample_speculatively(models, case)
     assert draft_errors == 0, f"{case.name}: {draft_errors} failed drafts fell back to plain decoding"
     if case.branching > 1:
-        assert branched > N // 2, f"{case.name}: only {branched} verify steps held a branching tree"
+        # a threshold prunes some trees to chains
+        least = N // 2 if case.policy == "fixed" else N // 10
+        assert branched > least, f"{case.name}: only {branched} verify steps held a branching tree"
+    if case.policy != "fixed" and case.method != "ngram":  # else the threshold decided nothing
+        assert 0 < kept < drafted and kept > drafted // 10, f"{case.name}: kept {kept} of {drafted} draft nodes"
     for position in range(1, case.k + 1):  # else a bug at that position would go unseen
         for verdict in ("accepted", "rejected"):
             assert judged[position, verdict] > 0, \
@@ -244,6 +303,24 @@ def mutant(wrong: str):
                                 torch.tensor([t for _, t, _ in out]), torch.tensor([bonus for _, _, bonus in out]))
 
     return rejection_sample
+
+
+class OwnDrawConfidence(ConfidencePolicy):
+    """Wrong: a sampled node judged by its own token's probability, so whether it is verified
+    depends on its own draw, and the tokens verified no longer follow the q they are judged with."""
+
+    def passes(self, proposal):
+        st = proposal.stats
+        return [c >= self.min_confidence for c in path_confidence(proposal.parent_list(), st.prob, st.prob)]
+
+
+def test_the_check_rejects_a_confidence_policy_that_judges_a_node_by_its_own_draw(models, reference):
+    case = next(c for c in CASES if c.name == "draft model, confidence")
+    exact, limit = reference(case.params, case.prompt, N_MUTANT)
+    sampled = sample_speculatively(models, case, N_MUTANT, lambda costs: OwnDrawConfidence(costs, min_confidence=0.5))
+    tv = total_variation(sampled.dist, exact)
+    print(f"own-draw confidence on {case.name}: TV {tv:.4f}, limit {limit:.4f} ({N_MUTANT} samples)")
+    assert tv > limit, f"judging a node by its own draw went unnoticed: TV {tv:.4f} within the limit {limit:.4f}"
 
 
 # every mutant on every mutated case, but siblings on a chain (it has none)

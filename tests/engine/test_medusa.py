@@ -88,7 +88,8 @@ def test_the_factory_builds_the_proposer_and_refuses_a_head_that_does_not_fit(tm
     proposer = medusa_proposer(str(tmp_path / "fits"), target)
     assert isinstance(proposer, proposer_class("medusa"))
     # the last layer's output (the final norm's input); one call whatever the length: cheap
-    assert proposer.capabilities == Capabilities(cheap=True, trees=True, shapes=True, target_layers=(1,))
+    assert proposer.capabilities == Capabilities(cheap=True, trees=True, shapes=True, target_layers=(1,),
+                                                 draft_stats=True)
     with pytest.raises(HeadMismatch, match="vocabulary size 97, this target has 111"):
         medusa_proposer(str(tmp_path / "other"), target)
 

@@ -23,7 +23,7 @@ class Capabilities:
     without them or with needs it does not meet.
 
     >>> Capabilities(cheap=True, trees=True)
-    Capabilities(cheap=True, trees=True, shapes=False, target_top_k=0, target_layers=())
+    Capabilities(cheap=True, trees=True, shapes=False, target_top_k=0, target_layers=(), draft_stats=False)
     """
 
     # drafting k tokens costs next to nothing (a search): draft the most, then trim by acceptance;
@@ -40,6 +40,10 @@ class Capabilities:
     # feats [n, len(target_layers) * dim] for the tokens at positions start .. start + n - 1, in
     # order, from the forwards the target ran anyway
     target_layers: tuple[int, ...] = ()
+    # what it tells of its drafts: every Proposal with nodes carries `stats` (DraftStats: what the
+    # draft distribution said at each node), which the confidence and entropy K policies read;
+    # False: no distribution (n-gram), those policies fall back to the adaptive one's choice
+    draft_stats: bool = False
 
     def problems(self) -> list[str]:
         """What this engine cannot serve of them ([]: all of it)."""
@@ -59,6 +63,48 @@ class Capabilities:
 
 
 @dataclass
+class DraftStats:
+    """Per draft node, what the draft distribution at its position said: the distribution its
+    token was drawn from, before earlier siblings were taken out of it (greedy: the softmax of the
+    draft's logits at temperature 1; sampled: the q of the request's temperature, top-k and top-p).
+
+    `prob[i]`: the probability of node i's own token (EAGLE-2's confidence; a path's product is
+    its cumulative draft probability). `rank_prob[i]`: the probability of the position's r-th most
+    likely token, r node i's sibling rank: what the node's probability would be had it been
+    drafted greedily; greedy drafts take the top tokens in order, so there it equals `prob[i]`.
+    A sampled node is judged by `rank_prob` because it is known before the node's own draw.
+    `entropy[i]`: the entropy of that distribution, in nats (siblings share it).
+
+    >>> DraftStats([0.5, 0.25], [0.5, 0.25], [1.0, 1.0]).subset([1])
+    DraftStats(prob=[0.25], rank_prob=[0.25], entropy=[1.0])
+    """
+
+    prob: list[float]
+    rank_prob: list[float]
+    entropy: list[float]
+
+    def subset(self, keep: list[int]) -> "DraftStats":
+        return DraftStats([self.prob[i] for i in keep], [self.rank_prob[i] for i in keep],
+                          [self.entropy[i] for i in keep])
+
+    @classmethod
+    def of(cls, nodes: list[tuple[float, float, float]]) -> "DraftStats":
+        """From (prob, rank_prob, entropy) per node."""
+        return cls([n[0] for n in nodes], [n[1] for n in nodes], [n[2] for n in nodes])
+
+
+def node_stats(probs: Tensor, token: int, rank: int = 0) -> tuple[float, float, float]:
+    """(prob, rank_prob, entropy) of a node drawn from `probs` [V] (DraftStats).
+
+    >>> node_stats(torch.tensor([0.5, 0.25, 0.25, 0.0]), token=2, rank=1)
+    (0.25, 0.25, 1.0397207736968994)
+    """
+    top = torch.topk(probs, rank + 1).values[rank]
+    logs = torch.where(probs > 0, probs.log(), torch.zeros_like(probs))  # 0 log 0 = 0
+    return float(probs[token]), float(top), float(-(probs * logs).sum())
+
+
+@dataclass
 class Proposal:
     """A chain or a tree of draft tokens.
 
@@ -66,12 +112,14 @@ class Proposal:
     for a child of the root (the sequence's last token); siblings appear in the order verification
     tries them (rank 0 first). `parents` None is a chain (-1, 0, 1, ...). `draft_probs[i]` is the q
     node i's token was drawn from, given its parent and its earlier siblings (sampling without
-    replacement zeroes them out of q), or None for a deterministic proposer (q one-hot)."""
+    replacement zeroes them out of q), or None for a deterministic proposer (q one-hot). `stats`:
+    what the draft distribution said at each node, from a proposer that declares `draft_stats`."""
 
     draft_tokens: list[int]  # [n] with n <= the nodes allowed; empty means "nothing worth verifying"
     draft_probs: Tensor | None  # [n, V] the proposer's q, or None when q is one-hot (deterministic)
     key: int = 0  # what kind of draft this is (n-gram: the match length); acceptance is tracked per key
     parents: list[int] | None = None  # None: a chain
+    stats: DraftStats | None = None  # per node (Capabilities.draft_stats), None: not told
 
     @property
     def is_tree(self) -> bool:
@@ -84,7 +132,8 @@ class Proposal:
         """The first k nodes (a prefix of a topological order is a tree)."""
         probs = self.draft_probs[:k] if self.draft_probs is not None else None
         parents = self.parents[:k] if self.parents is not None else None
-        return Proposal(self.draft_tokens[:k], probs, self.key, parents)
+        stats = self.stats.subset(list(range(min(k, len(self.draft_tokens))))) if self.stats is not None else None
+        return Proposal(self.draft_tokens[:k], probs, self.key, parents, stats)
 
     def subset(self, keep: list[int]) -> "Proposal":
         """The nodes `keep` (ascending; each one's parent kept too), renumbered."""
@@ -94,7 +143,8 @@ class Proposal:
         parents = self.parent_list()
         probs = self.draft_probs[keep] if self.draft_probs is not None else None
         return Proposal([self.draft_tokens[i] for i in keep], probs, self.key,
-                        [-1 if parents[i] < 0 else new[parents[i]] for i in keep])
+                        [-1 if parents[i] < 0 else new[parents[i]] for i in keep],
+                        self.stats.subset(keep) if self.stats is not None else None)
 
     def rank_paths(self) -> list[tuple[int, ...]]:
         """Each node's sibling ranks from the root: (0,) the root's first child, (0, 2) the third

@@ -10,30 +10,33 @@ from specfleet_api.enums import Method
 from ..kv_cache import BlockTable, PagedKVCache, batch_metadata
 from ..model import Transformer
 from ..sampling import logits_to_probs, sample_from
-from .base import Capabilities, Proposal, SequenceView, TreeShape
+from .base import Capabilities, DraftStats, Proposal, SequenceView, TreeShape, node_stats
 
 
 class TokenizerMismatch(ValueError):
     pass
 
 
-def draft_children(seq: SequenceView, row: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor | None, float]]:
+def draft_children(seq: SequenceView, row: torch.Tensor,
+                   width: int) -> list[tuple[int, torch.Tensor | None, float, tuple[float, float, float]]]:
     """A node's `width` children from its draft logits `row` [V]: (token, the q it was drawn
-    from, its draft log-prob).
+    from, its draft log-prob, its `node_stats`).
 
     Greedy: the top tokens. Sampled: draws without replacement (Gumbel top-k: the order is
     that of drawing one by one), each with q renormalised over what earlier siblings left."""
     if seq.params.greedy:
         logp = torch.log_softmax(row, dim=-1)
         top = torch.topk(logp, width)
-        return [(int(t), None, float(v)) for v, t in zip(top.values, top.indices)]
+        probs = logp.exp()
+        return [(int(t), None, float(v), node_stats(probs, int(t), r))
+                for r, (v, t) in enumerate(zip(top.values, top.indices))]
     q = logits_to_probs(row[None], seq.params)[0]
     keys = q.log() - torch.empty_like(q).exponential_(generator=seq.generator).log()
     order = torch.topk(keys, min(width, int((q > 0).sum()))).indices.tolist()
     out, left = [], q.clone()
-    for t in order:
+    for r, t in enumerate(order):
         cond = left / left.sum()
-        out.append((t, cond, float(q[t].log())))
+        out.append((t, cond, float(q[t].log()), node_stats(q, t, r)))
         left[t] = 0.0
     return out
 
@@ -41,8 +44,8 @@ def draft_children(seq: SequenceView, row: torch.Tensor, width: int) -> list[tup
 class DraftModelProposer:
     name = Method.DRAFT_MODEL.value
     # forwards cost: not cheap; a tree of the top tokens (or draws) at each level, or the children
-    # a static TreeShape lists at each node
-    capabilities = Capabilities(cheap=False, trees=True, shapes=True)
+    # a static TreeShape lists at each node; every node with what its draft distribution said
+    capabilities = Capabilities(cheap=False, trees=True, shapes=True, draft_stats=True)
 
     def __init__(self, model: Transformer, max_kv_tokens: int = 32768, block_size: int = 16):
         self.model = model
@@ -83,16 +86,19 @@ class DraftModelProposer:
         return logits, (None if out is None else out.index_select(0, last.to(out.device)))
 
     def _pick(self, seqs: list[SequenceView], logits: torch.Tensor):
-        tokens, probs = [], []
+        """Each sequence's next chain token: (tokens, their q rows or None (greedy), their node_stats)."""
+        tokens, probs, stats = [], [], []
         for seq, row in zip(seqs, logits):
             if seq.params.greedy:
                 tokens.append(int(row.argmax()))
                 probs.append(None)
+                stats.append(node_stats(torch.softmax(row.float(), dim=-1), tokens[-1]))
             else:
                 q = logits_to_probs(row[None], seq.params)[0]
                 tokens.append(int(sample_from(q[None], seq.generator)))
                 probs.append(q)
-        return tokens, probs
+                stats.append(node_stats(q, tokens[-1]))
+        return tokens, probs, stats
 
     def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None,
                 shape: TreeShape | None = None) -> list[Proposal]:
@@ -101,15 +107,17 @@ class DraftModelProposer:
         active = [(s, k) for s, k in zip(seqs, ks) if k > 0]
         drafts: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         qs: dict[int, list] = {s.seq_id: [] for s in seqs}
+        told: dict[int, list] = {s.seq_id: [] for s in seqs}
         if active:
             group = [s for s, _ in active]
             logits, handed = self._catch_up(group)
             want = dict((s.seq_id, k) for s, k in active)
             while True:
-                toks, probs = self._pick(group, logits)
-                for s, t, q in zip(group, toks, probs):
+                toks, probs, stats = self._pick(group, logits)
+                for s, t, q, st in zip(group, toks, probs, stats):
                     drafts[s.seq_id].append(t)
                     qs[s.seq_id].append(q)
+                    told[s.seq_id].append(st)
                 going = [i for i, s in enumerate(group) if len(drafts[s.seq_id]) < want[s.seq_id]]
                 if not going:
                     break
@@ -120,7 +128,7 @@ class DraftModelProposer:
         for s in seqs:
             q = qs[s.seq_id]
             probs = torch.stack(q) if q and q[0] is not None else None
-            out.append(Proposal(drafts[s.seq_id], probs))
+            out.append(Proposal(drafts[s.seq_id], probs, stats=DraftStats.of(told[s.seq_id])))
         return out
 
     def _catch_up_inputs(self, seq: SequenceView) -> list[int]:
@@ -138,7 +146,8 @@ class DraftModelProposer:
             self.base[s.seq_id] = self.tables[s.seq_id].num_tokens
         return out
 
-    def _children(self, seq: SequenceView, row: torch.Tensor, width: int) -> list[tuple[int, torch.Tensor | None, float]]:
+    def _children(self, seq: SequenceView, row: torch.Tensor,
+                  width: int) -> list[tuple[int, torch.Tensor | None, float, tuple[float, float, float]]]:
         return draft_children(seq, row, width)
 
     def _propose_trees(self, seqs: list[SequenceView], ks: list[int], branching: list[int],
@@ -148,7 +157,7 @@ class DraftModelProposer:
         (one draft forward per level, their K/V under a tree mask). With a static shape, a node
         gets the children the shape lists and those with children in it are expanded. Which
         children exist never depends on their own sampled values, so rejection sampling stays exact."""
-        trees = {s.seq_id: ([], [], []) for s in seqs}  # tokens, parents, q rows
+        trees = {s.seq_id: ([], [], [], []) for s in seqs}  # tokens, parents, q rows, node_stats
         active = [(s, k, b) for s, k, b in zip(seqs, ks, branching) if k > 0]
         if active:
             group = [s for s, _, _ in active]
@@ -162,15 +171,16 @@ class DraftModelProposer:
                 depth += 1
                 expand: dict[int, list[tuple[int, float, tuple[int, ...], object]]] = {}
                 for s in group:
-                    tokens, parents, qrows = trees[s.seq_id]
+                    tokens, parents, qrows, told = trees[s.seq_id]
                     k, width = want[s.seq_id]
                     born = []
                     for node, score, row, path, hand in frontier[s.seq_id]:
                         n = width if shape is None else shape.children(path)
-                        for r, (tok, q, logq) in enumerate(self._children(s, row, n) if n else []):
+                        for r, (tok, q, logq, st) in enumerate(self._children(s, row, n) if n else []):
                             tokens.append(tok)
                             parents.append(node)
                             qrows.append(q)
+                            told.append(st)
                             born.append((len(tokens) - 1, score + logq, path + (r,), hand))
                     if depth >= k:
                         expand[s.seq_id] = []
@@ -190,9 +200,10 @@ class DraftModelProposer:
                     at += len(nodes)
         out = []
         for s in seqs:
-            tokens, parents, qrows = trees[s.seq_id]
+            tokens, parents, qrows, told = trees[s.seq_id]
             probs = torch.stack(qrows) if qrows and qrows[0] is not None else None
-            out.append(Proposal(tokens, probs, parents=parents) if tokens else Proposal([], None))
+            out.append(Proposal(tokens, probs, parents=parents, stats=DraftStats.of(told)) if tokens
+                       else Proposal([], None))
         return out
 
     def _forward_tree(self, group: list[SequenceView], expand: list[list[tuple[int, float, tuple[int, ...], object]]],

@@ -33,7 +33,7 @@ class EagleProposer(DraftModelProposer):
         # per sequence: (the position of the first row, the fused features [n, dim]) the head has
         # not read yet
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
-        self.capabilities = Capabilities(cheap=False, trees=True, shapes=True,
+        self.capabilities = Capabilities(cheap=False, trees=True, shapes=True, draft_stats=True,
                                          target_layers=tuple(head.config.feature_layers))
 
     # -- the target's features --------------------------------------------------------------

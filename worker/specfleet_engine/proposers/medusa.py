@@ -24,7 +24,7 @@ from specfleet_api.limits import MAX_DRAFT_NODES
 
 from ..medusa_head import MedusaHead
 from ..model import Transformer
-from .base import Capabilities, Proposal, SequenceView, TreeShape
+from .base import Capabilities, DraftStats, Proposal, SequenceView, TreeShape
 from .draft_model import draft_children
 
 
@@ -37,7 +37,7 @@ class MedusaProposer:
         self.features: dict[int, tuple[int, torch.Tensor]] = {}  # per sequence: (position, its final-norm input)
         # one head call whatever the draft's length: draft the most, then trim by acceptance
         self.capabilities = Capabilities(cheap=True, trees=True, shapes=True,
-                                         target_layers=(target.args.n_layers - 1,))
+                                         target_layers=(target.args.n_layers - 1,), draft_stats=True)
 
     def observe_features(self, seq: SequenceView, start: int, feats: torch.Tensor) -> None:
         self.features[seq.seq_id] = (start + feats.shape[0] - 1, feats[-1].clone())  # not the whole forward's
@@ -74,20 +74,22 @@ class MedusaProposer:
         tokens: list[int] = []
         parents: list[int] = []
         qs: list = []
+        told: list = []
         frontier = [(0.0, 0, -1, 0, ())]  # (-path log-prob, tie, node, depth, rank path)
         tie = 0
         while frontier and len(tokens) < budget:
             neg, _, node, d, path = heapq.heappop(frontier)
             n = width if shape is None else shape.children(path)
             n = min(n, budget - len(tokens)) if d < depth else 0
-            for r, (tok, q, logq) in enumerate(draft_children(seq, rows[d], n) if n else []):
+            for r, (tok, q, logq, st) in enumerate(draft_children(seq, rows[d], n) if n else []):
                 tokens.append(tok)
                 parents.append(node)
                 qs.append(q)
+                told.append(st)
                 tie += 1
                 heapq.heappush(frontier, (neg - logq, tie, len(tokens) - 1, d + 1, path + (r,)))
         probs = torch.stack(qs) if qs and qs[0] is not None else None
-        return Proposal(tokens, probs, parents=parents if tree else None)
+        return Proposal(tokens, probs, parents=parents if tree else None, stats=DraftStats.of(told))
 
     def rollback(self, seq: SequenceView, num_valid: int) -> None:
         pass  # no cache: the next features replace the held ones
