@@ -11,6 +11,7 @@ with speculation on must equal those with it off; the table says whether they di
     python -m specfleet_bench.serving --limit 8 --max-tokens 64 --concurrency 1,4   # a quick look
     python -m specfleet_bench.serving                                              # the full run
     python -m specfleet_bench.serving --limit 32 --concurrency 16 --trees 4 --repeats 3   # trees vs chains
+    python -m specfleet_bench.serving --method eagle --concurrency 16 --trees 2     # the shipped EAGLE head, on vs off
 
 --trees B adds a third mode beside off and on: speculation on with draft trees of up to B
 children a node (the in-process worker's engine cap, set between runs); "on" is then chains.
@@ -57,12 +58,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-slowdown", type=float, default=None,
                    help="the adaptive policy's latency guard for the in-process worker, a fraction (0.02: "
                         "speculation.latencyGuard.maxSlowdownPercent 2; default: off)")
+    p.add_argument("--method", default="ngram", choices=("ngram", "draft-model", "eagle", "medusa"),
+                   help="the in-process worker's draft.method, every prompt type routed to it (default ngram)")
+    p.add_argument("--draft-uri", default=None,
+                   help="its draft.uri (eagle: default the bundled smollm2-135m-eagle head)")
+    p.add_argument("--quantization", default="none", choices=("none", "int8"),
+                   help="the in-process worker's weights (default none)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="the in-process worker's prompt tokens prefilled a step (0: whole prompts; default: the "
                         "worker's --prefill-chunk default)")
     args = p.parse_args(argv)
     if args.prefill_chunk is not None and (args.target or args.prefill_chunk < 0):
         p.error("--prefill-chunk is >= 0 and sets the in-process worker's: not with --target")
+    if args.target and (args.method != "ngram" or args.draft_uri or args.quantization != "none"):
+        p.error("--method, --draft-uri and --quantization set the in-process worker's: a running worker takes "
+                "them from its engine.json")
+    if args.draft_uri is None and args.method == "eagle":
+        args.draft_uri = "smollm2-135m-eagle"
     if args.trees and args.target:
         p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
     if args.max_slowdown is not None and args.target:
@@ -160,7 +172,9 @@ def start_local_worker(args, max_batch: int):
     from specfleet_worker.config import EngineConfig
     from specfleet_worker.main import build_engine, make_worker
 
-    cfg = EngineConfig(model_name=args.model, k_max=args.k_max, max_slowdown=args.max_slowdown)
+    cfg = EngineConfig(model_name=args.model, k_max=args.k_max, max_slowdown=args.max_slowdown,
+                       draft_method=args.method, draft_uri=args.draft_uri, default_method=args.method,
+                       quantization=args.quantization)
     print(f"loading {args.model} ...", file=sys.stderr, flush=True)
     chunk = {} if args.prefill_chunk is None else {"prefill_chunk": args.prefill_chunk}
     engine = build_engine(cfg, threads=args.threads, max_batch_size=max_batch, **chunk)
@@ -229,7 +243,9 @@ def main(argv=None) -> int:
 
     print_table(rows, model, len(prompts), args.max_tokens)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": model, "prompts": len(prompts), "max_tokens": args.max_tokens,
+    args.out.write_text(json.dumps({"model": model, "method": args.method, "draft_uri": args.draft_uri,
+                                    "quantization": args.quantization,
+                                    "prompts": len(prompts), "max_tokens": args.max_tokens,
                                     "k_max": args.k_max, "trees": args.trees, "repeats": args.repeats,
                                     "max_slowdown": engine.k_policy.max_slowdown if engine is not None else None,
                                     "prefill_chunk": engine.prefill_chunk if engine is not None else None,
