@@ -115,3 +115,12 @@ def test_siblings_are_distinct_and_capped(width):
             assert len(kids) == len(set(kids)) <= width
         assert all(q < i for i, q in enumerate(out_parents))
         assert all(s < 0 or tokens[s] == t for s, t in zip(source, out_tokens))
+
+
+def test_the_factory_mixes_the_ngram_proposer_into_every_head_sharing_it():
+    from specfleet_engine.factory import mix_ngram
+
+    ngram, head = NgramProposer(corpus_tokens=64), Head()
+    proposers = mix_ngram({"ngram": ngram, "eagle": head})
+    assert proposers["ngram"] is ngram and isinstance(proposers["eagle"], MixedProposer)
+    assert proposers["eagle"].ngram is ngram and proposers["eagle"].head is head and proposers["eagle"].name == "eagle"
