@@ -49,7 +49,7 @@ def mix_tree(chain: list[int], tokens: list[int], parents: list[int],
     source: list[int] = []
     excluded: list[int] = []
 
-    def visit(head: int | None, at: int, parent: int) -> None:
+    def visit(head: int | None, at: int | None, parent: int) -> None:
         """The children of a node: `head` the head's node it is (None: not the head's), `at` how
         much of the chain leads to it (None: it is off the chain)."""
         children = kids.get(head, []) if head is not None else []
