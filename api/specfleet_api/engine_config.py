@@ -32,6 +32,10 @@ SLOWDOWN_PERCENT = (1, 100)  # speculation.latencyGuard.maxSlowdownPercent's bou
 INVALID, UNSUPPORTED = "InvalidSpec", "Unsupported"  # the condition reasons a problem earns
 MISSING = "WeightsNotFound"  # weights absent where the check ran (never judged by the operator)
 WEIGHTED_METHODS = (Method.DRAFT_MODEL.value, Method.EAGLE.value, Method.MEDUSA.value)  # need draft.uri
+#: The methods `draft.ngram.mix` mixes n-gram chains into (the CRD's CEL rule lists them too,
+#: checked by a test): those that draft with weights, a head's or a draft model's trees.
+MIX_METHODS = WEIGHTED_METHODS
+MIX_PROBLEM = "draft.ngram.mix needs draft.method draft-model, eagle or medusa (the drafts it mixes n-gram chains into)"
 #: The methods that draft with a learned head on the target (a folder from `specfleet train-draft`),
 #: with what their folder holds, in a problem's words.
 HEAD_KINDS = {Method.EAGLE.value: "EAGLE head", Method.MEDUSA.value: "Medusa heads"}
@@ -48,7 +52,7 @@ _KNOWN = {
     "": {"model", "draft", "speculation", "routing", "quantization", "dtype", "device", "role"},
     "model": {"name", "uri", "tokenizer"},
     "draft": {"method", "uri", "ngram"},
-    "draft.ngram": {"corpusTokens"},
+    "draft.ngram": {"corpusTokens", "mix"},
     "speculation": {"kMin", "kMax", "kInitial", "kPolicy", "tree", "latencyGuard"},
     "speculation.tree": {"branching", "depth", "choices"},
     "speculation.latencyGuard": {"maxSlowdownPercent"},
@@ -144,6 +148,8 @@ class EngineConfig:
     draft_method: str = Method.NGRAM.value
     draft_uri: str | None = None
     ngram_corpus_tokens: int = DEFAULT_NGRAM_CORPUS_TOKENS  # the n-gram drafter's corpus of recent requests
+    # the n-gram drafter's chains mixed into the learned head's (or draft model's) drafts, one tree
+    ngram_mix: bool = False
     k_min: int = 0
     k_max: int = 8
     k_initial: int = 4
@@ -179,6 +185,9 @@ class EngineConfig:
                 raise ValueError(f"engine.json: {where}.{key} must be an integer, got {value!r}")
             return value
 
+        mix = ngram.get("mix", cls.ngram_mix)
+        if not isinstance(mix, bool):
+            raise ValueError(f"engine.json: draft.ngram.mix must be true or false, got {mix!r}")
         slowdown = None
         if "maxSlowdownPercent" in guard:  # absent: the guard is off
             slowdown = integer(guard, "maxSlowdownPercent", 0, "speculation.latencyGuard") / 100
@@ -195,7 +204,7 @@ class EngineConfig:
             tree_branching=integer(tree, "branching", cls.tree_branching, "speculation.tree"),
             tree_depth=integer(tree, "depth", cls.tree_depth, "speculation.tree"), tree_choices=_choices(tree),
             max_slowdown=slowdown,
-            ngram_corpus_tokens=integer(ngram, "corpusTokens", cls.ngram_corpus_tokens, "draft.ngram"),
+            ngram_corpus_tokens=integer(ngram, "corpusTokens", cls.ngram_corpus_tokens, "draft.ngram"), ngram_mix=mix,
             default_method=routing.get("default", draft_method), by_prompt_type=dict(routes),
             quantization=raw.get("quantization", cls.quantization), dtype=raw.get("dtype", cls.dtype),
             device=raw.get("device", cls.device), role=raw.get("role", cls.role),
@@ -254,6 +263,8 @@ class EngineConfig:
             where = "draft.ngram.corpusTokens"
             out.append(Problem(where, f"{where} must be between 0 and {NGRAM_CORPUS_TOKENS_MAX}, "
                                       f"got {self.ngram_corpus_tokens}"))
+        if self.ngram_mix and self.draft_method not in MIX_METHODS:
+            out.append(Problem("draft.ngram.mix", f"{MIX_PROBLEM}, got {self.draft_method}"))
         low, high = SLOWDOWN_PERCENT
         if self.max_slowdown is not None and not low <= round(self.max_slowdown * 100, 6) <= high:
             where = "speculation.latencyGuard.maxSlowdownPercent"

@@ -215,9 +215,11 @@ def engine_config(spec: dict[str, Any], role: str, state: FleetState = FleetStat
     if guard is not None:  # absent: off, and the file (its hash, the pods) as before the field existed
         speculation["latencyGuard"] = {"maxSlowdownPercent": guard}
     draft_json = {"method": draft["method"], "uri": draft.get("uri")}
-    corpus = (draft.get("ngram") or {}).get("corpusTokens") or 0
-    if corpus:  # 0: the context only, and the file (its hash, the pods) as before the field existed
-        draft_json["ngram"] = {"corpusTokens": corpus}
+    ngram = draft.get("ngram") or {}
+    # 0 and false, the defaults: the file (its hash, the pods) as before the fields existed
+    ngram_json = {k: ngram[k] for k in ("corpusTokens", "mix") if ngram.get(k)}
+    if ngram_json:
+        draft_json["ngram"] = ngram_json
     return {
         "model": {"name": model["name"], "uri": model["uri"], "tokenizer": model.get("tokenizer")},
         "draft": draft_json,

@@ -34,7 +34,8 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--configs", default=DEFAULT_CONFIGS,
                    help="comma-separated PRECISION/METHOD[@KPOLICY]: precision fp32|bf16|int8, method "
-                        "none|ngram|eagle|medusa (+ -tree for trees), kPolicy " + "|".join(SERVED_K_POLICIES) +
+                        "none|ngram|eagle|medusa (+ -tree for trees; eagle and medusa + +ngram for the n-gram's "
+                        "chains mixed in), kPolicy " + "|".join(SERVED_K_POLICIES) +
                         " (default: adaptive; fp32/eagle@confidence,fp32/eagle@entropy compare them in one run); "
                         "hf/plain and hf/lookup run HF transformers' generate (default: %(default)s)")
     p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
@@ -83,6 +84,7 @@ class Run:
     drafted: int
     accepted: int
     output: list[int]
+    ngram_accepted: int = 0  # mixed drafts: accepted tokens on the n-gram's chain (the rest: the head's)
 
 
 #: PRECISION names of --configs: the served dtypes' short names, then the served quantizations
@@ -92,9 +94,11 @@ PRECISIONS = tuple(a for a, d in DTYPE_ALIASES.items() if d in SERVED_DTYPES) + 
 #: eagle drafts with the head at --draft-head, medusa with the heads at --medusa-heads); METHOD + TREE drafts trees (up to --tree-branching
 #: children a node), the rest chains;
 #: ngram + CORPUS (before any TREE) also searches the config's own earlier questions (--corpus-tokens);
-#: ngram [+ CORPUS] + RECYCLE (before any TREE) also drafts the target's own top next tokens (--recycle)
+#: ngram [+ CORPUS] + RECYCLE (before any TREE) also drafts the target's own top next tokens (--recycle);
+#: eagle or medusa [+ TREE] + MIX mixes the n-gram's chains into the head's drafts (draft.ngram.mix)
 METHODS = (Method.NONE.value, Method.NGRAM.value, Method.EAGLE.value, Method.MEDUSA.value)
-TREE, CORPUS, RECYCLE = "-tree", "-corpus", "-recycle"
+TREE, CORPUS, RECYCLE, MIX = "-tree", "-corpus", "-recycle", "+ngram"
+MIXED_HEADS = (Method.EAGLE.value, Method.MEDUSA.value)  # the METHODS that MIX takes
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
 HF_METHODS = ("plain", "lookup")
@@ -111,6 +115,11 @@ def precision_parts(prec: str) -> tuple[str, str]:
 
 
 def parse_configs(spec: str) -> list[tuple[str, str]]:
+    """(precision, method) of each --configs item, fp32/none first.
+
+    >>> parse_configs("fp32/eagle-tree+ngram,int8/ngram-corpus-tree")
+    [('fp32', 'none'), ('fp32', 'eagle-tree+ngram'), ('int8', 'ngram-corpus-tree')]
+    """
     out = []
     for item in spec.split(","):
         prec, _, named = item.strip().partition("/")
@@ -118,15 +127,17 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
         if at and (policy not in SERVED_K_POLICIES or method == Method.NONE.value or prec == "hf"):
             raise ValueError(f"--configs: {item!r}: @KPOLICY must be one of {', '.join(SERVED_K_POLICIES)}, "
                              "after a speculative method of the engine")
-        chain = method.removesuffix(TREE)
+        mixed = method.endswith(MIX)
+        chain = method.removesuffix(MIX).removesuffix(TREE)
         base = chain.removesuffix(RECYCLE).removesuffix(CORPUS)
         ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)
-              and (chain == base or base == Method.NGRAM.value)) or (
+              and (chain == base or base == Method.NGRAM.value) and (not mixed or base in MIXED_HEADS)) or (
             prec == "hf" and method in HF_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
-                             f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}][{POLICY}KPOLICY], or "
-                             f"hf/{'|hf/'.join(HF_METHODS)})")
+            raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
+                             f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}], {'|'.join(MIXED_HEADS)}[{TREE}]{MIX}, "
+                             f"each [{POLICY}KPOLICY], or hf/{'|hf/'.join(HF_METHODS)})")
         out.append((prec, named))
     if BASELINE not in out:
         out.insert(0, BASELINE)
@@ -166,7 +177,8 @@ class Runner:
             self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent if p.suffix == ".gguf" else p),
                                                            dtype=torch.float32, local_files_only=True, **kw).eval()
 
-    def run(self, prec: str, method: str, prompt: list[int], hf_lookup: int) -> tuple[list[int], float, int, int, int]:
+    def run(self, prec: str, method: str, prompt: list[int],
+            hf_lookup: int) -> tuple[list[int], float, int, int, int, int]:
         import torch
 
         from specfleet_engine.sampling import SamplingParams
@@ -182,15 +194,17 @@ class Runner:
             toks = out[0, len(prompt):].tolist()
             while toks and toks[-1] in self.tokenizer.eos_token_ids:
                 toks.pop()  # our engine does not count the EOS token either
-            return toks, dt, len(toks), 0, 0
+            return toks, dt, len(toks), 0, 0, 0
         from specfleet_engine.k_policies import make_policy
-        from specfleet_engine.proposers import NgramProposer
+        from specfleet_engine.proposers import MixedProposer, NgramProposer
 
+        config = method  # its own n-gram proposer (a corpus never holds another config's answers)
         method, _, policy = method.partition(POLICY)
         engine = self.engines[prec]
         if policy and (prec, policy) not in self.policies:
             self.policies[prec, policy] = make_policy(policy, engine.costs)
         default_policy = engine.k_policy
+        mixed, method = method.endswith(MIX), method.removesuffix(MIX)
         engine.tree_branching = self.tree_branching if method.endswith(TREE) else 1
         if method.removesuffix(TREE) == Method.EAGLE and Method.EAGLE.value not in engine.proposers:
             from specfleet_engine.factory import eagle_proposer
@@ -202,11 +216,14 @@ class Runner:
             engine.proposers[Method.MEDUSA.value] = medusa_proposer(self.medusa_heads, engine.model)
         recycle = method.removesuffix(TREE).endswith(RECYCLE)
         corpus = method.removesuffix(TREE).removesuffix(RECYCLE).endswith(CORPUS)
-        if (prec, method) not in self.proposers:
-            self.proposers[prec, method] = NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0,
+        if (prec, config) not in self.proposers:  # a mixed config's: the n-gram side of its mix
+            self.proposers[prec, config] = NgramProposer(corpus_tokens=self.corpus_tokens if corpus else 0,
                                                          recycle=self.recycle if recycle else 0)
-        engine.proposers[Method.NGRAM.value] = self.proposers[prec, method]
+        engine.proposers[Method.NGRAM.value] = self.proposers[prec, config]
         method = method.removesuffix(TREE).removesuffix(RECYCLE).removesuffix(CORPUS)
+        if mixed:  # the head's proposer (its state is per sequence) and this config's n-gram one
+            engine.proposers[method + MIX] = MixedProposer(self.proposers[prec, config], engine.proposers[method])
+            method += MIX
         params = SamplingParams(max_tokens=self.max_tokens)
         k = self.k if self.k is not None else engine.default_k
         # -k: that many drafts every step (the K policy may not move it); else the policy's K
@@ -219,7 +236,7 @@ class Runner:
         finally:
             engine.k_policy = default_policy
         s = seq.stats
-        return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens
+        return seq.output, dt, s.num_steps + 1, s.num_draft_tokens, s.num_accepted_tokens, s.num_ngram_accepted
 
 
 def teacher_forced_agreement(engine_lp, prompt: list[int], output: list[int]) -> tuple[int, int]:
@@ -261,6 +278,9 @@ def summarize(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
                 "tau": round(tokens / steps, 3) if steps else None,
                 "alpha": round(accepted / drafted, 3) if drafted else None,
             }
+            if name.endswith(MIX):  # how much of what was accepted the n-gram's chains drafted
+                ngram = sum(r.ngram_accepted for r in rs)
+                rows[name]["ngram_share"] = round(ngram / accepted, 3) if accepted else None
         table[cat] = rows
     return table
 
@@ -286,7 +306,8 @@ def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
     from rich.table import Table
 
     names = [f"{p}/{m}" for p, m in configs]
-    t = Table(title="Spec-Bench: tok/s (speedup over fp32 plain; tau; alpha)")
+    t = Table(title="Spec-Bench: tok/s (speedup over fp32 plain; tau; alpha; mixed: share of accepted tokens "
+                    "the n-gram drafted)")
     t.add_column("category")
     for n in names:
         t.add_column(n, justify="right")
@@ -295,6 +316,7 @@ def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
         for n in names:
             r = rows[n]
             extra = f" τ{r['tau']:.2f} α{r['alpha']:.2f}" if r["alpha"] is not None else ""
+            extra += f" ng{r['ngram_share']:.0%}" if r.get("ngram_share") is not None else ""
             cells.append(f"{r['tok_s']:.1f} ({r['speedup_vs_fp32_plain']:.2f}x){extra}")
         t.add_row(cat, *cells, end_section=cat == list(table)[-2])
     console.print(t)
@@ -310,6 +332,8 @@ def markdown_table(table: dict, configs: list[str]) -> str:
             cell = f"{r['tok_s']:.1f} ({r['speedup_vs_fp32_plain']:.2f}x)"
             if r["alpha"] is not None:
                 cell += f" τ{r['tau']:.2f} α{r['alpha']:.2f}"
+            if r.get("ngram_share") is not None:
+                cell += f" ng{r['ngram_share']:.0%}"
             cells.append(cell)
         name = f"**{cat}**" if cat == "overall" else cat
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -349,7 +373,7 @@ def run_bench(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     configs = parse_configs(args.configs)
-    if any(m.removesuffix(TREE) == Method.MEDUSA for _, m in configs) and not getattr(args, "medusa_heads", None):
+    if any(m.removesuffix(MIX).removesuffix(TREE) == Method.MEDUSA for _, m in configs) and not getattr(args, "medusa_heads", None):
         raise ValueError("--configs: medusa configs need --medusa-heads FOLDER (`specfleet train-draft --method "
                          "medusa` makes one for --model)")
     questions = load_questions(args.questions or default_questions(), args.per_category)
@@ -382,10 +406,10 @@ def run_bench(args) -> int:
             outputs = {}
             for prec, method in configs:
                 progress.update(task, description=f"q{q['question_id']} {q['category']}: {prec}/{method}")
-                out, dt, steps, drafted, accepted = runner.run(prec, method, prompt, args.hf_lookup_tokens)
+                out, dt, steps, drafted, accepted, ngram = runner.run(prec, method, prompt, args.hf_lookup_tokens)
                 outputs[(prec, method)] = out
                 runs.append(Run(f"{prec}/{method}", q["category"], q["question_id"], len(out), dt, steps,
-                                drafted, accepted, out))
+                                drafted, accepted, out, ngram))
             for prec, method in configs:
                 if method != "none" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
                     mismatches[f"{prec}/{method}"] += 1

@@ -366,4 +366,49 @@ def test_the_threshold_k_policies_match_plain_decoding(policy, branching):
         c = counts[method]
         assert 0 < c["kept"] < c["drafted"] and c["told"] > 0, f"{policy} {method}: kept {c['kept']} of {c['drafted']}"
     assert counts["ngram"]["told"] == 0 and counts["ngram"]["kept"] > 0
+
+
+MIXED_HEADS = ("draft-model", "eagle", "medusa")
+
+
+@pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
+def test_mixed_drafts_match_plain_decoding_in_a_batch_with_every_method(branching):
+    """n-gram chains mixed into each head's drafts (`draft.ngram.mix`), in one continuous batch
+    beside plain, n-gram and head-only requests. Trees: steps whose tree held both the n-gram's
+    chain and the head's nodes, with tokens accepted on each; chains: steps drafted by each."""
+    from specfleet_engine.proposers import MixedProposer
+
+    target = tiny_model(seed=1, scale=4.0, vocab_size=20)  # a small vocabulary: n-gram drafts are accepted too
+    ps = repeating_prompts(4, seed=5, vocab=9) + branching_prompts(4, vocab=9)
+    proposers = proposers_for(target, ps)
+    mixed = {f"{m}+ngram": MixedProposer(proposers["ngram"], proposers_for(target, ps)[m]) for m in MIXED_HEADS}
+    engine = Engine(target, proposers={**proposers, **mixed}, k_policy="fixed", tree_branching=branching)
+    params = SamplingParams(max_tokens=32, ignore_eos=True)
+    expected = [engine.generate(p, params, "none").output for p in ps]
+    methods = ["none", "ngram", "eagle", *mixed]
+    seqs = [engine.add(p, params, m, k=2 + (i + j) % 5) for i, p in enumerate(ps) for j, m in enumerate(methods)]
+    seen = {m: Counter() for m in mixed}
+    while not all(s.finished for s in seqs):
+        for out in engine.step():
+            st = out.stats
+            if st is None or out.seq.method not in mixed or not st.num_draft_tokens:
+                continue
+            c = seen[out.seq.method]
+            c["both"] += 0 < st.ngram_nodes < st.num_draft_tokens
+            c["ngram led"] += st.ngram_nodes > 0
+            c["head led"] += st.ngram_nodes == 0
+            c["ngram accepted"] += st.ngram_accepted
+            c["head accepted"] += st.num_accepted - st.ngram_accepted
+    assert [s.output for s in seqs] == [expected[i] for i in range(len(ps)) for _ in methods]
+    assert not any(s.stats.draft_errors for s in seqs)
+    for method, c in seen.items():
+        assert c["ngram accepted"] >= 10 and c["head accepted"] >= 10, (method, c)
+        assert c["ngram led"] > 0 and c["head led"] > 0, (method, c)
+        if branching > 1:
+            assert c["both"] >= 10, (method, c)
+        else:
+            assert c["both"] == 0, (method, c)  # a chain cap: one branch, the n-gram's or the head's
+    ngram_steps = sum(s.stats.num_ngram_drafts for s in seqs if s.method in mixed)
+    assert ngram_steps == sum(c["ngram led"] for c in seen.values())
+    assert sum(s.stats.num_ngram_accepted for s in seqs) == sum(c["ngram accepted"] for c in seen.values())
     assert engine.cache.allocator.num_used == 0

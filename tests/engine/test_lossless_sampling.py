@@ -24,7 +24,8 @@ from specfleet_engine import engine as engine_module
 from specfleet_engine.engine import Engine
 from specfleet_engine.k_policies import ConfidencePolicy, EntropyPolicy
 from specfleet_engine.k_policies.confidence import path_confidence
-from specfleet_engine.proposers import NgramProposer
+from specfleet_engine.proposers import MixedProposer, NgramProposer
+from specfleet_engine.proposers import mixed as mixed_module
 from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.proposers.draft_model import DraftModelProposer
 from specfleet_engine.proposers.eagle import EagleProposer
@@ -77,9 +78,15 @@ CASES = [
     # the sharpened head's positions are surer than the draft model's (median 0.18 nats against 1.0)
     Case("eagle head tree (2 children), T=0.8, entropy", "eagle", 3, dict(temperature=0.8), 2, policy="entropy",
          threshold=0.2),
+    # mixed drafts (proposers/mixed.py): the n-gram's chain (one-hot) first, the head's nodes after
+    # it with its token excluded; a chain cap: the n-gram chain or the head's
+    Case("eagle + ngram, chains", "eagle+ngram", 3, dict(temperature=0.8)),
+    Case("eagle + ngram tree (3 children), T=0.8", "eagle+ngram", 3, dict(temperature=0.8), 3, tuple(BRANCHY)),
+    Case("eagle (uniform q) + ngram tree (2 children), T=0.8", "eagle-uniform+ngram", 3, dict(temperature=0.8), 2),
 ]
 MIN_CONFIDENCE, MAX_ENTROPY = 0.12, 1.15  # nats, of at most ln 4 = 1.39 here
 MUTATED = [CASES[0], CASES[3]]  # a chain with one-hot q, a tree with q rows
+MIXED = [c for c in CASES if c.method.endswith("+ngram")]
 
 
 class Counting:
@@ -120,7 +127,12 @@ def models():
     with torch.no_grad():
         for out in medusa.outputs:
             out.weight.mul_(8.0)
-    return target, draft, head, medusa
+    # a head whose q is uniform: its siblings after the n-gram's are drawn where g holds a quarter
+    # of q, so a q row that forgets to exclude g is far off (see the mixed mutants)
+    uniform = EagleHead(HeadConfig.for_target(target, VOCAB), target.args).eval().requires_grad_(False)
+    with torch.no_grad():
+        uniform.output.weight.zero_()
+    return target, draft, head, medusa, uniform
 
 
 def exact_distribution(model, params: SamplingParams, prompt: list[int]) -> torch.Tensor:
@@ -176,14 +188,21 @@ class Sampled(NamedTuple):
     judged: Counter  # (draft position from 1, "accepted" | "rejected") -> count, scored tokens only
     draft_errors: int
     branched: int  # verify steps whose draft was a tree (more nodes than depth)
+    # mixed drafts: the same, by what the step's draft held: "both" (the n-gram's chain and the
+    # head's nodes), "ngram" (its chain alone), "head" (the head's alone); and (kind, "ngram" |
+    # "head") -> accepted tokens on the n-gram's chain and on the head's nodes
+    mixed: Counter
     pruned: tuple[int, int] = (0, 0)  # a threshold policy's (nodes drafted, nodes kept) where it judged
 
 
 def sample_speculatively(models, case: Case, n: int = N, k_policy=None) -> Sampled:
     """k_policy: None (the case's), or a function of the engine's step-cost model to the policy."""
-    target, draft, head, medusa = models
+    target, draft, head, medusa, uniform = models
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target),
                  "medusa": MedusaProposer(medusa, target)}
+    # matches of 3 tokens or more: on 4 tokens a shorter one is always there, and the head would never lead
+    proposers |= {"eagle+ngram": MixedProposer(NgramProposer(min_n=3), EagleProposer(head, target)),
+                  "eagle-uniform+ngram": MixedProposer(NgramProposer(min_n=3), EagleProposer(uniform, target))}
     engine = Engine(target, proposers=proposers, max_kv_tokens=64 * 1024, block_size=8, k_policy="fixed",
                     tree_branching=case.branching, tree_choices=case.choices)
     counting = None
@@ -197,6 +216,7 @@ def sample_speculatively(models, case: Case, n: int = N, k_policy=None) -> Sampl
     params = SamplingParams(max_tokens=DEPTH + case.k, ignore_eos=True, **case.params)
     counts = torch.zeros(VOCAB ** DEPTH, dtype=torch.float64)
     judged: Counter = Counter()
+    mixed: Counter = Counter()
     draft_errors = branched = 0
     for start in range(0, n, BATCH):
         seqs = [engine.add(list(case.prompt), dataclasses.replace(params, seed=seed), case.method, case.k)
@@ -206,11 +226,17 @@ def sample_speculatively(models, case: Case, n: int = N, k_policy=None) -> Sampl
                 if out.stats is None:  # the prefill's token
                     continue
                 made = len(out.seq.output) - len(out.new_tokens)  # the draft at depth i + 1 decides token made + i
-                branched += out.stats.num_draft_tokens > out.stats.draft_depth
-                for i in range(min(out.stats.draft_depth, DEPTH - made)):
-                    if i > out.stats.num_accepted:
+                st = out.stats
+                branched += st.num_draft_tokens > st.draft_depth
+                kind = "both" if 0 < st.ngram_nodes < st.num_draft_tokens else "ngram" if st.ngram_nodes else "head"
+                for i in range(min(st.draft_depth, DEPTH - made)):
+                    if i > st.num_accepted:
                         break
-                    judged[i + 1, "accepted" if i < out.stats.num_accepted else "rejected"] += 1
+                    judged[i + 1, "accepted" if i < st.num_accepted else "rejected"] += 1
+                    mixed[kind, i + 1, "accepted" if i < st.num_accepted else "rejected"] += 1
+                if st.num_draft_tokens:
+                    mixed[kind, "ngram"] += st.ngram_accepted
+                    mixed[kind, "head"] += st.num_accepted - st.ngram_accepted
             for s in seqs:
                 if not s.finished and len(s.output) >= DEPTH:
                     engine.abort(s)  # the scored tokens are made: the rest would cost time only
@@ -220,14 +246,14 @@ def sample_speculatively(models, case: Case, n: int = N, k_policy=None) -> Sampl
                 idx = idx * VOCAB + t
             counts[idx] += 1
             draft_errors += s.stats.draft_errors
-    return Sampled(counts / n, judged, draft_errors, branched,
+    return Sampled(counts / n, judged, draft_errors, branched, mixed,
                    (counting.drafted, counting.kept) if counting is not None else (0, 0))
 
 
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
 def test_speculative_samples_follow_the_target_distribution(case, models, reference):
     exact, limit = reference(case.params, case.prompt)
-    dist, judged, draft_errors, branched, (drafted, kept) = sample_speculatively(models, case)
+    dist, judged, draft_errors, branched, mixed, (drafted, kept) = sample_speculatively(models, case)
     assert draft_errors == 0, f"{case.name}: {draft_errors} failed drafts fell back to plain decoding"
     if case.branching > 1:
         # a threshold prunes some trees to chains
@@ -239,8 +265,20 @@ def test_speculative_samples_follow_the_target_distribution(case, models, refere
         for verdict in ("accepted", "rejected"):
             assert judged[position, verdict] > 0, \
                 f"{case.name}: no scored draft {verdict} at position {position} ({dict(judged)})"
+    if case in MIXED:  # the mixed drafts held what they mix, each judged both ways at every position
+        kinds = ("both",) if case.branching > 1 else ("ngram", "head")  # a chain cap: one or the other
+        for kind in kinds:
+            for position in range(1, case.k + 1):
+                for verdict in ("accepted", "rejected"):
+                    assert mixed[kind, position, verdict] > 0, f"{case.name}: {kind} drafts: none {verdict} at " \
+                                                               f"position {position} ({dict(mixed)})"
+        where = kinds[0] if case.branching > 1 else None
+        for side in ("ngram", "head"):
+            got = mixed[where, side] if where else mixed[side, side]
+            assert got > 0, f"{case.name}: no token accepted on the {side}'s nodes ({dict(mixed)})"
     tv = total_variation(dist, exact)
-    print(f"{case.name}: TV {tv:.4f}, limit {limit:.4f}, drafts judged {dict(sorted(judged.items()))}")
+    print(f"{case.name}: TV {tv:.4f}, limit {limit:.4f}, drafts judged {dict(sorted(judged.items()))}"
+          + (f", mixed {dict(sorted(mixed.items(), key=str))}" if case in MIXED else ""))
     assert tv < limit, f"{case.name}: TV {tv:.4f} from the target distribution (limit {limit:.4f})"
 
 
@@ -349,3 +387,44 @@ def test_with_nothing_wrong_the_mutant_is_the_real_rule():
                    for f in ("num_accepted", "next_token", "bonus")), (trial, results)
         n = int(results[0].num_accepted[0])
         assert torch.equal(results[0].path[0, :n], results[1].path[0, :n]), (trial, results)
+
+
+# -- and known-wrong q rows in a mixed draft -------------------------------------------------
+
+MIXED_MUTANTS = [
+    "head q keeps the n-gram token",  # a head sibling after the n-gram's: its q as drawn, g not excluded
+    "n-gram node given the head's q",  # where the head drew the n-gram's token too: the head's q for it
+]
+
+
+def wrong_mix(wrong: str, mix):
+    """mixed.mix (passed in) with one q row wrong: the same tree, the same draws."""
+
+    def wrong_rows(chain, head, width):
+        out = mix(chain, head, width)
+        if out.draft_probs is None or not out.ngram or out.ngram == len(out.draft_tokens):
+            return out
+        _, _, source, excluded = mixed_module.mix_tree(chain.draft_tokens, head.draft_tokens, head.parent_list(), width)
+        probs = out.draft_probs.clone()
+        for i, (src, ex) in enumerate(zip(source, excluded)):
+            if wrong == "head q keeps the n-gram token" and ex >= 0:
+                probs[i] = head.draft_probs[src]
+            if wrong == "n-gram node given the head's q" and i < out.ngram and src >= 0:
+                probs[i] = head.draft_probs[src]
+        return dataclasses.replace(out, draft_probs=probs)
+
+    return wrong_rows
+
+
+@pytest.mark.parametrize("wrong", MIXED_MUTANTS)
+def test_the_check_rejects_a_mixed_draft_with_a_wrong_q(wrong, models, reference, monkeypatch):
+    """On the uniform head's mixed trees; the subtler one with the real rule's N (measured: TV
+    0.047 against a 0.034 bound; at 4,000 samples 0.062 against 0.050, too close), the other at
+    N_MUTANT (TV 0.157 against 0.050)."""
+    case = next(c for c in MIXED if c.method == "eagle-uniform+ngram")
+    n = N if wrong == "head q keeps the n-gram token" else N_MUTANT
+    monkeypatch.setattr(mixed_module, "mix", wrong_mix(wrong, mixed_module.mix))
+    exact, limit = reference(case.params, case.prompt, n)
+    tv = total_variation(sample_speculatively(models, case, n).dist, exact)
+    print(f"{wrong} on {case.name}: TV {tv:.4f}, limit {limit:.4f} ({n} samples)")
+    assert tv > limit, f"{wrong} went unnoticed on {case.name}: TV {tv:.4f} within the limit {limit:.4f}"

@@ -166,6 +166,10 @@ BAD = {
     "scaling min above max": ({"replicas": None, "scaling": {"minReplicas": 5, "maxReplicas": 3}},
                               "minReplicas must not exceed"),
     "draft model without uri": ({"draft": {"method": "draft-model"}}, "draft.uri is required"),
+    "ngram mixed into ngram drafts": ({"draft": {"method": "ngram", "ngram": {"mix": True}}},
+                                      "draft.ngram.mix needs draft.method draft-model, eagle or medusa"),
+    "ngram mixed into plain decoding": ({"draft": {"method": "none", "ngram": {"mix": True}}},
+                                        "draft.ngram.mix needs draft.method draft-model, eagle or medusa"),
     "canary steps falling": ({"canary": {"steps": [{"weight": 50}, {"weight": 10}]}}, "must be rising"),
     "canary steps repeated": ({"canary": {"steps": [{"weight": 10}, {"weight": 10}]}}, "distinct"),
     "canary step below start": ({"canary": {"weight": 20, "steps": [{"weight": 10}]}}, "rise above canary.weight"),
@@ -525,6 +529,37 @@ def test_the_operator_names_an_ngram_corpus_out_of_bounds_that_got_past_the_sche
     assert problem.field == "spec.draft.ngram.corpusTokens" and "between 0 and" in problem.message
     (problem,) = specs.problems(_with({"canary": {"overrides": {"draft": {"ngram": {"corpusTokens": 10**7}}}}})["spec"])
     assert problem.field == "spec.canary.overrides.draft.ngram.corpusTokens"
+
+
+def test_ngram_mix_is_a_boolean_off_by_default_valid_with_a_head_and_its_cel_words_are_the_apis():
+    from specfleet_api.engine_config import MIX_METHODS, MIX_PROBLEM
+
+    mix = _node("spec.draft.ngram")["properties"]["mix"]
+    assert (mix["type"], mix["default"]) == ("boolean", False)
+    assert _node("spec.canary.overrides.draft.ngram")["properties"]["mix"] == {"type": "boolean"}
+    (rule,) = [r for r in _node("spec")["x-kubernetes-validations"] if "draft.ngram.mix" in r["rule"]]
+    assert rule["message"] == MIX_PROBLEM and rule["fieldPath"] == ".draft.ngram.mix"
+    assert rule["rule"].endswith("self.draft.method in [" + ", ".join(f"'{m}'" for m in MIX_METHODS) + "]")
+    for method in MIX_METHODS:
+        doc = _with({"draft": {"method": method, "uri": "/heads/h", "ngram": {"mix": True}}})
+        validate_openapi(doc)
+        assert cel_failures(doc) == [] and specs.problems(doc["spec"]) == []
+    with pytest.raises(jsonschema.ValidationError):
+        validate_openapi(_with({"draft": {"method": "eagle", "uri": "/h", "ngram": {"mix": "yes"}}}))
+    off = _with({"draft": {"method": "ngram", "ngram": {"mix": False}}})
+    assert cel_failures(off) == [] and specs.problems(off["spec"]) == []
+
+
+def test_the_operator_names_a_canary_whose_method_cannot_take_the_stables_mix():
+    """CEL sees the spec; the canary's overrides meet the spec only in the operator's judgment."""
+    doc = _with({"draft": {"method": "eagle", "uri": "/heads/h", "ngram": {"mix": True}},
+                 "canary": {"overrides": {"draft": {"method": "ngram"}}}})
+    assert cel_failures(doc) == []
+    (problem,) = specs.problems(doc["spec"])
+    assert problem.field == "spec.canary.overrides" and "draft.ngram.mix needs draft.method" in problem.message
+    doc = _with({"draft": {"method": "eagle", "uri": "/heads/h"},
+                 "canary": {"overrides": {"draft": {"ngram": {"mix": True}}}}})
+    assert specs.problems(doc["spec"]) == []  # the canary tries the mix on the stable head
 
 
 def _schema_leaves(node, path=()):

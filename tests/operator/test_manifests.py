@@ -150,6 +150,17 @@ def test_the_ngram_corpus_reaches_engine_json_only_when_set_and_a_canary_may_try
     assert fs.engine_config(spec(), "stable", promoted)["draft"]["ngram"] == {"corpusTokens": 8192}
 
 
+def test_ngram_mix_reaches_engine_json_only_when_on():
+    from specfleet_api.engine_config import EngineConfig
+
+    mixed = spec(draft={"method": "eagle", "uri": "/heads/h", "ngram": {"mix": True, "corpusTokens": 0}})
+    raw = fs.engine_config(mixed, "stable")
+    assert raw["draft"] == {"method": "eagle", "uri": "/heads/h", "ngram": {"mix": True}}
+    assert EngineConfig.from_dict(raw).ngram_mix is True  # the worker reads what the operator wrote
+    off = fs.engine_config(spec(draft={"method": "eagle", "uri": "/heads/h", "ngram": {"mix": False}}), "stable")
+    assert off["draft"] == {"method": "eagle", "uri": "/heads/h"}
+
+
 def test_pods_meet_the_restricted_pod_security_standard():
     pod = m.deployment(SDD, spec(), "stable", m.Settings())["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True

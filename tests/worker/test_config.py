@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from specfleet_api import enums
-from specfleet_api.engine_config import UNSUPPORTED
+from specfleet_api.engine_config import MIX_PROBLEM, UNSUPPORTED
 from specfleet_api.live_state import KBounds, LiveState
 from specfleet_worker import config
 from specfleet_worker.config import EngineConfig, LiveConfig
@@ -252,6 +252,41 @@ def test_the_default_and_the_served_values_pass():
                                             "draft": {"method": method, "uri": "gguf://d.gguf"}}
                 assert EngineConfig.from_dict(raw).problems() == []
     assert EngineConfig().problems() == []
+
+
+@pytest.mark.parametrize("method", ["draft-model", "eagle", "medusa"])
+def test_ngram_mix_goes_with_a_weighted_method_and_absent_means_off(method):
+    raw = contract_example()
+    raw["draft"] = {"method": method, "uri": "/heads/h", "ngram": {"mix": True, "corpusTokens": 4096}}
+    cfg = EngineConfig.from_dict(raw)
+    assert cfg.ngram_mix is True and cfg.ngram_corpus_tokens == 4096 and cfg.problems() == []
+    raw["draft"]["ngram"] = {}
+    assert EngineConfig.from_dict(raw).ngram_mix is False is EngineConfig.ngram_mix
+
+
+@pytest.mark.parametrize("method", ["ngram", "none"])
+def test_ngram_mix_without_drafts_to_mix_into_is_refused_naming_the_field(method):
+    raw = contract_example() | {"draft": {"method": method, "ngram": {"mix": True}}}
+    (problem,) = EngineConfig.from_dict(raw, check=False).problems()
+    assert problem.field == "draft.ngram.mix" and problem.message == f"{MIX_PROBLEM}, got {method}"
+    with pytest.raises(ValueError, match=re.escape("draft.ngram.mix: draft.ngram.mix needs draft.method")):
+        EngineConfig.from_dict(raw)
+    raw["draft"]["ngram"]["mix"] = "yes"
+    with pytest.raises(ValueError, match=re.escape("draft.ngram.mix must be true or false, got 'yes'")):
+        EngineConfig.from_dict(raw)
+
+
+def test_check_config_refuses_ngram_mix_with_method_ngram_and_names_the_field(tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(contract_example() | {"draft": {"method": "ngram", "ngram": {"mix": True}}}))
+    assert serve_main(["--check-config", str(bad), "--skip-files"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err == f"{bad}: draft.ngram.mix: {MIX_PROBLEM}, got ngram\n"
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(contract_example() | {"draft": {"method": "eagle", "uri": "smollm2-135m-eagle",
+                                                               "ngram": {"mix": True}}}))
+    assert serve_main(["--check-config", str(good), "--skip-files"]) == 0
+    assert "draft eagle + ngram mixed" in capsys.readouterr().out
 
 
 def test_check_config_says_ok_in_one_line_or_each_reason_and_exits_2(tmp_path, capsys, monkeypatch):

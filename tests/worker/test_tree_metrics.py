@@ -75,3 +75,27 @@ def test_get_config_reports_the_latency_guard_the_corpus_the_shape_and_the_devic
     with running_worker() as r:  # the defaults: no guard, no corpus, no shape
         cfg = r.admin.GetConfig(pb.GetConfigRequest())
         assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens, len(cfg.tree_choices)) == (0, 0, 0)
+
+
+def test_mixed_drafts_count_the_ngram_chains_accepted_tokens_by_prompt_type():
+    """StepStats' n-gram chain of a mixed draft (reported here on the n-gram's steps) reaches
+    spec_decode_num_ngram_drafts and _num_ngram_accepted_tokens under the request's prompt type."""
+    engine = tiny_engine()
+    step = engine.step
+
+    def mixed_step():
+        return [dataclasses.replace(o, stats=dataclasses.replace(o.stats, ngram_nodes=o.stats.num_draft_tokens,
+                                                                 ngram_accepted=o.stats.num_accepted))
+                if o.stats is not None and o.stats.num_draft_tokens else o for o in step()]
+
+    engine.step = mixed_step
+    with running_worker(engine, TINY) as r:
+        r.gen.Generate(pb.GenerateRequest(prompt_token_ids=PROMPT, max_tokens=48, ignore_eos=True, prompt_type="code"),
+                       timeout=60)
+        wait_idle(r)
+        stats = r.stats()
+        text = urllib.request.urlopen(r.http + "/metrics", timeout=10).read().decode()
+    samples = {(s.name, s.labels.get("prompt_type")): s.value for f in text_string_to_metric_families(text)
+               for s in f.samples}
+    assert samples["spec_decode_num_ngram_drafts_total", "code"] == stats.num_drafts > 0
+    assert samples["spec_decode_num_ngram_accepted_tokens_total", "code"] == stats.num_accepted_tokens > 0

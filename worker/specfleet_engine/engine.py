@@ -42,6 +42,8 @@ class StepStats:
     num_emitted: int  # tokens appended to the output (after EOS / stop / max_tokens cuts)
     draft_depth: int = 0  # the deepest draft node verified (a chain: num_draft_tokens); branching
     # actually verified = num_draft_tokens / draft_depth (1.0 for a chain)
+    ngram_nodes: int = 0  # a mixed draft's n-gram chain: its nodes verified (`Proposal.ngram`)
+    ngram_accepted: int = 0  # and how many of the accepted tokens were on it (the rest: the head's nodes)
 
     @property
     def draft_positions(self) -> int:
@@ -63,6 +65,8 @@ class SequenceStats:
     draft_errors: int = 0
     num_tree_steps: int = 0  # steps whose draft branched (more nodes than depth)
     num_draft_nodes: int = 0  # draft nodes verified (= num_draft_tokens for chains): what drafts cost in rows
+    num_ngram_drafts: int = 0  # steps whose mixed draft held an n-gram chain
+    num_ngram_accepted: int = 0  # accepted tokens on it (num_accepted_tokens less these: the head's)
 
     def add(self, s: StepStats) -> None:
         self.num_steps += 1
@@ -73,6 +77,8 @@ class SequenceStats:
             self.num_draft_tokens += positions
             self.num_draft_nodes += s.num_draft_tokens
             self.num_accepted_tokens += s.num_accepted
+            self.num_ngram_drafts += s.ngram_nodes > 0
+            self.num_ngram_accepted += s.ngram_accepted
             if len(self.accepted_per_position) < positions:
                 self.accepted_per_position += [0] * (positions - len(self.accepted_per_position))
             for i in range(s.num_accepted):
@@ -461,8 +467,9 @@ class Engine:
             timing.emitted += len(emitted)
             seq.latency_credit += pace * len(emitted) - price
             depth = max(prop.depths(), default=0)
+            on_ngram = next((i for i, r in enumerate(path) if r > prop.ngram), accepted)  # the chain: rows 1 .. ngram
             stats = StepStats(seq.method if n else NO_SPECULATION, n, accepted, bool(result.bonus[b]), len(emitted),
-                              depth)
+                              depth, prop.ngram, on_ngram)
             seq.stats.add(stats)
             if seq.method != NO_SPECULATION:
                 nodes = [r - 1 for r in path]

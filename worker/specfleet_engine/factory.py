@@ -43,9 +43,10 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
                        draft_model: str | None = None, threads: int | None = None, device: str = Device.CPU.value,
-                       ngram_corpus_tokens: int = 0, draft_head: str | None = None, medusa_head: str | None = None):
-    """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`; `device`
-    and `ngram_corpus_tokens` as engine.json's (device auto: cuda when torch sees a GPU);
+                       ngram_corpus_tokens: int = 0, draft_head: str | None = None, medusa_head: str | None = None,
+                       ngram_mix: bool = False):
+    """(model, tokenizer, proposers) for `Engine(model, tokenizer, proposers=proposers)`; `device`,
+    `ngram_corpus_tokens` and `ngram_mix` as engine.json's (device auto: cuda when torch sees a GPU);
     draft_head: an EAGLE head's directory (`specfleet train-draft`), refused when it does not fit;
     medusa_head: Medusa heads' directory (`specfleet train-draft --method medusa`), likewise."""
     if threads:
@@ -62,7 +63,22 @@ def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str =
         proposers[Method.EAGLE.value] = eagle_proposer(draft_head, model)
     if medusa_head:
         proposers[Method.MEDUSA.value] = medusa_proposer(medusa_head, model)
+    if ngram_mix:
+        mix_ngram(proposers)
     return model, tokenizer, proposers
+
+
+def mix_ngram(proposers: dict) -> dict:
+    """`draft.ngram.mix`: each head's or draft model's proposer in `proposers` (keyed by method)
+    wrapped in a MixedProposer with the n-gram method's proposer (one corpus for both); in place."""
+    from specfleet_api.engine_config import MIX_METHODS
+
+    from .proposers import MixedProposer
+
+    for method in MIX_METHODS:
+        if method in proposers:
+            proposers[method] = MixedProposer(proposers[Method.NGRAM.value], proposers[method])
+    return proposers
 
 
 def eagle_proposer(path: str, model):

@@ -115,7 +115,8 @@ def check_config(path: str, *, files: bool = True) -> int:
         "weights not checked: --skip-files"
     guard = f", latency guard {cfg.max_slowdown * 100:g}%" if cfg.max_slowdown is not None else ""
     shape = f", tree choices {len(cfg.tree_choices)} nodes" if cfg.tree_choices else ""
-    print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}, "
+    mixed = " + ngram mixed" if cfg.ngram_mix else ""
+    print(f"OK {path}: model {cfg.model_name} ({weights}), draft {cfg.draft_method}{mixed}, "
           f"quantization {cfg.quantization}, dtype {cfg.dtype}, kPolicy {cfg.k_policy}{guard}{shape}")
     return 0
 
@@ -199,10 +200,12 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
         model, tokenizer = tiny_model(seed=0, scale=4.0), CharTokenizer()
         proposers = default_proposers(cfg.ngram_corpus_tokens)
         if cfg.draft_method in HEAD_KINDS:
-            from specfleet_engine.factory import eagle_proposer, medusa_proposer
+            from specfleet_engine.factory import eagle_proposer, medusa_proposer, mix_ngram
 
             learned = eagle_proposer if cfg.draft_method == Method.EAGLE else medusa_proposer
             proposers[cfg.draft_method] = learned(_draft_source(cfg), model)
+            if cfg.ngram_mix:
+                mix_ngram(proposers)
     else:
         from specfleet_engine.factory import build_engine_parts
 
@@ -211,7 +214,7 @@ def _build_engine(cfg: EngineConfig, max_kv_tokens: int, threads: int | None, ma
         medusa = _draft_source(cfg) if cfg.draft_method == Method.MEDUSA else None
         model, tokenizer, proposers = build_engine_parts(_model_source(cfg), cfg.dtype, cfg.quantization, draft, threads,
                                                          device=cfg.device, ngram_corpus_tokens=cfg.ngram_corpus_tokens,
-                                                         draft_head=head, medusa_head=medusa)
+                                                         draft_head=head, medusa_head=medusa, ngram_mix=cfg.ngram_mix)
     engine = Engine(model, tokenizer, proposers=proposers, max_kv_tokens=max_kv_tokens, k_policy=cfg.k_policy,
                     tree_branching=cfg.tree_branching, tree_depth=cfg.tree_depth, tree_choices=cfg.tree_choices,
                     max_slowdown=cfg.max_slowdown, prefill_chunk=prefill_chunk or None)

@@ -68,6 +68,14 @@ class Metrics:
         self.accepted_per_pos = Counter("spec_decode_num_accepted_tokens_per_pos",
                                         "Draft tokens accepted, by position in the draft", ["model", "position"],
                                         registry=r)
+        # draft.ngram.mix: whether mixing pays, by prompt type (the head's accepted tokens are the
+        # accepted ones less the n-gram's)
+        self.ngram_drafts = Counter("spec_decode_num_ngram_drafts",
+                                    "Verify steps whose mixed draft held the n-gram's chain", ["model", "prompt_type"],
+                                    registry=r)
+        self.ngram_accepted = Counter("spec_decode_num_ngram_accepted_tokens",
+                                      "Draft tokens accepted on a mixed draft's n-gram chain", ["model", "prompt_type"],
+                                      registry=r)
         self.draft_failures = Counter("spec_decode_draft_failures", "Proposer failures degraded to plain decoding",
                                       m, registry=r)
 
@@ -109,10 +117,12 @@ class Metrics:
                   self.plain_equivalent_seconds):
             c.labels(model)  # exported at 0 from the start, so rate() works from the first scrape
 
-    def step(self, prompt_type: str, k: int, nodes: int, accepted: int, emitted: int, depth: int = 0) -> None:
+    def step(self, prompt_type: str, k: int, nodes: int, accepted: int, emitted: int, depth: int = 0,
+             ngram_nodes: int = 0, ngram_accepted: int = 0) -> None:
         """One decoding step of one request: `nodes` draft tokens verified over `depth` levels
         (StepStats.num_draft_tokens, .draft_depth; depth 0 reads as a chain of `nodes`). alpha
-        counts positions (the depth), so a tree's reads like a chain's; the nodes price the step."""
+        counts positions (the depth), so a tree's reads like a chain's; the nodes price the step.
+        ngram_nodes, ngram_accepted: a mixed draft's n-gram chain (StepStats')."""
         m = self.model
         drafted = depth or nodes
         self.draft_k.labels(m).observe(k)
@@ -141,6 +151,9 @@ class Metrics:
                 w = self.window_by_type[prompt_type] = new_window()
             w.observe(drafted, accepted)
             self.acceptance_rate.labels(m, prompt_type).set(w.rate)
+            if ngram_nodes:
+                self.ngram_drafts.labels(m, prompt_type).inc()
+                self.ngram_accepted.labels(m, prompt_type).inc(ngram_accepted)
             tree_nodes, levels = self._tree
             d = self.window.decay
             self._tree = (d * tree_nodes + nodes, d * levels + drafted)

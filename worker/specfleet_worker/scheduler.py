@@ -377,7 +377,7 @@ class Scheduler:
                     self._by_type.setdefault(req.prompt_type, window(256, weight=1.0, recover=0.0)).observe(
                         st.draft_positions, st.num_accepted)
                 self.metrics.step(req.prompt_type, seq.k, st.num_draft_tokens, st.num_accepted, st.num_emitted,
-                                  st.draft_depth)
+                                  st.draft_depth, st.ngram_nodes, st.ngram_accepted)
             errors = seq.stats.draft_errors - req._draft_errors
             if errors:
                 req._draft_errors = seq.stats.draft_errors

@@ -6,6 +6,7 @@ from __future__ import annotations
 from specfleet_api.enums import SPECULATIVE_METHODS, Method
 
 from .base import Capabilities, DraftStats, Proposal, Proposer, SequenceView, TreeShape
+from .mixed import MixedProposer
 from .ngram import NgramProposer, ngram_propose
 
 
@@ -34,5 +35,5 @@ def default_proposers(ngram_corpus_tokens: int = 0) -> dict[str, Proposer]:
     return {Method.NGRAM.value: NgramProposer(corpus_tokens=ngram_corpus_tokens)}
 
 
-__all__ = ["Capabilities", "DraftStats", "NgramProposer", "Proposal", "Proposer", "SequenceView", "TreeShape", "default_proposers",
-           "ngram_propose", "proposer_class"]
+__all__ = ["Capabilities", "DraftStats", "MixedProposer", "NgramProposer", "Proposal", "Proposer", "SequenceView",
+           "TreeShape", "default_proposers", "ngram_propose", "proposer_class"]

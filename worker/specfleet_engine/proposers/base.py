@@ -113,13 +113,16 @@ class Proposal:
     tries them (rank 0 first). `parents` None is a chain (-1, 0, 1, ...). `draft_probs[i]` is the q
     node i's token was drawn from, given its parent and its earlier siblings (sampling without
     replacement zeroes them out of q), or None for a deterministic proposer (q one-hot). `stats`:
-    what the draft distribution said at each node, from a proposer that declares `draft_stats`."""
+    what the draft distribution said at each node, from a proposer that declares `draft_stats`. A
+    mixed draft (proposers/mixed.py) starts with the n-gram drafter's chain: its first `ngram`
+    nodes, the rank-0 path from the root."""
 
     draft_tokens: list[int]  # [n] with n <= the nodes allowed; empty means "nothing worth verifying"
     draft_probs: Tensor | None  # [n, V] the proposer's q, or None when q is one-hot (deterministic)
     key: int = 0  # what kind of draft this is (n-gram: the match length); acceptance is tracked per key
     parents: list[int] | None = None  # None: a chain
     stats: DraftStats | None = None  # per node (Capabilities.draft_stats), None: not told
+    ngram: int = 0  # a mixed draft: nodes 0 .. ngram - 1 are the n-gram's chain (0: none, or not mixed)
 
     @property
     def is_tree(self) -> bool:
@@ -133,7 +136,7 @@ class Proposal:
         probs = self.draft_probs[:k] if self.draft_probs is not None else None
         parents = self.parents[:k] if self.parents is not None else None
         stats = self.stats.subset(list(range(min(k, len(self.draft_tokens))))) if self.stats is not None else None
-        return Proposal(self.draft_tokens[:k], probs, self.key, parents, stats)
+        return Proposal(self.draft_tokens[:k], probs, self.key, parents, stats=stats, ngram=min(self.ngram, k))
 
     def subset(self, keep: list[int]) -> "Proposal":
         """The nodes `keep` (ascending; each one's parent kept too), renumbered."""
@@ -142,9 +145,11 @@ class Proposal:
         new = {old: i for i, old in enumerate(keep)}
         parents = self.parent_list()
         probs = self.draft_probs[keep] if self.draft_probs is not None else None
+        # the chain's kept nodes are a prefix of it (each one's parent is kept): 0 .. m - 1 again
         return Proposal([self.draft_tokens[i] for i in keep], probs, self.key,
                         [-1 if parents[i] < 0 else new[parents[i]] for i in keep],
-                        self.stats.subset(keep) if self.stats is not None else None)
+                        stats=self.stats.subset(keep) if self.stats is not None else None,
+                        ngram=sum(i < self.ngram for i in keep))
 
     def rank_paths(self) -> list[tuple[int, ...]]:
         """Each node's sibling ranks from the root: (0,) the root's first child, (0, 2) the third
