@@ -135,7 +135,6 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
             prec == "hf" and method in HF_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
-            raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
                              f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}], {'|'.join(MIXED_HEADS)}[{TREE}]{MIX}, "
                              f"each [{POLICY}KPOLICY], or hf/{'|hf/'.join(HF_METHODS)})")
         out.append((prec, named))
