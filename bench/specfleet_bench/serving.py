@@ -34,6 +34,7 @@ import grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
+from specfleet_api.enums import SERVED_QUANTIZATIONS, SPECULATIVE_METHODS  # noqa: E402
 from specfleet_bench.questions import default_questions, pick_prompts  # noqa: E402
 from specfleet_proto import worker_pb2 as pb  # noqa: E402
 from specfleet_proto import worker_pb2_grpc as pb_grpc  # noqa: E402
@@ -58,11 +59,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-slowdown", type=float, default=None,
                    help="the adaptive policy's latency guard for the in-process worker, a fraction (0.02: "
                         "speculation.latencyGuard.maxSlowdownPercent 2; default: off)")
-    p.add_argument("--method", default="ngram", choices=("ngram", "draft-model", "eagle", "medusa"),
+    p.add_argument("--method", default="ngram", choices=SPECULATIVE_METHODS,
                    help="the in-process worker's draft.method, every prompt type routed to it (default ngram)")
     p.add_argument("--draft-uri", default=None,
                    help="its draft.uri (eagle: default the bundled smollm2-135m-eagle head)")
-    p.add_argument("--quantization", default="none", choices=("none", "int8"),
+    p.add_argument("--quantization", default="none", choices=SERVED_QUANTIZATIONS,
                    help="the in-process worker's weights (default none)")
     p.add_argument("--prefill-chunk", type=int, default=None,
                    help="the in-process worker's prompt tokens prefilled a step (0: whole prompts; default: the "
