@@ -114,7 +114,8 @@ def _fake_build(root, version, options, stamp_cmake=None):
     for tool in anchor.TOOLS:
         (home / "build" / "bin" / tool).write_text("")
     cmake = stamp_cmake or anchor.cmake_args(root / "src" / version, home / "build", options)
-    (home / "build.json").write_text(json.dumps({"version": version, "cmake": cmake, "tools": list(anchor.TOOLS)}))
+    (home / "build.json").write_text(json.dumps({"version": version, "cmake": cmake, "tools": list(anchor.TOOLS),
+                                                 "seconds": 569.0}))
     return home / "build" / "bin"
 
 
@@ -129,6 +130,7 @@ def test_a_cached_build_is_reused_without_running_anything(tmp_path, monkeypatch
     monkeypatch.setattr(subprocess, "Popen", refuse)
     monkeypatch.setattr(anchor, "fetch_source", refuse)
     assert anchor.ensure_build("11434.0.0", options, 1, root=tmp_path) == bin_dir
+    assert json.loads((bin_dir.parent.parent / "build.json").read_text())["seconds"] == 569.0  # the build's, kept
 
 
 def test_a_build_configured_otherwise_is_built_again(tmp_path, monkeypatch):
@@ -144,6 +146,43 @@ def test_a_build_configured_otherwise_is_built_again(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="stop here"):
         anchor.ensure_build("11434.0.0", options, 1, root=tmp_path)
     assert fetched == ["11434.0.0"]
+
+
+def test_a_build_configures_builds_only_the_tools_and_stamps_what_it_built(tmp_path, monkeypatch):
+    from rich.console import Console
+
+    options = anchor.ggml_isa_options(anchor.cpu_flags(EPYC_AVX2))
+    bin_dir = tmp_path / anchor.build_key("11434.0.0", options) / "build" / "bin"
+    ran = []
+
+    def configure(cmd, **kw):
+        ran.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    class Ninja:  # what `cmake --build` prints through ninja, and the tools it leaves
+        def __init__(self, cmd, **kw):
+            ran.append(cmd)
+            bin_dir.mkdir(parents=True)
+            for tool in anchor.TOOLS:
+                (bin_dir / tool).write_text("")
+            self.stdout = iter(f"[{i}/20] Building CXX object ggml/src/f{i}.cpp.o\n" for i in range(1, 21))
+            self.returncode = 0
+
+        def wait(self):
+            return 0
+
+    monkeypatch.setattr(anchor, "fetch_source", lambda version, root, say=print: root / "src" / version)
+    monkeypatch.setattr(subprocess, "run", configure)
+    monkeypatch.setattr(subprocess, "Popen", Ninja)
+    log = io.StringIO()
+    assert anchor.ensure_build("11434.0.0", options, 2, root=tmp_path, console=Console(file=log, width=200)) == bin_dir
+    assert ran[0][0] == "cmake" and "-DGGML_NATIVE=OFF" in ran[0]
+    assert ran[1][-len(anchor.TOOLS) - 1:] == ["--target", *anchor.TOOLS] and ran[1][ran[1].index("-j") + 1] == "2"
+    assert [ln.split(" in ")[0] for ln in log.getvalue().splitlines() if ln.startswith("built ")][:3] == [
+        "built 2/20", "built 4/20", "built 6/20"]  # a log file gets a line a tenth of the way
+    stamp = json.loads((bin_dir.parent.parent / "build.json").read_text())
+    assert stamp["cmake"] == ran[0] and stamp["tools"] == list(anchor.TOOLS) and stamp["seconds"] >= 0
+    assert anchor.ensure_build("11434.0.0", options, 2, root=tmp_path) == bin_dir and len(ran) == 2  # reused
 
 
 def _sdist(version: str) -> bytes:
