@@ -96,6 +96,11 @@ def test_the_cache_key_separates_versions_and_instruction_sets():
     assert anchor.build_key("11434.0.0", narrow) == "11434.0.0-avx2"
 
 
+def test_builds_live_in_specfleets_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path))
+    assert anchor.llamacpp_root() == tmp_path / "llamacpp"
+
+
 def test_the_configure_command_pins_everything_once(tmp_path):
     options = anchor.ggml_isa_options(anchor.cpu_flags(EPYC_AVX2))
     cmd = anchor.cmake_args(tmp_path / "src", tmp_path / "build", options)
