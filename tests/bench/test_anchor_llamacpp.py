@@ -89,6 +89,13 @@ def test_asking_for_more_than_the_cpu_has_is_an_error():
         anchor.ggml_isa_options(anchor.cpu_flags(EPYC_AVX512), "portable")
 
 
+def test_the_instruction_sets_are_paths_of_our_kernel():
+    from specfleet_engine.kernels import cpu_gemm
+
+    assert set(anchor.ISAS) <= set(cpu_gemm.ISAS)
+    assert sorted(anchor.ISAS, key=cpu_gemm.ISAS.index) == list(anchor.ISAS)  # best first, as there
+
+
 def test_the_cache_key_separates_versions_and_instruction_sets():
     wide, narrow = (anchor.ggml_isa_options(anchor.cpu_flags(EPYC_AVX512), isa) for isa in (None, "avx2"))
     keys = {anchor.build_key(v, o) for v in ("11434.0.0", "11500.0.0") for o in (wide, narrow)}
