@@ -108,11 +108,17 @@ def _build_command(source: Path, out: Path) -> list[str]:
     return cmd + ["-lc10", "-ltorch_cpu"]
 
 
-def _cache_dir() -> Path:
+def cache_root() -> Path:
+    """specfleet's cache folder: $SPECFLEET_CACHE, else $XDG_CACHE_HOME/specfleet, else
+    ~/.cache/specfleet (what is built once per machine lives under it)."""
     root = os.environ.get("SPECFLEET_CACHE")
     if not root:
         root = os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "specfleet")
-    return Path(root) / "torch_extensions"
+    return Path(root)
+
+
+def _cache_dir() -> Path:
+    return cache_root() / "torch_extensions"
 
 
 def kernel_library_path(cache_dir: Path | None = None) -> Path:
