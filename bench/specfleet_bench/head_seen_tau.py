@@ -16,15 +16,14 @@ from pathlib import Path
 
 import torch
 
+from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD, bundled_model
 from specfleet_engine import draft_training as dt
 from specfleet_engine.draft_head import load_head
 
-SHIPPED = Path(__file__).resolve().parents[2] / "worker" / "specfleet_engine" / "heads" / "smollm2-135m-eagle"
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--head", type=Path, default=SHIPPED, help="the head's folder (default: the shipped one)")
+    p.add_argument("--head", default=BUNDLED_EAGLE_HEAD,
+                   help="the head's folder, or a head the package carries (default: %(default)s)")
     p.add_argument("--target", default="smollm2")
     p.add_argument("--prompts", default="../shared/data/draft_train/prompts.jsonl",
                    help="the training run's prompts file")
@@ -42,7 +41,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = dt.read_prompts(a.prompts)
     train_ids, eval_ids = dt.split_prompts(prompts, a.train_prompts, a.eval_prompts, a.seed)
     model, tokenizer = dt.load_target(args.target, "fp32", "none", "cpu")
-    head = load_head(args.head, model)
+    head = load_head(bundled_model(args.head) or args.head, model)
     results = {}
     for name, ids in (("held back", eval_ids), ("seen", train_ids[:args.seen])):
         r = dt.evaluate(a, model, tokenizer, head, prompts, ids)

@@ -34,6 +34,7 @@ import grpc
 
 REPO = Path(__file__).resolve().parents[1]
 
+from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD  # noqa: E402
 from specfleet_api.enums import SERVED_QUANTIZATIONS, SPECULATIVE_METHODS  # noqa: E402
 from specfleet_bench.questions import default_questions, pick_prompts  # noqa: E402
 from specfleet_proto import worker_pb2 as pb  # noqa: E402
@@ -75,7 +76,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--method, --draft-uri and --quantization set the in-process worker's: a running worker takes "
                 "them from its engine.json")
     if args.draft_uri is None and args.method == "eagle":
-        args.draft_uri = "smollm2-135m-eagle"
+        args.draft_uri = BUNDLED_EAGLE_HEAD
     if args.trees and args.target:
         p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
     if args.max_slowdown is not None and args.target:
