@@ -36,6 +36,7 @@ plain, non-probe requests of the same phase).
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import math
 import os
@@ -453,7 +454,14 @@ class Episode:
             entered = self._first(start, lambda smp: bool(set(smp.clusters) & ood))
             if entered is None:
                 notes = [self.evidence_note(slo_loop.cluster_key(c), start) for c in sorted(ood)]
-                return "no out-of-distribution cluster fell back: " + ("; ".join(notes) or "no OOD request finished")
+                calls = self._calls(lambda c: c.ood and c.start >= start and c.end and not c.error)
+                methods = collections.Counter(c.method for c in calls)
+                # what the OOD requests were (a thin window is either few drafts or few tokens)
+                seen = (f"; its {len(calls)} requests made {sum(c.tokens for c in calls) / max(1, len(calls)):.1f} "
+                        f"tokens each, methods {dict(methods)}, {sum(c.probe for c in calls)} probes; "
+                        f"{slo_loop.type_key(T)}: {self._key(slo_loop.type_key(T))[1]}")
+                return "no out-of-distribution cluster fell back: " + ("; ".join(notes) + seen if notes
+                                                                       else "no OOD request finished")
             plain = self._calls(lambda c: c.ood and c.start > entered + 1 and c.end and not c.probe)
             normal = self._calls(lambda c: not c.ood and c.prompt_type == T and c.start > entered and c.end)
             if len(plain) < 2 or len(normal) < 2:

@@ -278,9 +278,13 @@ def decode_part(cfg: dict, device) -> dict:
         prompts = [torch.randint(3, min(arch["vocab_size"], 1000), (cfg["prompt_period"],), generator=g).tolist()
                    * cfg["prompt_repeats"] for _ in range(cfg["batch_seqs"])]
         params = SamplingParams(max_tokens=cfg["max_tokens"], ignore_eos=True)
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         for n_seqs in (1, cfg["batch_seqs"]):
             res = {}
-            engine.generate(prompts[0][:8], SamplingParams(max_tokens=4, ignore_eos=True), "ngram", cfg["k"])  # warm up
+            for method in (Method.NONE.value, Method.NGRAM.value):  # warm up: the kernels compile per shape
+                seqs = [engine.add(p, params, method, cfg["k"]) for p in prompts[:n_seqs]]
+                while not all(s.finished for s in seqs):
+                    engine.step()
             for method in (Method.NONE.value, Method.NGRAM.value):
                 if device.type == "cuda":
                     torch.cuda.synchronize()
@@ -299,16 +303,55 @@ def decode_part(cfg: dict, device) -> dict:
             row = {"model": name, "dtype": dtype_name, "seqs": n_seqs, "equal": equal, "must_equal": must_equal,
                    "plain_tok_s": res["none"]["tok_s"], "ngram_tok_s": res["ngram"]["tok_s"],
                    "accepted": res["ngram"]["accepted"], "drafted": res["ngram"]["drafted"]}
+            row["anatomy"] = step_anatomy(engine, prompts[:n_seqs], cfg, device, weight_bytes)
             out.append(row)
             rate = row["accepted"] / max(1, row["drafted"])
             log(f"{name:>22} {dtype_name:>8} {n_seqs:>4} | {row['plain_tok_s']:>11.1f} {row['ngram_tok_s']:>11.1f} "
                 f"{row['ngram_tok_s'] / row['plain_tok_s']:>6.2f}x {rate:>11.0%} {str(equal):>5}")
+            an = row["anatomy"]
+            log(f"{'':>22} plain step: {an['step_ms']:.2f} ms wall, {an['kernel_ms']:.2f} ms in {an['launches']:.0f} "
+                f"kernels (GPU busy {an['busy']:.0%}); weights streamed at {an['weight_gb_s']:.0f} GB/s")
             if must_equal and not equal:
                 raise AssertionError(f"{name}: n-gram speculation changed the greedy output ({dtype_name})")
         del engine, model
         if device.type == "cuda":
             torch.cuda.empty_cache()
     return {"rows": out}
+
+
+def step_anatomy(engine, prompts: list, cfg: dict, device, weight_bytes: int, steps: int = 16) -> dict:
+    """Plain decoding's step, profiled: wall ms, the ms its kernels ran on the device and how many
+    there were (on the CPU, none), and the weights' bytes per wall second (the roofline's numerator:
+    a decode step streams every weight once). Busy well under 100% is host time: the Python per
+    layer and the launches that CUDA graphs remove."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    from specfleet_engine.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + 4, ignore_eos=True)
+    seqs = [engine.add(p, params, Method.NONE.value, 0) for p in prompts]
+    engine.step()  # the prefill
+    engine.step()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    with profile(activities=acts) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t) / steps
+    while not all(s.finished for s in seqs):
+        engine.step()
+    kernel_us, launches = 0.0, 0
+    for ev in prof.key_averages():
+        if str(getattr(ev, "device_type", "")).endswith("CUDA"):
+            kernel_us += getattr(ev, "self_device_time_total", None) or getattr(ev, "self_cuda_time_total", 0)
+            launches += ev.count
+    return {"step_ms": wall * 1e3, "kernel_ms": kernel_us / 1e3 / steps, "launches": launches / steps,
+            "busy": kernel_us / 1e6 / steps / wall, "weight_gb_s": weight_bytes / wall / 1e9}
 
 
 # -- the run --------------------------------------------------------------------------------------

@@ -57,32 +57,53 @@ def test_cpu_layouts_leave_a_model_on_another_device_alone():
     assert isinstance(transpose_linears(tiny_model()).output, TransposedLinear)  # on the CPU they apply
 
 
-@pytest.mark.gpu
-@cuda
-@pytest.mark.parametrize("arch", ["llama", "qwen2-bias", "mistral-window"])
-def test_greedy_speculation_matches_plain_decoding_on_cuda_fp32(arch):
+def on(device: str, *more):
+    """A device (and more parameters) for the tests below: "cuda" runs them in full on the device
+    machine, "cpu" runs the same calls at a small size in CI, so that a helper they borrow cannot
+    change under them unseen."""
+    return pytest.param(device, *more, marks=[pytest.mark.gpu, cuda] if device == "cuda" else [],
+                        id="-".join([device, *more]))
+
+
+def greedy_proposers(lossless, target, device: str):
+    """test_lossless_greedy's proposers, made on the CPU (their noise and training run there), then
+    moved with the target to `device`."""
+    draft = lossless.tiny_draft(target)
+    eagle, medusa = lossless.head_for(target), lossless.head_for(target, None, lossless.tiny_medusa_head)
+    target.to(device)
+    return {"ngram": lossless.NgramProposer(), "draft-model": lossless.DraftModelProposer(draft.to(device)),
+            "eagle": lossless.EagleProposer(eagle.to(device), target),
+            "medusa": lossless.MedusaProposer(medusa.to(device), target)}
+
+
+@pytest.mark.parametrize("device,arch", [on("cuda", a) for a in ("llama", "qwen2-bias", "mistral-window")]
+                         + [on("cpu", "llama")])
+def test_greedy_speculation_matches_plain_decoding_on_cuda_fp32(device, arch):
     lossless = sibling("test_lossless_greedy")
     target = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
-    draft = lossless.tiny_draft(target).to("cuda")  # made on the CPU (its noise comes from a CPU generator)
-    proposers = {"ngram": lossless.NgramProposer(), "draft-model": lossless.DraftModelProposer(draft)}
-    lossless.check_speculation_matches_plain(target.to("cuda"), proposers)
+    proposers = greedy_proposers(lossless, target, device)
+    assert next(target.parameters()).device.type == device
+    lossless.check_speculation_matches_plain(target, proposers)
 
 
-@pytest.mark.gpu
-@cuda
+@pytest.mark.parametrize("device", [on("cuda"), on("cpu")])
 @pytest.mark.parametrize("index", [0, 2])  # n-gram chain and tree (the draft model: the greedy test)
-def test_sampled_speculation_follows_the_target_distribution_on_cuda(index):
+def test_sampled_speculation_follows_the_target_distribution_on_cuda(device, index):
+    """On CUDA the full TV check; on the CPU one batch, the calls only (the CPU suite checks TV)."""
     sampled = sibling("test_lossless_sampling")
     case = sampled.CASES[index]
-    target = tiny_model(seed=17, vocab_size=sampled.VOCAB, scale=2.0)
-    draft = tiny_model(seed=12, vocab_size=sampled.VOCAB, scale=2.0)
-    exact = sampled.exact_distribution(target, sampled.SamplingParams(**case.params), list(case.prompt))  # on the CPU
-    limit = sampled.tv_threshold(exact, sampled.N)
-    dist, judged, draft_errors, _ = sampled.sample_speculatively((target.to("cuda"), draft.to("cuda")), case)
+    models = sampled.make_models(device)
+    assert models[0].output.weight.device.type == device
+    n = sampled.N if device == "cuda" else sampled.BATCH
+    dist, judged, draft_errors, *_ = sampled.sample_speculatively(models, case, n)
     assert draft_errors == 0
     assert judged[1, "accepted"] > 0 and judged[1, "rejected"] > 0, dict(judged)
-    tv = sampled.total_variation(dist, exact)
-    assert tv < limit, f"{case.name}: TV {tv:.4f} from the target distribution on CUDA (limit {limit:.4f})"
+    if device == "cuda":
+        exact = sampled.exact_distribution(sampled.make_models()[0], sampled.SamplingParams(**case.params),
+                                           list(case.prompt))  # on the CPU
+        limit = sampled.tv_threshold(exact, n)
+        tv = sampled.total_variation(dist.cpu(), exact)
+        assert tv < limit, f"{case.name}: TV {tv:.4f} from the target distribution on CUDA (limit {limit:.4f})"
 
 
 @pytest.mark.gpu

@@ -167,6 +167,21 @@ def test_the_check_fails_when_a_proposer_never_drafts(broken):
         check_speculation_matches_plain(target, proposers)
 
 
+def test_a_failing_proposer_is_logged_once_with_its_error(caplog):
+    """A proposer that raises costs its sequences their drafts, not the step: the error is logged
+    (once per method, with its traceback: a device mix-up on a GPU was otherwise silent) and
+    counted on each sequence."""
+    engine = Engine(tiny_model(seed=1, scale=4.0), proposers={"draft-model": AlwaysRaises()}, max_kv_tokens=1024,
+                    block_size=8, k_policy="fixed")
+    with caplog.at_level("WARNING", logger="specfleet.engine"):
+        seqs = [engine.generate(p, SamplingParams(max_tokens=6, ignore_eos=True), "draft-model", 3)
+                for p in repeating_prompts(2)]
+    assert [(len(s.output), s.stats.draft_errors > 0) for s in seqs] == [(6, True)] * 2
+    failures = [r for r in caplog.records if "proposer failed" in r.getMessage()]
+    assert len(failures) == 1 and "draft-model" in failures[0].getMessage(), caplog.text
+    assert "draft crashed" in caplog.text  # the traceback names the cause
+
+
 @pytest.mark.parametrize("branching", [1, 3], ids=["chains", "trees"])
 @pytest.mark.parametrize("arch", sorted(TINY_ARCHITECTURES))
 def test_batched_speculation_matches_single_requests(arch, branching):

@@ -115,6 +115,12 @@ def make_k_policy(case: Case, costs):
 
 @pytest.fixture(scope="module")
 def models():
+    return make_models()
+
+
+def make_models(device: str = "cpu") -> tuple:
+    """(target, draft model, EAGLE head, Medusa heads, a head whose q is uniform), made on the CPU
+    (their noise comes from CPU generators) and moved to `device` (test_cuda.py's runs)."""
     target = tiny_model(seed=17, vocab_size=VOCAB, scale=2.0)
     draft = tiny_model(seed=12, vocab_size=VOCAB, scale=2.0)
     torch.manual_seed(5)
@@ -130,7 +136,7 @@ def models():
     uniform = EagleHead(HeadConfig.for_target(target, VOCAB), target.args).eval().requires_grad_(False)
     with torch.no_grad():
         uniform.output.weight.zero_()
-    return target, draft, head, medusa, uniform
+    return tuple(m.to(device) for m in (target, draft, head, medusa, uniform))
 
 
 def exact_distribution(model, params: SamplingParams, prompt: list[int]) -> torch.Tensor:

@@ -237,7 +237,7 @@ class EagleHead(DraftVocabHead):
         cos = self.rope_cos.index_select(0, meta.positions).to(feature.dtype)
         sin = self.rope_sin.index_select(0, meta.positions).to(feature.dtype)
         hidden = self.layer(self._input(emb, feature), cos, sin, meta, plan, kv_caches[0])
-        picked = hidden if rows is None else hidden.index_select(0, rows)
+        picked = hidden if rows is None else hidden.index_select(0, rows.to(hidden.device, non_blocking=True))
         return self.logits(picked), hidden
 
     def forward_dense(self, emb: Tensor, feature: Tensor, positions: Tensor, mask: Tensor,

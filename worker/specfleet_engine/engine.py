@@ -11,6 +11,7 @@ and logprobs are all handled inside the step, and each step returns its statisti
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
 from .model import Transformer
 from .proposers import Capabilities, Proposal, Proposer, TreeShape, default_proposers
 from .sampling import SamplingParams, logits_to_probs, sample
+
+log = logging.getLogger("specfleet.engine")
 
 NO_SPECULATION = Method.NONE.value
 
@@ -211,6 +214,7 @@ class Engine:
         self.running: list[Sequence] = []
         self.default_k = 8
         self.costs = StepCostModel()
+        self._draft_failed: set[str] = set()  # methods whose failure was logged
         # max_slowdown: the adaptive policy's latency guard (a fraction; None: off), for a policy named here
         self.k_policy: KPolicy = make_policy(k_policy, self.costs, max_slowdown) if isinstance(k_policy, str) \
             else k_policy
@@ -416,6 +420,11 @@ class Engine:
                 except Exception:  # noqa: BLE001 - a failing draft degrades to plain decoding
                     for s in group:
                         s.stats.draft_errors += 1
+                    if method not in self._draft_failed:  # once per method: what broke, not a flood
+                        self._draft_failed.add(method)
+                        log.warning("the %s proposer failed; its sequences decode plainly this step (this is "
+                                    "logged once; the count is each sequence's stats.draft_errors)", method,
+                                    exc_info=True)
                 bystander = min((s.latency_credit for s in seqs if s.method != method), default=0.0)
                 keep = [k[:MAX_DRAFT_NODES] for k in self.k_policy.select_nodes(group, results, cost, cheap, len(seqs),
                                                                                  bystander)]
