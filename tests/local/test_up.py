@@ -76,9 +76,15 @@ def wait_gone(named: dict[str, int], timeout_s: float) -> None:
 
 
 def stop(proc: subprocess.Popen) -> None:
+    """As a user stops it (SIGTERM: `up` stops its workers, router and Redis); SIGKILL only when it
+    hangs, which would leave those children running."""
     if proc.poll() is None:
-        proc.kill()
-        proc.wait(timeout=30)
+        proc.terminate()
+        try:
+            proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
 
 
 def test_help_lists_the_flags_and_up_never_imports_torch():
