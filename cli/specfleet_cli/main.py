@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 from specfleet_api import limits
-from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
+from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD, MIX_METHODS
 from specfleet_api.enums import DTYPE_CHOICES, SERVED_METHODS, SERVED_QUANTIZATIONS, Method
 
 DESCRIPTION = """\
@@ -85,6 +85,9 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     p.add_argument("--medusa-heads", default=None, metavar="FOLDER",
                    help="the Medusa heads for --method medusa (required with it): a folder from "
                         "`specfleet train-draft --method medusa` for --model")
+    p.add_argument("--ngram-mix", action="store_true",
+                   help="with a head or a draft model (--method " + ", ".join(MIX_METHODS)
+                        + "): the n-gram chain as the tree's first branch, one forward (draft.ngram.mix)")
     p.add_argument("-k", type=int, default=4, help="draft tokens per step")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=limits.WIRE_DEFAULT_TEMPERATURE,
@@ -123,6 +126,9 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
             if args.method == Method.MEDUSA and not args.medusa_heads:
                 parser.error("--method medusa needs --medusa-heads FOLDER (`specfleet train-draft --method medusa` "
                              "makes one for your model)")
+            if args.ngram_mix and args.method not in MIX_METHODS:
+                parser.error(f"--ngram-mix mixes the n-gram chain into a head's or a draft model's tree: --method "
+                             f"{args.method} has none (use one of {', '.join(MIX_METHODS)})")
             if args.method == Method.MEDUSA and not Path(args.medusa_heads).is_dir():  # before loading the model
                 raise FileNotFoundError(f"--medusa-heads {args.medusa_heads}: no such folder (Medusa heads are a "
                                         "folder from `specfleet train-draft --method medusa`)")
@@ -158,7 +164,7 @@ def _generate(args) -> int:
     medusa = args.medusa_heads if args.method == Method.MEDUSA else None
     model, tokenizer, proposers = build_engine_parts(args.model, args.dtype, args.quantization,
                                                      args.draft_model, args.threads, draft_head=head,
-                                                     medusa_head=medusa)
+                                                     medusa_head=medusa, ngram_mix=args.ngram_mix)
     engine = Engine(model, tokenizer, proposers=proposers)
     if args.method != Method.NONE:
         engine.calibrate(sizes=list(range(1, args.k + 2)))  # adaptive K prices drafts with these costs
@@ -171,7 +177,9 @@ def _generate(args) -> int:
     print(engine.text_of(seq))
     s = seq.stats
     print(f"\n[{len(seq.output)} tokens in {dt:.2f}s, {len(seq.output) / dt:.1f} tok/s; method {args.method}, "
-          f"tau {s.mean_accepted_length:.2f}, alpha {s.acceptance_rate:.2f}, finish {seq.finish_reason}]",
+          f"tau {s.mean_accepted_length:.2f}, alpha {s.acceptance_rate:.2f}"
+          + (f", n-gram share {s.num_ngram_accepted / max(1, s.num_accepted_tokens):.0%}" if args.ngram_mix else "")
+          + f", finish {seq.finish_reason}]",
           file=sys.stderr)
     return 0
 

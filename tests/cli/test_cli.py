@@ -1,4 +1,5 @@
 import json
+import re
 import subprocess
 import sys
 
@@ -77,3 +78,13 @@ def test_generate_drafts_with_the_bundled_eagle_head_and_names_a_missing_one():
     assert "method eagle" in out.stderr and out.stdout.strip()
     out = specfleet("generate", "Hi", "--method", "eagle", "--draft-head", "/nonexistent", "--max-tokens", "4")
     assert out.returncode == 2 and "/nonexistent" in out.stderr and "config.json is missing" in out.stderr
+
+
+def test_generate_mixes_ngram_chains_into_the_heads_tree_and_refuses_a_method_without_one():
+    out = specfleet("generate", "Repeat exactly: the cat sat on the mat, the cat sat on the mat.", "--method", "eagle",
+                    "--ngram-mix", "--max-tokens", "24", "--threads", "1", "--temperature", "0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    share = re.search(r"n-gram share (\d+)%", out.stderr)
+    assert share and int(share.group(1)) > 0, out.stderr[-500:]  # the chain was drafted and accepted
+    out = specfleet("generate", "Hi", "--method", "ngram", "--ngram-mix")
+    assert out.returncode == 2 and "--ngram-mix" in out.stderr and "--method ngram has none" in out.stderr
