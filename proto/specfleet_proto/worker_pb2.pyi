@@ -130,7 +130,7 @@ class GetConfigRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerConfig(_message.Message):
-    __slots__ = ("model", "quantization", "role", "speculation_enabled", "k_min", "k_max", "k_initial", "k_policy", "default_method", "method_by_prompt_type", "methods", "max_batch_size", "max_queue", "max_tokens_limit", "context_length", "tree_branching", "default_speculate", "latency_guard_percent", "ngram_corpus_tokens", "device", "tree_choices")
+    __slots__ = ("model", "quantization", "role", "speculation_enabled", "k_min", "k_max", "k_initial", "k_policy", "default_method", "method_by_prompt_type", "methods", "max_batch_size", "max_queue", "max_tokens_limit", "context_length", "tree_branching", "default_speculate", "latency_guard_percent", "ngram_corpus_tokens", "device", "tree_choices", "ngram_mix")
     class MethodByPromptTypeEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -159,6 +159,7 @@ class WorkerConfig(_message.Message):
     NGRAM_CORPUS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     TREE_CHOICES_FIELD_NUMBER: _ClassVar[int]
+    NGRAM_MIX_FIELD_NUMBER: _ClassVar[int]
     model: str
     quantization: str
     role: str
@@ -180,7 +181,8 @@ class WorkerConfig(_message.Message):
     ngram_corpus_tokens: int
     device: str
     tree_choices: _containers.RepeatedCompositeFieldContainer[TreePath]
-    def __init__(self, model: _Optional[str] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., speculation_enabled: _Optional[bool] = ..., k_min: _Optional[int] = ..., k_max: _Optional[int] = ..., k_initial: _Optional[int] = ..., k_policy: _Optional[str] = ..., default_method: _Optional[str] = ..., method_by_prompt_type: _Optional[_Mapping[str, str]] = ..., methods: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., context_length: _Optional[int] = ..., tree_branching: _Optional[int] = ..., default_speculate: _Optional[bool] = ..., latency_guard_percent: _Optional[int] = ..., ngram_corpus_tokens: _Optional[int] = ..., device: _Optional[str] = ..., tree_choices: _Optional[_Iterable[_Union[TreePath, _Mapping]]] = ...) -> None: ...
+    ngram_mix: bool
+    def __init__(self, model: _Optional[str] = ..., quantization: _Optional[str] = ..., role: _Optional[str] = ..., speculation_enabled: _Optional[bool] = ..., k_min: _Optional[int] = ..., k_max: _Optional[int] = ..., k_initial: _Optional[int] = ..., k_policy: _Optional[str] = ..., default_method: _Optional[str] = ..., method_by_prompt_type: _Optional[_Mapping[str, str]] = ..., methods: _Optional[_Iterable[str]] = ..., max_batch_size: _Optional[int] = ..., max_queue: _Optional[int] = ..., max_tokens_limit: _Optional[int] = ..., context_length: _Optional[int] = ..., tree_branching: _Optional[int] = ..., default_speculate: _Optional[bool] = ..., latency_guard_percent: _Optional[int] = ..., ngram_corpus_tokens: _Optional[int] = ..., device: _Optional[str] = ..., tree_choices: _Optional[_Iterable[_Union[TreePath, _Mapping]]] = ..., ngram_mix: _Optional[bool] = ...) -> None: ...
 
 class TreePath(_message.Message):
     __slots__ = ("ranks",)

@@ -8,7 +8,11 @@ import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from specfleet_api.enums import Method
+from specfleet_engine.factory import mix_ngram
 from specfleet_engine.proposers import default_proposers
+from specfleet_engine.proposers.draft_model import DraftModelProposer
+from specfleet_engine.testing import tiny_model
 from specfleet_worker.testing import TINY, pb, running_worker, tiny_engine, wait_idle
 
 PROMPT = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7]  # repeats: n-gram drafts from the first steps
@@ -72,9 +76,15 @@ def test_get_config_reports_the_latency_guard_the_corpus_the_shape_and_the_devic
         cfg = r.admin.GetConfig(pb.GetConfigRequest())
         assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens, cfg.device) == (3, 4096, "cpu")
         assert [list(p.ranks) for p in cfg.tree_choices] == [[0], [1], [0, 0]]  # by depth, then rank
+        assert cfg.ngram_mix is False
     with running_worker() as r:  # the defaults: no guard, no corpus, no shape
         cfg = r.admin.GetConfig(pb.GetConfigRequest())
         assert (cfg.latency_guard_percent, cfg.ngram_corpus_tokens, len(cfg.tree_choices)) == (0, 0, 0)
+    # draft.ngram.mix: the draft model's trees with the n-gram chain mixed in (factory.mix_ngram)
+    mixed = mix_ngram({**default_proposers(), Method.DRAFT_MODEL.value: DraftModelProposer(tiny_model(seed=2))})
+    with running_worker(tiny_engine(proposers=mixed)) as r:
+        cfg = r.admin.GetConfig(pb.GetConfigRequest())
+        assert cfg.ngram_mix is True and Method.DRAFT_MODEL.value in cfg.methods
 
 
 def test_mixed_drafts_count_the_ngram_chains_accepted_tokens_by_prompt_type():

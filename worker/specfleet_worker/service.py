@@ -15,6 +15,7 @@ import uuid
 import grpc
 from opentelemetry import trace
 
+from specfleet_engine.proposers import MixedProposer
 from specfleet_engine.sampling import SamplingParams
 from specfleet_api.enums import DEFAULT_TREE_BRANCHING, PROMPT_TYPES, Method
 from specfleet_api.limits import MAX_REQUEST_ID, WIRE_DEFAULT_TEMPERATURE
@@ -349,7 +350,8 @@ class AdminServicer(pb_grpc.AdminServicer):
             max_batch_size=w.scheduler.max_batch_size, max_queue=w.scheduler.max_queue,
             max_tokens_limit=w.max_tokens_limit, context_length=w.engine.max_len, tree_branching=w.tree_branching,
             latency_guard_percent=round(guard * 100) if guard else 0, ngram_corpus_tokens=corpus.capacity if corpus else 0,
-            device=str(w.engine.device), tree_choices=[pb.TreePath(ranks=p) for p in paths])
+            device=str(w.engine.device), tree_choices=[pb.TreePath(ranks=p) for p in paths],
+            ngram_mix=any(isinstance(p, MixedProposer) for p in w.engine.proposers.values()))
 
     def GetConfig(self, request, context):
         return self._config(self._worker(context))
