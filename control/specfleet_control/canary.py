@@ -23,7 +23,7 @@ from specfleet_api.durations import parse_duration
 from specfleet_api.fleet_spec import base_of, lookup, merge, promotion
 from specfleet_api.windows import DriftCounts, Window, sum_windows
 
-from .loop import mean_var, t95
+from .loop import DRAFT_CORRELATION, mean_var, t95
 from .observe import Observation
 
 PHASES = ("Idle", "Waiting", "Progressing", "Paused", "Promoted", "Aborted")
@@ -380,6 +380,39 @@ def compare_speedup(canary: Window, stable: Window, tol: float) -> str | None:
     return f"{by_value}; the ratio {_fmt(ratio)}, 95% interval [{_fmt(lo)}, {_fmt(hi)}] (Welch t over {n1} and {n2} requests)"
 
 
+def compare_alpha(canary: Window, stable: Window, tol: float) -> str | None:
+    """The acceptance check. The canary's alpha over stable's must not be under 1 - tol; it fails
+    only when the ratio's 95% interval is wholly under that line (the log of a ratio of two
+    proportions, Katz; each arm's drafted tokens counted as DRAFT_CORRELATION times fewer trials,
+    since a rejection ends its draft, as the SLO loop counts them): at a 1% weight the canary
+    drafts a few hundred tokens an interval, and a point under the line by chance is not a
+    regression. A retrained head that accepts less shows it interval after interval, each failed
+    one counted toward failureLimit.
+
+    >>> from specfleet_api.windows import TypeCounts
+    >>> def w(alpha, drafted):
+    ...     return Window(TypeCounts(requests=20, draft_tokens=drafted, accepted_tokens=round(alpha * drafted)))
+    >>> compare_alpha(w(0.5, 60), w(0.6, 6000), 0.1) is None      # 0.83x, over 60 drafted tokens
+    True
+    >>> compare_alpha(w(0.4, 2000), w(0.6, 6000), 0.1)
+    'alpha 0.4 < stable 0.6 x (1 - 0.1) = 0.54; the ratio 0.6667, 95% interval [0.6146, 0.7232] (over 2000 and 6000 drafted tokens)'
+    """
+    by_value = _compare("alpha", canary.alpha, stable.alpha, tol, True)
+    if by_value is None:
+        return None
+    (a1, n1), (a2, n2) = [(w.counts.accepted_tokens / DRAFT_CORRELATION, w.counts.draft_tokens / DRAFT_CORRELATION)
+                          for w in (canary, stable)]
+    if a1 <= 0 or a2 <= 0:  # a log interval needs an accepted token on each arm; none on the canary's is by value
+        return by_value
+    half = 1.96 * math.sqrt(1 / a1 - 1 / n1 + 1 / a2 - 1 / n2)
+    ratio = canary.alpha / stable.alpha
+    lo, hi = ratio * math.exp(-half), ratio * math.exp(half)
+    if hi >= 1 - tol:
+        return None
+    return (f"{by_value}; the ratio {_fmt(ratio)}, 95% interval [{_fmt(lo)}, {_fmt(hi)}] (over "
+            f"{canary.counts.draft_tokens} and {stable.counts.draft_tokens} drafted tokens)")
+
+
 #: The canary's own figures that analysis.metrics may bound (the CRD's enum; p99LatencySeconds is
 #: the older name of ttftP99Seconds).
 METRICS = {
@@ -468,7 +501,7 @@ def analyse(obs: CanaryObservation, policy: CanaryPolicy) -> Analysis:
                                    f"{policy.min_requests}")
     s, c, tol = obs.stable.window, obs.canary.window, policy.compare
     found = [
-        _compare("alpha", c.alpha, s.alpha, tol.alpha, True),
+        compare_alpha(c, s, tol.alpha),
         _compare("tau", c.tau, s.tau, tol.tau, True),
         compare_speedup(c, s, tol.speedup),
         _compare("TTFT P50", c.ttft_quantile(0.5), s.ttft_quantile(0.5), tol.ttft_p50, False),

@@ -11,9 +11,8 @@ from specfleet_operator.spec import with_defaults
 BASE = {"model": {"name": "m", "uri": "u"}, "replicas": 2}
 
 
-def window(requests=100, alpha=0.5, tau_steps=100, speedup=1.5, ttft=0.1, tpot=0.02, errors=0):
+def window(requests=100, alpha=0.5, tau_steps=100, speedup=1.5, ttft=0.1, tpot=0.02, errors=0, drafted=400):
     """A window of `requests` requests with these figures (latencies: every request at that value)."""
-    drafted = 400
     accepted = int(drafted * alpha)
     ttft_hist = [0] * (len(TTFT_BUCKETS) + 1)
     ttft_hist[bucket_of(ttft, TTFT_BUCKETS)] = requests
@@ -142,7 +141,7 @@ def test_halted_time_does_not_count_towards_a_step():
 # -- the comparison checks -------------------------------------------------------------------------
 
 @pytest.mark.parametrize("worse, ok, tolerance, words", [
-    (dict(alpha=0.42), dict(alpha=0.46), {}, "alpha 0.42 < stable 0.5"),
+    (dict(alpha=0.2), dict(alpha=0.46), {}, "alpha 0.2 < stable 0.5"),
     (dict(tau_steps=130), dict(tau_steps=105), {}, "tau"),
     (dict(speedup=1.3), dict(speedup=1.4), {}, "speedup 1.3 < stable 1.5"),
     (dict(ttft=0.2), dict(ttft=0.2), dict(ttft_p50=2.0, ttft_p99=2.0), "TTFT P50"),
@@ -154,6 +153,19 @@ def test_each_comparison_fails_a_worse_canary_and_passes_one_within_tolerance(wo
     failed = c.analyse(obs(canary=window(**worse)), policy()).failed
     assert failed and any(words in f for f in failed), failed
     assert c.analyse(obs(canary=window(**ok)), policy(compare=c.Compare(**tolerance))).failed == ()
+
+
+def test_an_acceptance_regression_fails_when_its_interval_says_so_not_on_a_point():
+    """A retrained head at 0.84x stable's alpha: over 400 drafted tokens an arm (a 1% canary's
+    interval) that is within chance of the line, and passes; over 40000 on each arm it is a
+    regression, and the failure names the ratio's interval."""
+    p = policy(compare=c.Compare(tau=0.5))  # tau, a point check, follows alpha
+    few = c.analyse(obs(canary=window(alpha=0.42)), p).failed
+    assert few == (), few
+    many = c.analyse(obs(canary=window(alpha=0.42, drafted=40000), stable=window(drafted=40000)), p).failed
+    assert len(many) == 1 and many[0].startswith("alpha 0.42 < stable 0.5 x (1 - 0.1) = 0.45; the ratio 0.84, "
+                                                 "95% interval ["), many
+    assert "(over 40000 and 40000 drafted tokens)" in many[0]
 
 
 def with_request_speedups(w, spread, seed=0):
@@ -507,3 +519,9 @@ def test_an_invalid_gate_is_an_event_once_and_no_gate():
     assert d.events == () and d.state.phase == "Waiting"
     d = c.tick(spec, {"annotations": {c.GATE_ANNOTATION: "abort"}}, d.state.to_status(), obs(), 20.0)
     assert d.state.phase == "Aborted" and d.clear_gate
+
+
+def test_doctests():
+    import doctest
+
+    assert doctest.testmod(c).failed == 0
