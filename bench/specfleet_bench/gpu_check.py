@@ -282,18 +282,12 @@ def decode_part(cfg: dict, device) -> dict:
         for n_seqs in (1, cfg["batch_seqs"]):
             res = {}
             for method in (Method.NONE.value, Method.NGRAM.value):  # warm up: the kernels compile per shape
-                seqs = [engine.add(p, params, method, cfg["k"]) for p in prompts[:n_seqs]]
-                while not all(s.finished for s in seqs):
-                    engine.step()
+                run_to_end(engine, [engine.add(p, params, method, cfg["k"]) for p in prompts[:n_seqs]])
             for method in (Method.NONE.value, Method.NGRAM.value):
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                sync(device)
                 t = time.perf_counter()
-                seqs = [engine.add(p, params, method, cfg["k"]) for p in prompts[:n_seqs]]
-                while not all(s.finished for s in seqs):
-                    engine.step()
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
+                seqs = run_to_end(engine, [engine.add(p, params, method, cfg["k"]) for p in prompts[:n_seqs]])
+                sync(device)
                 dt = time.perf_counter() - t
                 res[method] = {"outputs": [s.output for s in seqs], "seconds": dt,
                                "tok_s": sum(len(s.output) for s in seqs) / dt,
@@ -319,12 +313,26 @@ def decode_part(cfg: dict, device) -> dict:
     return {"rows": out}
 
 
+def run_to_end(engine, seqs: list) -> list:
+    """Steps the engine until every one of `seqs` has finished; returns them."""
+    while not all(s.finished for s in seqs):
+        engine.step()
+    return seqs
+
+
+def sync(device) -> None:
+    """Waits for the device's queued work (a CUDA timer's edge); nothing on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+
+
 def step_anatomy(engine, prompts: list, cfg: dict, device, weight_bytes: int, steps: int = 16) -> dict:
     """Plain decoding's step, profiled: wall ms, the ms its kernels ran on the device and how many
     there were (on the CPU, none), and the weights' bytes per wall second (the roofline's numerator:
     a decode step streams every weight once). Busy well under 100% is host time: the Python per
     layer and the launches that CUDA graphs remove."""
-    import torch
     from torch.profiler import ProfilerActivity, profile
 
     from specfleet_engine.sampling import SamplingParams
@@ -334,17 +342,14 @@ def step_anatomy(engine, prompts: list, cfg: dict, device, weight_bytes: int, st
     engine.step()  # the prefill
     engine.step()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    if device.type == "cuda":
-        torch.cuda.synchronize()
+    sync(device)
     with profile(activities=acts) as prof:
         t = time.perf_counter()
         for _ in range(steps):
             engine.step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        sync(device)
         wall = (time.perf_counter() - t) / steps
-    while not all(s.finished for s in seqs):
-        engine.step()
+    run_to_end(engine, seqs)
     kernel_us, launches = 0.0, 0
     for ev in prof.key_averages():
         if str(getattr(ev, "device_type", "")).endswith("CUDA"):

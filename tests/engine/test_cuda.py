@@ -65,23 +65,12 @@ def on(device: str, *more):
                         id="-".join([device, *more]))
 
 
-def greedy_proposers(lossless, target, device: str):
-    """test_lossless_greedy's proposers, made on the CPU (their noise and training run there), then
-    moved with the target to `device`."""
-    draft = lossless.tiny_draft(target)
-    eagle, medusa = lossless.head_for(target), lossless.head_for(target, None, lossless.tiny_medusa_head)
-    target.to(device)
-    return {"ngram": lossless.NgramProposer(), "draft-model": lossless.DraftModelProposer(draft.to(device)),
-            "eagle": lossless.EagleProposer(eagle.to(device), target),
-            "medusa": lossless.MedusaProposer(medusa.to(device), target)}
-
-
 @pytest.mark.parametrize("device,arch", [on("cuda", a) for a in ("llama", "qwen2-bias", "mistral-window")]
                          + [on("cpu", "llama")])
 def test_greedy_speculation_matches_plain_decoding_on_cuda_fp32(device, arch):
     lossless = sibling("test_lossless_greedy")
     target = tiny_model(seed=1, scale=4.0, **TINY_ARCHITECTURES[arch])
-    proposers = greedy_proposers(lossless, target, device)
+    proposers = lossless.proposers_for(target, device=device)
     assert next(target.parameters()).device.type == device
     lossless.check_speculation_matches_plain(target, proposers)
 

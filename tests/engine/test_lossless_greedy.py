@@ -38,10 +38,15 @@ def head_for(target, prompts=None, train=tiny_head):
     return _HEADS[key]
 
 
-def proposers_for(target, prompts=None) -> dict:
-    return {"ngram": NgramProposer(), "draft-model": DraftModelProposer(tiny_draft(target)),
-            "eagle": EagleProposer(head_for(target, prompts), target),
-            "medusa": MedusaProposer(head_for(target, prompts, tiny_medusa_head), target)}
+def proposers_for(target, prompts=None, device: str | None = None) -> dict:
+    """Every method's proposer for `target`; with `device`, the draft model and heads are made on
+    the CPU (their noise and training run there) and moved, the target with them (test_cuda.py)."""
+    draft, eagle, medusa = tiny_draft(target), head_for(target, prompts), head_for(target, prompts, tiny_medusa_head)
+    if device is not None:
+        target.to(device)
+        draft, eagle, medusa = draft.to(device), eagle.to(device), medusa.to(device)
+    return {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(eagle, target),
+            "medusa": MedusaProposer(medusa, target)}
 
 
 def tally(totals: dict[str, Counter], seq) -> None:
