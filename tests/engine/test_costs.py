@@ -104,3 +104,29 @@ def test_only_single_sequence_steps_refine_the_shape():
         rows = rng.choice([4, 8, 16])
         c.observe(rows, {4: 1.5, 8: 1.6, 16: 1.7}[rows], seqs=4)
     assert c.relative() == before and c.level > 1.2
+
+
+def test_calibration_keeps_each_sizes_fastest_round_so_a_neighbours_load_cannot_steepen_the_shape(monkeypatch):
+    """Load only adds time: a size slowed in most of its rounds is still priced by its quiet one.
+    (A per-size median priced 5 rows at 3.4x one row here, and nothing would draft at 4 sequences.)"""
+    from specfleet_engine import engine as engine_module
+    from specfleet_engine.engine import Engine
+    from specfleet_engine.testing import tiny_model
+
+    true = {r: 1.0 + 0.15 * (r - 1) for r in range(1, 9)}  # seconds of a forward of r new rows
+    clock = [0.0]
+    calls: dict[int, int] = {}
+
+    def forward(seqs, inputs, logits_rows, **kwargs):
+        real(seqs, inputs, logits_rows, **kwargs)  # the KV moves as in a real step; the clock is ours
+        rows = len(inputs[0])
+        calls[rows] = calls.get(rows, 0) + 1
+        slowed = rows == 5 and calls[rows] % 5 != 0  # a neighbour hogs the core in 4 of 5 rounds
+        clock[0] += true.get(rows, 1.0) * (2.0 if slowed else 1.0)
+
+    engine = Engine(tiny_model(seed=1))
+    real = engine._forward
+    monkeypatch.setattr(engine, "_forward", forward)
+    monkeypatch.setattr(engine_module.time, "perf_counter", lambda: clock[0])
+    shape = engine.calibrate(sizes=list(range(1, 9)), reps=5)
+    assert shape == pytest.approx({r: t / true[1] for r, t in true.items()}, abs=1e-3)
