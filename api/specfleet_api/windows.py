@@ -220,23 +220,65 @@ def sum_windows(windows: list[Window]) -> Window:
     return out
 
 
-def read_windows(client, namespace: str, name: str, arms: tuple[str, ...] = ARMS) -> dict[str, dict[str, Window]]:
-    """{arm: {prompt type: Window}} summed over the pods found now (a dead pod's key has expired).
-    Redis errors propagate: the caller decides what missing data means (never a decision)."""
+# A worker's hash holds, beside each prompt type's window, one per (prompt type, draft method) its
+# requests ran: field `<type>@<method>` (the method a request ran, exploration and probes included),
+# so that the loop can compare methods on the same type.
+METHOD_SEP = "@"
+
+
+def method_field(prompt_type: str, method: str) -> str:
+    """>>> method_field("code", "eagle")
+    'code@eagle'
+    """
+    return f"{prompt_type}{METHOD_SEP}{method}"
+
+
+def _read_fields(client, namespace: str, name: str, arms: tuple[str, ...]) -> dict[str, dict[str, Window]]:
     out: dict[str, dict[str, Window]] = {}
     for arm in arms:
-        by_type: dict[str, Window] = {}
+        by_field: dict[str, Window] = {}
         for key in client.scan_iter(match=window_key(namespace, name, arm) + ":*", count=100):
-            for prompt_type, text in client.hgetall(key).items():
-                prompt_type = prompt_type.decode() if isinstance(prompt_type, bytes) else prompt_type
+            for field, text in client.hgetall(key).items():
+                field = field.decode() if isinstance(field, bytes) else field
                 try:
                     w = parse_window(text)
                 except ValueError as e:
-                    log.warning("ignoring a window", extra={"key": key, "prompt_type": prompt_type, "error": str(e)})
+                    log.warning("ignoring a window", extra={"key": key, "prompt_type": field, "error": str(e)})
                     continue
-                by_type[prompt_type] = by_type.get(prompt_type, Window()).plus(w)
-        out[arm] = by_type
+                by_field[field] = by_field.get(field, Window()).plus(w)
+        out[arm] = by_field
     return out
+
+
+def split_fields(by_field: dict[str, Window]) -> tuple[dict[str, Window], dict[str, dict[str, Window]]]:
+    """A hash's fields as ({prompt type: Window}, {prompt type: {method: Window}}).
+
+    >>> types, methods = split_fields({"code": Window(pods=1), "code@ngram": Window(pods=2)})
+    >>> list(types), {t: list(m) for t, m in methods.items()}
+    (['code'], {'code': ['ngram']})
+    """
+    types: dict[str, Window] = {}
+    methods: dict[str, dict[str, Window]] = {}
+    for field, w in by_field.items():
+        prompt_type, sep, method = field.partition(METHOD_SEP)
+        if sep:
+            methods.setdefault(prompt_type, {})[method] = w
+        else:
+            types[field] = w
+    return types, methods
+
+
+def read_windows(client, namespace: str, name: str, arms: tuple[str, ...] = ARMS) -> dict[str, dict[str, Window]]:
+    """{arm: {prompt type: Window}} summed over the pods found now (a dead pod's key has expired).
+    Redis errors propagate: the caller decides what missing data means (never a decision)."""
+    return {arm: split_fields(f)[0] for arm, f in _read_fields(client, namespace, name, arms).items()}
+
+
+def read_all_windows(client, namespace: str, name: str, arms: tuple[str, ...] = ARMS
+                     ) -> tuple[dict[str, dict[str, Window]], dict[str, dict[str, dict[str, Window]]]]:
+    """({arm: {prompt type: Window}}, {arm: {prompt type: {method: Window}}}) in one read."""
+    by_arm = {arm: split_fields(f) for arm, f in _read_fields(client, namespace, name, arms).items()}
+    return {arm: t for arm, (t, _) in by_arm.items()}, {arm: m for arm, (_, m) in by_arm.items()}
 
 
 def cluster_key(namespace: str, name: str, router: str) -> str:

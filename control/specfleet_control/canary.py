@@ -23,7 +23,8 @@ from specfleet_api.durations import parse_duration
 from specfleet_api.fleet_spec import base_of, lookup, merge, promotion
 from specfleet_api.windows import DriftCounts, Window, sum_windows
 
-from .loop import DRAFT_CORRELATION, mean_var, t95
+from .loop import DRAFT_CORRELATION
+from .slo import mean_var, welch_half_width
 from .observe import Observation
 
 PHASES = ("Idle", "Waiting", "Progressing", "Paused", "Promoted", "Aborted")
@@ -331,12 +332,11 @@ def _compare(name: str, canary: float | None, stable: float | None, tol: float, 
     return None
 
 
-def _log_speedups(w: Window) -> tuple[float, float, int] | None:
-    """Mean and sample variance of a window's per-request log speedups, and their count; None
-    under two (workers that predate the per-request counts send none)."""
+def _log_speedups(w: Window) -> tuple[int, float, float]:
+    """A window's per-request log speedups as (count, sum, sum of squares) (workers that predate
+    the per-request counts send none)."""
     cn = w.counts
-    n = cn.spec_speedups
-    return (*mean_var(n, cn.spec_log_speedup_sum, cn.spec_log_speedup_sq), n) if n >= 2 else None
+    return cn.spec_speedups, cn.spec_log_speedup_sum, cn.spec_log_speedup_sq
 
 
 def compare_speedup(canary: Window, stable: Window, tol: float) -> str | None:
@@ -364,15 +364,10 @@ def compare_speedup(canary: Window, stable: Window, tol: float) -> str | None:
     if by_value is None or not s:
         return by_value
     mc, ms = _log_speedups(canary), _log_speedups(stable)
-    if mc is None or ms is None:
+    half = welch_half_width(mc, ms)
+    if half is None:
         return by_value
-    (_, v1, n1), (_, v2, n2) = mc, ms
-    se2 = v1 / n1 + v2 / n2
-    if se2 > 0:
-        df = se2 * se2 / ((v1 / n1) ** 2 / (n1 - 1) + (v2 / n2) ** 2 / (n2 - 1))
-        half = t95(max(1, int(df))) * math.sqrt(se2)
-    else:
-        half = 0.0
+    n1, n2 = mc[0], ms[0]
     ratio = c / s
     lo, hi = ratio * math.exp(-half), ratio * math.exp(half)
     if hi >= 1 - tol:

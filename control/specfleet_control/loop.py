@@ -30,7 +30,7 @@ from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
 from .observe import Observation
 from .slo import (FALLBACK, HEALTHY, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, alpha_clear,
-                  judge, step, wilson)
+                  judge, mean_var, step, t95, wilson, window_evidence)
 
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
@@ -104,17 +104,6 @@ class Tick:
     decided: bool = True  # False: the observation was incomplete and nothing was judged
 
 
-def window_evidence(w: Window | None) -> Evidence | None:
-    """A worker window's evidence: the requests that speculated (in fallback, the probes)."""
-    if w is None:
-        return None
-    c = w.counts
-    return Evidence(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, requests=c.spec_requests,
-                    plain_s=c.spec_plain_seconds, busy_s=c.spec_busy_seconds, seen=c.requests, windows=1,
-                    speedups=c.spec_speedups, log_speedup=c.spec_log_speedup_sum,
-                    log_speedup_sq=c.spec_log_speedup_sq)
-
-
 def cluster_evidence(cw: ClusterWindow) -> Evidence:
     return Evidence(draft_tokens=cw.draft_tokens, accepted_tokens=cw.accepted_tokens, requests=cw.spec_requests,
                     seen=cw.requests, windows=1)
@@ -125,22 +114,6 @@ def alpha_bounds(e: Evidence) -> tuple[float, float] | None:
     if not e.draft_tokens:
         return None
     return wilson(e.accepted_tokens / DRAFT_CORRELATION, e.draft_tokens / DRAFT_CORRELATION, CLUSTER_Z)
-
-
-def t95(df: int) -> float:
-    """Student's t, two-sided 95%, for `df` degrees of freedom (within 1% past the table)."""
-    table = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
-    return table[df - 1] if df <= len(table) else 1.96 + 2.4 / df
-
-
-def mean_var(n: int, total: float, squares: float) -> tuple[float, float]:
-    """Mean and sample variance of n values from their sum and the sum of their squares (n >= 2).
-
-    >>> mean_var(3, 6.0, 14.0)                            # 1, 2, 3
-    (2.0, 1.0)
-    """
-    mean = total / n
-    return mean, max(0.0, (squares - n * mean * mean) / (n - 1))
 
 
 def speedup_bounds(e: Evidence) -> tuple[float, float] | None:

@@ -16,10 +16,12 @@ a key nor breaks a probe's healthy run (fail static, ARCHITECTURE.md).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from specfleet_api.durations import parse_duration
 from specfleet_api.fleet_spec import FALLBACK, SPECULATIVE
+from specfleet_api.windows import Window
 
 HEALTHY, MISSED, UNKNOWN = "healthy", "missed", "unknown"
 
@@ -121,6 +123,51 @@ class Evidence:
     def from_status(cls, raw: dict[str, Any] | None) -> Evidence:
         raw = raw or {}
         return cls(**{f.name: type(f.default)(raw.get(f.name, f.default)) for f in dataclasses.fields(cls)})
+
+
+def window_evidence(w: Window | None) -> Evidence | None:
+    """A worker window's evidence: the requests that speculated (in fallback, the probes)."""
+    if w is None:
+        return None
+    c = w.counts
+    return Evidence(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, requests=c.spec_requests,
+                    plain_s=c.spec_plain_seconds, busy_s=c.spec_busy_seconds, seen=c.requests, windows=1,
+                    speedups=c.spec_speedups, log_speedup=c.spec_log_speedup_sum,
+                    log_speedup_sq=c.spec_log_speedup_sq)
+
+
+def t95(df: int) -> float:
+    """Student's t, two-sided 95%, for `df` degrees of freedom (within 1% past the table)."""
+    table = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
+    return table[df - 1] if df <= len(table) else 1.96 + 2.4 / df
+
+
+def mean_var(n: float, total: float, squares: float) -> tuple[float, float]:
+    """Mean and sample variance of n values from their sum and the sum of their squares (n >= 2).
+
+    >>> mean_var(3, 6.0, 14.0)                            # 1, 2, 3
+    (2.0, 1.0)
+    """
+    mean = total / n
+    return mean, max(0.0, (squares - n * mean * mean) / (n - 1))
+
+
+def welch_half_width(a: tuple[float, float, float], b: tuple[float, float, float]) -> float | None:
+    """The 95% half-width of the difference of two means, each sample given as (count, sum, sum
+    of squares) (Welch's t, Satterthwaite's degrees of freedom); None under two values on a side.
+    The loop and the canary compare speedups by their requests' log speedups with it.
+
+    >>> round(welch_half_width((4, 4.0, 4.5), (4, 0.0, 0.5)), 3)      # means 1 and 0, sd 0.41 each
+    0.707
+    """
+    if a[0] < 2 or b[0] < 2:
+        return None
+    (_, va), (_, vb) = mean_var(*a), mean_var(*b)
+    se2 = va / a[0] + vb / b[0]
+    if se2 <= 0:
+        return 0.0
+    df = se2 * se2 / ((va / a[0]) ** 2 / (a[0] - 1) + (vb / b[0]) ** 2 / (b[0] - 1))
+    return t95(max(1, int(df))) * math.sqrt(se2)
 
 
 def wilson(successes: float, n: float, z: float = 2.58) -> tuple[float, float]:

@@ -13,7 +13,8 @@ import pytest
 import grpc
 
 from specfleet_api.live_state import LiveState
-from specfleet_api.windows import TPOT_BUCKETS, TTFT_BUCKETS, TypeCounts, bucket_of, parse_window
+from specfleet_api.windows import (TPOT_BUCKETS, TTFT_BUCKETS, TypeCounts, bucket_of, parse_window, read_all_windows,
+                                   read_windows)
 from specfleet_worker import fleet
 from specfleet_worker.fleet import FleetPublisher, Windows
 from specfleet_worker.live import redis_client
@@ -54,7 +55,8 @@ def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(c
 
     client = redis_server.client()
     raw = client.hgetall(KEY)
-    assert set(raw) == {b"code", b"chat"}
+    # each prompt type's window, and one per (type, method) its requests ran
+    assert set(raw) == {b"code", b"chat", b"code@ngram", b"chat@none"}
     assert 0 < client.ttl(KEY) <= 15 and 0 < client.ttl("specfleet:v1:default/demo:worker:pod-a") <= 15
     got = {t.decode(): json.loads(v) for t, v in raw.items()}
     for name, responses in (("code", code), ("chat", chat)):
@@ -80,6 +82,10 @@ def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(c
         for x in responses:  # first token to last, over the tokens after the first
             tpot[bucket_of((x.latency_s - x.time_to_first_token_s) / (len(x.token_ids) - 1), TPOT_BUCKETS)] += 1
         assert w["tpot_hist"] == tpot
+    # one method per type here: each (type, method) window is its type's
+    for name, method in (("code", "ngram"), ("chat", "none")):
+        assert {k: v for k, v in got[f"{name}@{method}"].items() if k != "updated"} == \
+            {k: v for k, v in got[name].items() if k != "updated"}
     # every request of code ran ngram, none of chat speculated: the spec_ fields are all or nothing
     assert got["code"]["spec_requests"] == 3 and got["chat"]["spec_requests"] == 0
     assert got["code"]["spec_busy_seconds"] == got["code"]["busy_seconds"]
@@ -95,6 +101,29 @@ def test_a_workers_window_has_the_numbers_of_its_requests_for_two_prompt_types(c
 
     pub.stop()  # leaving the fleet: both keys go at once
     assert client.exists(KEY, "specfleet:v1:default/demo:worker:pod-a") == 0
+
+
+def test_a_types_requests_are_windowed_by_the_method_they_ran_and_readers_split_the_two(canary, redis_server):
+    """What the loop compares methods on: one type's requests under two methods, each method's
+    window its own requests', the two adding up to the type's; `read_windows` sees types only."""
+    r = canary
+    pub = FleetPublisher(redis_client(redis_server.url), r.worker, name="pod-a", deployment=("default", "demo"))
+    ngram = [run(r, "code", "ngram", [5, 6, 7, 8] * 4, 24), run(r, "code", "ngram", [1, 2, 3] * 5, 16)]
+    plain = [run(r, "code", "none", [3, 1, 4, 1, 5, 9], 10)]
+    assert pub.publish_once()
+    client = redis_client(redis_server.url)
+    types, methods = read_all_windows(client, "default", "demo", ("canary",))
+    assert list(types["canary"]) == ["code"] and sorted(methods["canary"]["code"]) == ["ngram", "none"]
+    assert read_windows(client, "default", "demo", ("canary",)) == types
+    whole, by = types["canary"]["code"].counts, methods["canary"]["code"]
+    assert by["ngram"].counts.requests == 2 and by["none"].counts.requests == 1
+    assert by["ngram"].counts.draft_tokens == sum(x.speculation.num_draft_tokens for x in ngram) > 0
+    assert by["none"].counts.draft_tokens == 0 and by["none"].counts.spec_requests == 0
+    assert by["ngram"].counts.spec_speedups == 2
+    assert by["ngram"].counts.plus(by["none"].counts).output_tokens == whole.output_tokens == 50
+    assert by["ngram"].counts.busy_seconds + by["none"].counts.busy_seconds == pytest.approx(whole.busy_seconds)
+    assert sum(len(x.token_ids) for x in plain) == 10
+    pub.stop()
 
 
 def test_a_worker_that_stops_publishing_drops_out_and_redis_read_only_costs_no_request(canary, redis_server):

@@ -118,7 +118,7 @@ class Metrics:
             c.labels(model)  # exported at 0 from the start, so rate() works from the first scrape
 
     def step(self, prompt_type: str, k: int, nodes: int, accepted: int, emitted: int, depth: int = 0,
-             ngram_nodes: int = 0, ngram_accepted: int = 0) -> None:
+             ngram_nodes: int = 0, ngram_accepted: int = 0, method: str | None = None) -> None:
         """One decoding step of one request: `nodes` draft tokens verified over `depth` levels
         (StepStats.num_draft_tokens, .draft_depth; depth 0 reads as a chain of `nodes`). alpha
         counts positions (the depth), so a tree's reads like a chain's; the nodes price the step.
@@ -129,12 +129,12 @@ class Metrics:
         self.generation_tokens.labels(m).inc(emitted)
         self.window.observe(drafted, accepted)
         with self._by_type_lock:
-            c = self._counts(prompt_type)
-            c.steps += 1
-            if drafted:
-                c.drafts += 1
-                c.draft_tokens += drafted
-                c.accepted_tokens += accepted
+            for c in self._counts(prompt_type, method):
+                c.steps += 1
+                if drafted:
+                    c.drafts += 1
+                    c.draft_tokens += drafted
+                    c.accepted_tokens += accepted
         if drafted:
             self.totals["num_drafts"] += 1
             self.totals["num_draft_tokens"] += drafted
@@ -165,20 +165,22 @@ class Metrics:
         self.busy_seconds.labels(self.model).inc(actual_s)
         self.plain_equivalent_seconds.labels(self.model).inc(plain_s)
 
-    def cost(self, prompt_type: str, plain_s: float, actual_s: float, spec: bool = False) -> None:
+    def cost(self, prompt_type: str, plain_s: float, actual_s: float, spec: bool = False,
+             method: str | None = None) -> None:
         """One request's share of an engine step (`busy` counts the whole step); `spec`: the
-        request speculated in that step (counted in the `spec_` fields too)."""
+        request speculated in that step (counted in the `spec_` fields too); `method`: the draft
+        method it ran (its counts go to the (type, method) window too)."""
         with self._by_type_lock:
-            c = self._counts(prompt_type)
-            c.plain_seconds += plain_s
-            c.busy_seconds += actual_s
-            if spec:
-                c.spec_plain_seconds += plain_s
-                c.spec_busy_seconds += actual_s
+            for c in self._counts(prompt_type, method):
+                c.plain_seconds += plain_s
+                c.busy_seconds += actual_s
+                if spec:
+                    c.spec_plain_seconds += plain_s
+                    c.spec_busy_seconds += actual_s
 
     def finished(self, prompt_type: str, finish_reason: str, output_tokens: int, e2e_s: float,
                  ttft_s: float | None, tpot_s: float | None, spec: bool = False,
-                 spec_seconds: tuple[float, float] = (0.0, 0.0)) -> None:
+                 spec_seconds: tuple[float, float] = (0.0, 0.0), method: str | None = None) -> None:
         """A request that ran to its end (stop, length or abort); TTFT is None when no token came,
         TPOT when fewer than two did; `spec`: speculation was in effect for it (in some step);
         `spec_seconds`: (plain-equivalent, actual) seconds of its speculating steps, whose ratio is
@@ -191,40 +193,46 @@ class Metrics:
         if tpot_s is not None:
             self.tpot.labels(m).observe(tpot_s)
         with self._by_type_lock:
-            c = self._counts(prompt_type)
-            c.requests += 1
-            c.spec_requests += spec
-            plain_s, busy_s = spec_seconds
-            if spec and plain_s > 0 and busy_s > 0:
-                log_speedup = math.log(plain_s / busy_s)
-                c.spec_speedups += 1
-                c.spec_log_speedup_sum += log_speedup
-                c.spec_log_speedup_sq += log_speedup * log_speedup
-            c.output_tokens += output_tokens
-            if ttft_s is not None:
-                c.ttft_seconds_sum += ttft_s
-                c.ttft_count += 1
-                c.ttft_hist = _counted(c.ttft_hist, bucket_of(ttft_s, windows.TTFT_BUCKETS))
-            if tpot_s is not None:
-                c.tpot_seconds_sum += tpot_s
-                c.tpot_count += 1
-                c.tpot_hist = _counted(c.tpot_hist, bucket_of(tpot_s, windows.TPOT_BUCKETS))
+            for c in self._counts(prompt_type, method):
+                self._finished_into(c, output_tokens, ttft_s, tpot_s, spec, spec_seconds)
 
-    def error(self, prompt_type: str) -> None:
+    @staticmethod
+    def _finished_into(c: TypeCounts, output_tokens: int, ttft_s: float | None, tpot_s: float | None, spec: bool,
+                       spec_seconds: tuple[float, float]) -> None:
+        c.requests += 1
+        c.spec_requests += spec
+        plain_s, busy_s = spec_seconds
+        if spec and plain_s > 0 and busy_s > 0:
+            log_speedup = math.log(plain_s / busy_s)
+            c.spec_speedups += 1
+            c.spec_log_speedup_sum += log_speedup
+            c.spec_log_speedup_sq += log_speedup * log_speedup
+        c.output_tokens += output_tokens
+        if ttft_s is not None:
+            c.ttft_seconds_sum += ttft_s
+            c.ttft_count += 1
+            c.ttft_hist = _counted(c.ttft_hist, bucket_of(ttft_s, windows.TTFT_BUCKETS))
+        if tpot_s is not None:
+            c.tpot_seconds_sum += tpot_s
+            c.tpot_count += 1
+            c.tpot_hist = _counted(c.tpot_hist, bucket_of(tpot_s, windows.TPOT_BUCKETS))
+
+    def error(self, prompt_type: str, method: str | None = None) -> None:
         """A request that failed inside the worker (the engine failed, or the worker stopped under it)."""
         with self._by_type_lock:
-            self._counts(prompt_type).errors += 1
+            for c in self._counts(prompt_type, method):
+                c.errors += 1
 
     def counts_by_type(self) -> dict[str, TypeCounts]:
-        """A consistent copy of every prompt type's counts (any thread)."""
+        """A consistent copy of every prompt type's counts, and every (type, method)'s under
+        `windows.method_field` (any thread)."""
         with self._by_type_lock:
             return {t: dataclasses.replace(c) for t, c in self._by_type.items()}
 
-    def _counts(self, prompt_type: str) -> TypeCounts:
-        c = self._by_type.get(prompt_type)
-        if c is None:
-            c = self._by_type[prompt_type] = TypeCounts()
-        return c
+    def _counts(self, prompt_type: str, method: str | None = None) -> list[TypeCounts]:
+        """The counts one event adds to: its prompt type's, and its (type, method)'s."""
+        fields = [prompt_type] + ([windows.method_field(prompt_type, method)] if method else [])
+        return [self._by_type.setdefault(f, TypeCounts()) for f in fields]
 
     def draft_error(self, n: int) -> None:
         self.totals["draft_errors"] += n

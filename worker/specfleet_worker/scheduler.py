@@ -362,7 +362,7 @@ class Scheduler:
             req = by_id.get(out.seq.seq_id)
             if req is None:
                 continue
-            self.metrics.cost(req.prompt_type, plain_s, actual_s, spec=req.speculating)
+            self.metrics.cost(req.prompt_type, plain_s, actual_s, spec=req.speculating, method=req.method)
             if req.speculating:
                 req.spec_seconds = (req.spec_seconds[0] + plain_s, req.spec_seconds[1] + actual_s)
             seq = out.seq
@@ -377,7 +377,7 @@ class Scheduler:
                     self._by_type.setdefault(req.prompt_type, window(256, weight=1.0, recover=0.0)).observe(
                         st.draft_positions, st.num_accepted)
                 self.metrics.step(req.prompt_type, seq.k, st.num_draft_tokens, st.num_accepted, st.num_emitted,
-                                  st.draft_depth, st.ngram_nodes, st.ngram_accepted)
+                                  st.draft_depth, st.ngram_nodes, st.ngram_accepted, method=req.method)
             errors = seq.stats.draft_errors - req._draft_errors
             if errors:
                 req._draft_errors = seq.stats.draft_errors
@@ -405,9 +405,10 @@ class Scheduler:
                 if len(seq.output) > 1:
                     tpot = (req.finished_at - req.first_token_at) / (len(seq.output) - 1)
             self.metrics.finished(req.prompt_type, seq.finish_reason, len(seq.output), req.finished_at - req.arrival,
-                                  ttft, tpot, spec=req.speculated, spec_seconds=req.spec_seconds)
+                                  ttft, tpot, spec=req.speculated, spec_seconds=req.spec_seconds,
+                                  method=req.method)
         elif error.kind in FAILURES:
-            self.metrics.error(req.prompt_type)
+            self.metrics.error(req.prompt_type, req.method)
         self._hook(req, error)
         s = seq.stats
         log.info("request finished" if error is None else "request failed", extra={
@@ -429,7 +430,7 @@ class Scheduler:
         if error is None:
             error = Rejected(Refusal.CANCELLED, "cancelled while queued")
         if error.kind in FAILURES:
-            self.metrics.error(req.prompt_type)
+            self.metrics.error(req.prompt_type, req.method)
         self._hook(req, error)
         req.events.put(Event("error", error=error))
         with self._cond:

@@ -1,0 +1,154 @@
+"""The draft method each prompt type runs, chosen by the loop from what every method did on it.
+
+A deployment serves more than one draft method (n-gram always, and its draft.method: a draft
+model, an EAGLE head or Medusa heads); which one pays on a prompt type depends on the model, the
+traffic, the temperature and the load, and changes when any of them does. The routers send a small
+share of each unpinned type's requests (`exploreShare`, percent) to the methods the type does not
+run now, so every method keeps evidence; the workers window requests by (type, method); and at
+each judgement this module compares the methods on each type:
+
+- a method's evidence is its windows' speculating requests (drafted and accepted tokens, plain and
+  busy seconds, each request's own log speedup), older windows weighing `carry` times less each
+  window, so a shift in traffic shows within a few windows;
+- a type moves from its method c to another m when the 95% interval of speedup(m) / speedup(c)
+  (around the ratio of their plain-over-busy seconds, as wide as their requests' log speedups
+  spread, Welch) lies wholly above 1 + `margin` (the hysteresis), both have `minRequests`
+  speedups, and `minDwell` has passed since the type's last move (no flapping);
+- a type pinned in routing.byPromptType is never moved (and never explored); plain decoding is not
+  a candidate: falling back to it stays the SLO loop's job, the safety floor.
+
+Pure: `choose` takes the stable arm's per-method windows and the choices so far (the loop's memory,
+kept in the SDD status) and returns the next choices and an event for every move.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from specfleet_api.durations import parse_duration
+from specfleet_api.windows import Window
+
+from .slo import Evidence, welch_half_width, window_evidence
+
+EXPLORE_SHARE = 5.0  # routing.select.exploreShare's default
+MOVED = "MethodChanged"
+
+
+@dataclasses.dataclass(frozen=True)
+class SelectPolicy:
+    """routing.select: whether the loop picks methods, and how cautiously."""
+
+    enabled: bool = True
+    explore_share: float = EXPLORE_SHARE  # percent of an unpinned type's requests that try the others
+    margin: float = 0.05  # a move needs speedup(new) / speedup(now) above 1 + margin, interval and all
+    min_dwell_s: float = 600.0  # between two moves of one type
+    min_requests: int = 4  # speedups a method needs on a type before it is compared
+    carry: float = 0.5  # the share of a method's evidence that carries into the next window
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> SelectPolicy:
+        raw = (spec.get("routing") or {}).get("select") or {}
+        d = cls()
+        return cls(enabled=bool(raw.get("enabled", d.enabled)),
+                   explore_share=float(raw.get("exploreShare", d.explore_share)),
+                   margin=float(raw.get("margin", d.margin)),
+                   min_dwell_s=parse_duration(raw.get("minDwell", "10m")),
+                   min_requests=int(raw.get("minRequests", d.min_requests)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """One prompt type's method: what it runs, when the loop last moved it (None: never, the
+    spec's), and each method's evidence on it (sums, older windows weighed down)."""
+
+    method: str
+    since: float | None = None
+    evidence: Mapping[str, Evidence] = dataclasses.field(default_factory=dict)
+
+    def to_status(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": self.method}
+        if self.since is not None:
+            out["since"] = self.since
+        if self.evidence:
+            out["evidence"] = {m: e.to_status() for m, e in sorted(self.evidence.items())}
+        return out
+
+    @classmethod
+    def from_status(cls, raw: dict[str, Any]) -> Choice:
+        return cls(str(raw["method"]), raw.get("since"),
+                   {str(m): Evidence(**{f.name: float(e.get(f.name, 0.0)) for f in dataclasses.fields(Evidence)})
+                    for m, e in (raw.get("evidence") or {}).items()})
+
+
+def scaled(e: Evidence, by: float) -> Evidence:
+    return Evidence(*(by * v for v in dataclasses.astuple(e)))
+
+
+def log_ratio_bounds(a: Evidence, b: Evidence) -> tuple[float, float, float] | None:
+    """(point, low, high) of log(speedup(a) / speedup(b)), 95%: around the ratio of the two
+    speedups (plain over busy seconds), as wide as the means of their requests' log speedups are
+    uncertain (`slo.welch_half_width`); None when either has fewer than two speedups or no seconds.
+
+    >>> a = Evidence(plain_s=15.0, busy_s=10.0, speedups=8, log_speedup=8 * 0.4, log_speedup_sq=8 * 0.17)
+    >>> b = Evidence(plain_s=11.0, busy_s=10.0, speedups=8, log_speedup=8 * 0.1, log_speedup_sq=8 * 0.02)
+    >>> [round(x, 3) for x in log_ratio_bounds(a, b)]
+    [0.31, 0.196, 0.425]
+    """
+    half = welch_half_width((a.speedups, a.log_speedup, a.log_speedup_sq),
+                            (b.speedups, b.log_speedup, b.log_speedup_sq))
+    if half is None or not a.speedup or not b.speedup:
+        return None
+    point = math.log(a.speedup / b.speedup)
+    return point, point - half, point + half
+
+
+def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Choice], policy: SelectPolicy,
+           now: float, *, candidates: tuple[str, ...], default: str, pins: Mapping[str, str]
+           ) -> tuple[dict[str, Choice], list[tuple[str, str]]]:
+    """One judgement: every unpinned type seen (now or before) with its evidence carried and this
+    window's added, moved where another candidate's speedup is clearly better. `windows`: the
+    stable arm's {type: {method: Window}}; `candidates`: the draft methods the deployment serves
+    (`fleet_spec.served_methods`); `default`: what an unchosen type runs. Returns the next
+    choices and the events (reason, message)."""
+    out: dict[str, Choice] = {}
+    events: list[tuple[str, str]] = []
+    if not policy.enabled or len(candidates) < 2:
+        return out, events
+    for prompt_type in sorted(set(windows) | set(choices)):
+        if prompt_type in pins:
+            continue
+        before = choices.get(prompt_type)
+        if before is None or before.method not in candidates:  # new, or the spec no longer serves it
+            before = Choice(default if default in candidates else candidates[0])
+        observed = windows.get(prompt_type, {})
+        evidence = {}
+        for m in candidates:
+            e = scaled(before.evidence.get(m, Evidence()), policy.carry)
+            if m in observed:
+                e = e.plus(window_evidence(observed[m]))
+            if e.windows > 0.01:  # forgotten after ~7 windows without a request
+                evidence[m] = e
+        choice = Choice(before.method, before.since, evidence)
+        current = evidence.get(choice.method)
+        dwelt = choice.since is None or now - choice.since >= policy.min_dwell_s
+        if current is not None and current.speedups >= policy.min_requests and dwelt:
+            best = None
+            for m, e in evidence.items():
+                if m == choice.method or e.speedups < policy.min_requests:
+                    continue
+                bounds = log_ratio_bounds(e, current)
+                if bounds is not None and bounds[1] > math.log1p(policy.margin) and (best is None or bounds > best[1]):
+                    best = (m, bounds)
+            if best is not None:
+                m, (point, low, high) = best
+                new, old = evidence[m], current
+                events.append((MOVED, (
+                    f"prompt type {prompt_type}: {choice.method} -> {m}: speedup {new.speedup:.2f}x against "
+                    f"{old.speedup:.2f}x, ratio {math.exp(point):.2f} [{math.exp(low):.2f}, {math.exp(high):.2f}] "
+                    f"over {new.speedups:.1f} and {old.speedups:.1f} requests (weighted)")))
+                choice = Choice(m, now, evidence)
+        out[prompt_type] = choice
+    return out, events
