@@ -7,9 +7,12 @@ share of each unpinned type's requests (`exploreShare`, percent) to the methods 
 run now, so every method keeps evidence; the workers window requests by (type, method); and at
 each judgement this module compares the methods on each type:
 
-- a method's evidence is its windows' speculating requests (drafted and accepted tokens, plain and
-  busy seconds, each request's own log speedup), older windows weighing `carry` times less each
-  window, so a shift in traffic shows within a few windows;
+- a method's evidence is its latest windows' speculating requests (drafted and accepted tokens,
+  plain and busy seconds, each request's own log speedup), sized by requests rather than time: a
+  new window counts whole, and older ones are weighed down so that the sum holds about
+  `evidenceRequests` of them (at most 0.9 of them a window). The method a type runs fills that in
+  one window, so a shift in its traffic shows at the next judgement; one explored by a few
+  requests a window adds them up over as many windows as it takes;
 - a type moves from its method c to another m when the 95% interval of speedup(m) / speedup(c)
   (around the ratio of their plain-over-busy seconds, as wide as their requests' log speedups
   spread, Welch) lies wholly above 1 + `margin` (the hysteresis), both have `minRequests`
@@ -34,6 +37,7 @@ from specfleet_api.windows import Window
 from .slo import Evidence, welch_half_width, window_evidence
 
 EXPLORE_SHARE = 5.0  # routing.select.exploreShare's default
+MAX_CARRY = 0.9  # the most of a method's evidence a window carries on (a method no request runs is forgotten)
 MOVED = "MethodChanged"
 
 
@@ -46,7 +50,7 @@ class SelectPolicy:
     margin: float = 0.05  # a move needs speedup(new) / speedup(now) above 1 + margin, interval and all
     min_dwell_s: float = 600.0  # between two moves of one type
     min_requests: int = 4  # speedups a method needs on a type before it is compared
-    carry: float = 0.5  # the share of a method's evidence that carries into the next window
+    evidence_requests: int = 16  # about how many of its latest requests a method's evidence holds
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> SelectPolicy:
@@ -56,7 +60,8 @@ class SelectPolicy:
                    explore_share=float(raw.get("exploreShare", d.explore_share)),
                    margin=float(raw.get("margin", d.margin)),
                    min_dwell_s=parse_duration(raw.get("minDwell", "10m")),
-                   min_requests=int(raw.get("minRequests", d.min_requests)))
+                   min_requests=int(raw.get("minRequests", d.min_requests)),
+                   evidence_requests=int(raw.get("evidenceRequests", d.evidence_requests)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +90,25 @@ class Choice:
 
 def scaled(e: Evidence, by: float) -> Evidence:
     return Evidence(*(by * v for v in dataclasses.astuple(e)))
+
+
+def carried(old: Evidence | None, new: Evidence | None, requests: int) -> Evidence:
+    """A method's evidence after a window: the new one whole, the old weighed down so the two
+    hold about `requests` requests (at most MAX_CARRY of the old; none when the new one alone
+    holds that many).
+
+    >>> e = carried(Evidence(speedups=30, windows=3), Evidence(speedups=10, windows=1), 16)
+    >>> round(e.speedups, 3), round(e.windows, 3)
+    (16.0, 1.6)
+    >>> carried(Evidence(speedups=2, windows=1), None, 16).speedups      # no request: 0.9 of it
+    1.8
+    """
+    new = new or Evidence()
+    if old is None or not old.windows:
+        return new
+    room = max(0.0, requests - new.speedups)
+    keep = MAX_CARRY if not old.speedups else min(MAX_CARRY, room / old.speedups)
+    return scaled(old, keep).plus(new)
 
 
 def log_ratio_bounds(a: Evidence, b: Evidence) -> tuple[float, float, float] | None:
@@ -126,10 +150,8 @@ def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Ch
         observed = windows.get(prompt_type, {})
         evidence = {}
         for m in candidates:
-            e = scaled(before.evidence.get(m, Evidence()), policy.carry)
-            if m in observed:
-                e = e.plus(window_evidence(observed[m]))
-            if e.windows > 0.01:  # forgotten after ~7 windows without a request
+            e = carried(before.evidence.get(m), window_evidence(observed.get(m)), policy.evidence_requests)
+            if e.windows > 0.01:  # forgotten after ~40 windows without a request
                 evidence[m] = e
         choice = Choice(before.method, before.since, evidence)
         current = evidence.get(choice.method)
@@ -148,7 +170,7 @@ def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Ch
                 events.append((MOVED, (
                     f"prompt type {prompt_type}: {choice.method} -> {m}: speedup {new.speedup:.2f}x against "
                     f"{old.speedup:.2f}x, ratio {math.exp(point):.2f} [{math.exp(low):.2f}, {math.exp(high):.2f}] "
-                    f"over {new.speedups:.1f} and {old.speedups:.1f} requests (weighted)")))
+                    f"over {new.speedups:.3g} and {old.speedups:.3g} requests (weighted)")))
                 choice = Choice(m, now, evidence)
         out[prompt_type] = choice
     return out, events

@@ -1,0 +1,162 @@
+"""The loop's choice of draft method per prompt type (specfleet_control.methods): moves only on
+clear evidence, once per shift, never against a pin, never before its dwell."""
+from __future__ import annotations
+
+import doctest
+import math
+import random
+import re
+
+import pytest
+
+from specfleet_api.windows import TypeCounts, Window
+from specfleet_control import methods
+from specfleet_control.methods import MOVED, Choice, SelectPolicy, choose
+
+CANDIDATES = ("ngram", "eagle")
+WINDOW_S = 60.0
+
+
+def window(rng: random.Random, n: int, speedup: float, spread: float = 0.15, alpha: float = 0.6) -> Window:
+    """n speculating requests of 1 busy second each whose speedups are log-normal around `speedup`."""
+    logs = [rng.gauss(math.log(speedup), spread) for _ in range(n)]
+    drafted = 40 * n
+    return Window(TypeCounts(requests=n, spec_requests=n, spec_busy_seconds=float(n),
+                             spec_plain_seconds=sum(math.exp(x) for x in logs), spec_speedups=n,
+                             spec_log_speedup_sum=sum(logs), spec_log_speedup_sq=sum(x * x for x in logs),
+                             draft_tokens=drafted, accepted_tokens=int(alpha * drafted)), pods=1, seconds=WINDOW_S)
+
+
+def run(windows_by_tick, policy=SelectPolicy(min_dwell_s=3 * WINDOW_S), pins=None, default="ngram", choices=None):
+    """Judge a sequence of {type: {method: Window}}, one per window; returns the choices after each
+    and every event."""
+    choices, history, events = choices or {}, [], []
+    for i, windows in enumerate(windows_by_tick):
+        choices, ev = choose(windows, choices, policy, now=i * WINDOW_S, candidates=CANDIDATES, default=default,
+                             pins=pins or {})
+        history.append({t: c.method for t, c in choices.items()})
+        events += [(i, reason, message) for reason, message in ev]
+    return choices, history, events
+
+
+def explored(rng, current: str, n: int, speedups: dict[str, float], share: float = 0.1) -> dict[str, Window]:
+    """One window of a type: most requests on its current method, `share` on the other."""
+    other = next(m for m in CANDIDATES if m != current)
+    return {current: window(rng, round(n * (1 - share)), speedups[current]),
+            other: window(rng, max(1, round(n * share)), speedups[other])}
+
+
+def test_a_clearly_faster_method_takes_the_type_and_says_why():
+    rng = random.Random(1)
+    ticks = [{"chat": explored(rng, "ngram", 60, {"ngram": 1.1, "eagle": 1.7})}]
+    choices, history, events = run(ticks)
+    assert history == [{"chat": "eagle"}]
+    [(_, reason, message)] = events
+    assert reason == MOVED
+    assert re.fullmatch(r"prompt type chat: ngram -> eagle: speedup 1\.\d\dx against 1\.\d\dx, ratio 1\.\d\d "
+                        r"\[1\.\d\d, 1\.\d\d\] over 6 and 54 requests \(weighted\)", message), message
+    assert choices["chat"].since == 0.0
+
+
+def test_too_few_requests_of_a_method_decide_nothing_until_they_add_up():
+    rng = random.Random(2)
+    ticks = [{"chat": {"ngram": window(rng, 30, 1.1), "eagle": window(rng, 1, 1.7)}} for _ in range(6)]
+    _, history, events = run(ticks)
+    assert history[0] == history[1] == history[2] == {"chat": "ngram"}  # 1, 1.9, 2.71 weighted requests
+    assert history[-1] == {"chat": "eagle"} and len(events) == 1  # then the carried evidence is enough
+
+
+def test_methods_that_pay_alike_never_flap():
+    """Equal speedups, noisy requests, 200 windows of two types: the margin and the interval hold
+    every type where it is."""
+    rng = random.Random(3)
+    ticks = [{t: explored(rng, "ngram", 40, {"ngram": 1.3, "eagle": 1.3}) for t in ("chat", "math")}
+             for _ in range(200)]
+    _, history, events = run(ticks, policy=SelectPolicy(min_dwell_s=0.0))
+    assert events == [] and history[-1] == {"chat": "ngram", "math": "ngram"}
+
+
+def test_a_method_a_little_better_than_the_margin_does_not_move_the_type():
+    rng = random.Random(4)
+    ticks = [{"chat": explored(rng, "ngram", 60, {"ngram": 1.30, "eagle": 1.33})} for _ in range(100)]
+    _, _, events = run(ticks, policy=SelectPolicy(min_dwell_s=0.0))
+    assert events == []  # 2.3% better, under the 5% margin
+
+
+def test_a_traffic_shift_moves_only_the_shifted_type_once_within_three_windows():
+    rng = random.Random(5)
+    calm = {"ngram": 1.6, "eagle": 1.3}  # n-gram pays on both types at first
+    shifted = {"ngram": 0.95, "eagle": 1.4}  # code's prompts change to text n-gram cannot draft
+    ticks = []
+    current = {"code": "ngram", "chat": "ngram"}
+    choices: dict[str, Choice] = {}
+    events = []
+    for i in range(20):
+        code = shifted if i >= 10 else calm
+        windows = {"code": explored(rng, current["code"], 40, code, share=0.05),
+                   "chat": explored(rng, current["chat"], 40, calm, share=0.05)}
+        choices, ev = choose(windows, choices, SelectPolicy(min_dwell_s=3 * WINDOW_S), now=i * WINDOW_S,
+                             candidates=CANDIDATES, default="ngram", pins={})
+        current = {t: c.method for t, c in choices.items()}
+        events += [(i, m) for _, m in ev]
+        ticks.append(current)
+    assert all(t == {"code": "ngram", "chat": "ngram"} for t in ticks[:10])
+    moved_at = [i for i, m in events]
+    assert len(events) == 1 and events[0][1].startswith("prompt type code: ngram -> eagle")
+    assert 10 <= moved_at[0] <= 12  # within 3 windows of the shift
+    assert all(t == {"code": "eagle", "chat": "ngram"} for t in ticks[moved_at[0]:])
+
+
+def test_a_type_does_not_move_back_before_its_dwell():
+    rng = random.Random(6)
+    fast_eagle = {"ngram": 1.1, "eagle": 1.8}
+    fast_ngram = {"ngram": 1.8, "eagle": 1.1}
+    policy = SelectPolicy(min_dwell_s=5 * WINDOW_S)
+    choices, current, moves = {}, "ngram", []
+    for i in range(12):
+        speed = fast_eagle if i < 2 else fast_ngram
+        choices, ev = choose({"chat": explored(rng, current, 60, speed)}, choices, policy, now=i * WINDOW_S,
+                             candidates=CANDIDATES, default="ngram", pins={})
+        current = choices["chat"].method
+        moves += [i for _ in ev]
+    assert moves[0] == 0 and moves[1] == 5  # back to n-gram only once the dwell passed
+    assert len(moves) == 2
+
+
+def test_a_pinned_type_is_never_moved_and_an_unserved_choice_falls_back_to_the_default():
+    rng = random.Random(7)
+    ticks = [{"code": explored(rng, "ngram", 60, {"ngram": 1.0, "eagle": 2.0})} for _ in range(5)]
+    choices, history, events = run(ticks, pins={"code": "ngram"})
+    assert events == [] and choices == {}
+    stale = {"chat": Choice("medusa", since=0.0)}  # the spec no longer serves what the loop chose
+    choices, _ = choose({}, stale, SelectPolicy(), now=1e6, candidates=CANDIDATES, default="eagle", pins={})
+    assert choices["chat"].method == "eagle"
+
+
+def test_nothing_is_chosen_with_one_candidate_or_when_disabled():
+    rng = random.Random(8)
+    windows = {"chat": explored(rng, "ngram", 60, {"ngram": 1.0, "eagle": 2.0})}
+    assert choose(windows, {}, SelectPolicy(), 0.0, candidates=("ngram",), default="ngram", pins={}) == ({}, [])
+    assert choose(windows, {}, SelectPolicy(enabled=False), 0.0, candidates=CANDIDATES, default="ngram",
+                  pins={}) == ({}, [])
+
+
+def test_a_choice_survives_the_status_round_trip_with_its_weighted_evidence():
+    rng = random.Random(9)
+    choices, _, _ = run([{"chat": explored(rng, "ngram", 60, {"ngram": 1.1, "eagle": 1.7})}] * 3)
+    for c in choices.values():
+        back = Choice.from_status(c.to_status())
+        assert back.method == c.method and back.since == c.since
+        for m, e in c.evidence.items():
+            assert back.evidence[m].speedups == pytest.approx(e.speedups, rel=1e-3)
+            assert back.evidence[m].speedup == pytest.approx(e.speedup, rel=1e-3)
+
+
+def test_policy_from_spec():
+    p = SelectPolicy.from_spec({"routing": {"select": {"exploreShare": 2, "margin": 0.1, "minDwell": "5m"}}})
+    assert (p.enabled, p.explore_share, p.margin, p.min_dwell_s) == (True, 2.0, 0.1, 300.0)
+    assert SelectPolicy.from_spec({}) == SelectPolicy()
+
+
+def test_docstring_examples():
+    assert doctest.testmod(methods).failed == 0
