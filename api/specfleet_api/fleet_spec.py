@@ -18,6 +18,7 @@ from specfleet_api.live_state import KBounds, LiveState, Routing
 ROLES = ("stable", "canary")
 SPECULATIVE, FALLBACK = "speculative", "fallback"  # the whole deployment's mode
 PROBE_SHARE = 5.0  # slo.fallback.probeShare's default in the CRD
+EXPLORE_SHARE = 5.0  # routing.select.exploreShare's default in the CRD
 # Where an override key lives in the spec (the rest live at the same path).
 _OVERRIDE_PATHS = {"image": ("template", "image")}
 
@@ -35,6 +36,8 @@ class FleetState:
     drift_epoch: str = ""  # the canary run the drift counts belong to
     # what stable runs since a promotion (status.canary.promoted, `promotion`)
     promoted: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
+    # the draft method the loop chose per unpinned prompt type (specfleet_control.methods)
+    methods: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
 
 def leaves(obj: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -250,6 +253,45 @@ def probe_share(spec: dict[str, Any]) -> float:
     return float(fallback.get("probeShare", PROBE_SHARE)) if fallback.get("enabled", True) else 0.0
 
 
+def served_methods(spec: dict[str, Any], role: str = "stable", state: FleetState = FleetState()) -> tuple[str, ...]:
+    """The draft methods an arm's workers serve and the loop may choose among per prompt type:
+    n-gram (every worker has it) and the arm's draft.method; none where it does not speculate.
+
+    >>> served_methods({"draft": {"method": "eagle"}}), served_methods({"draft": {"method": "ngram"}})
+    (('ngram', 'eagle'), ('ngram',))
+    >>> served_methods({"draft": {"method": "none"}})
+    ()
+    """
+    method = effective_spec(spec, role, state)["draft"]["method"]
+    if method == "none":
+        return ()
+    return ("ngram",) if method == "ngram" else ("ngram", method)
+
+
+def selects_methods(spec: dict[str, Any], state: FleetState = FleetState()) -> bool:
+    """Whether the loop chooses each unpinned prompt type's method (routing.select.enabled, on by
+    default) among more than one served method.
+
+    >>> selects_methods({"draft": {"method": "eagle"}}), selects_methods({"draft": {"method": "ngram"}})
+    (True, False)
+    >>> selects_methods({"draft": {"method": "eagle"}, "routing": {"select": {"enabled": False}}})
+    False
+    """
+    select = (spec.get("routing") or {}).get("select") or {}
+    return bool(select.get("enabled", True)) and len(served_methods(spec, "stable", state)) > 1
+
+
+def explore_share(spec: dict[str, Any], state: FleetState = FleetState()) -> float:
+    """Percent of an unpinned type's requests that run the other served methods
+    (routing.select.exploreShare); 0 where the loop does not choose.
+
+    >>> explore_share({"draft": {"method": "eagle"}}), explore_share({"draft": {"method": "ngram"}})
+    (5.0, 0.0)
+    """
+    select = (spec.get("routing") or {}).get("select") or {}
+    return float(select.get("exploreShare", EXPLORE_SHARE)) if selects_methods(spec, state) else 0.0
+
+
 def k_bounds(spec: dict[str, Any], state: FleetState, role: str = "stable") -> KBounds:
     """The K bounds in force for one arm: its spec's, or kMax 0 where nothing speculates, the one
     rule of "speculation off" (the live state, control.json and the status all say this). In a
@@ -352,12 +394,18 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
     stable = effective_spec(spec, "stable", state)
     routing = stable.get("routing") or {}
     k = {role: k_bounds(spec, state, role) for role in (ROLES if spec.get("canary") else ("stable",))}
-    table = Routing(routing.get("default", stable["draft"]["method"]), dict(routing.get("byPromptType", {})))
+    pins = dict(routing.get("byPromptType", {}))
+    selects = selects_methods(spec, state)
+    chosen = state.methods if selects else {}
+    table = Routing(routing.get("default", stable["draft"]["method"]),
+                    {**{t: m for t, m in chosen.items() if t not in pins}, **pins})
     arms = {}
     if spec.get("canary"):  # a canary that tries another method gets a table of its own
         canary = effective_spec(spec, "canary", state)
         own = canary.get("routing") or {}
-        canary_table = Routing(own.get("default", canary["draft"]["method"]), dict(own.get("byPromptType", {})))
+        own_pins, serves = dict(own.get("byPromptType", {})), served_methods(spec, "canary", state)
+        canary_table = Routing(own.get("default", canary["draft"]["method"]),  # the loop's choices it can serve
+                               {**{t: m for t, m in chosen.items() if t not in own_pins and m in serves}, **own_pins})
         if canary_table != table:
             arms["canary"] = canary_table
     return LiveState(version=version, canary_weight=round(float(canary_weight(spec, state)), 2),
@@ -365,4 +413,6 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
                      speculate=speculates(spec, state), k=k, updated=updated, arms=arms,
                      probe_share=probe_share(spec),
                      fallback_clusters=tuple(state.fallback_clusters), mirror_share=state.mirror_share,
-                     drift_epoch=state.drift_epoch)
+                     drift_epoch=state.drift_epoch, explore_share=explore_share(spec, state),
+                     candidates=served_methods(spec, "stable", state) if selects else (),
+                     pinned=tuple(sorted(pins)) if selects else ())

@@ -82,6 +82,11 @@ class LiveState:
     fallback_clusters: tuple[str, ...] = ()  # prompt clusters (`<router>/<n>`) in fallback
     mirror_share: float = 0.0  # percent of greedy requests mirrored to a second backend (drift check)
     drift_epoch: str = ""  # the canary run the routers' drift counts belong to ("" : none)
+    # percent of an unpinned type's requests that run the other `candidates` (the draft methods the
+    # deployment serves), so that the loop keeps evidence of each (specfleet_control.methods)
+    explore_share: float = 0.0
+    candidates: tuple[str, ...] = ()
+    pinned: tuple[str, ...] = ()  # prompt types routing.byPromptType pins: never explored
 
     def method_for(self, prompt_type: str, arm: str = "stable") -> str:
         """The draft method a request of this prompt type runs with on this arm.
@@ -101,24 +106,45 @@ class LiveState:
               draw: float = 100.0) -> tuple[str, bool]:
         """(method, probe) for one request: the arm's table, or `none` in fallback except for the
         probes: a request whose `draw` (uniform in [0, 100), from its id) falls under `probe_share`
-        still speculates, so that the loop keeps observing what speculation would do.
+        still speculates, so that the loop keeps observing what speculation would do. A draw in the
+        top `explore_share` of an unpinned type runs one of the other candidates instead (in
+        fallback too, as a probe of that method).
 
         >>> s = LiveState(fallback=("code",), probe_share=5.0)
         >>> s.route("code", draw=3.0), s.route("code", draw=50.0), s.route("chat", draw=3.0)
         (('ngram', True), ('none', False), ('ngram', False))
+        >>> s = LiveState(explore_share=4.0, candidates=("ngram", "eagle", "medusa"), pinned=("math",))
+        >>> s.route("chat", draw=50.0), s.route("chat", draw=96.5), s.route("chat", draw=98.5)
+        (('ngram', False), ('eagle', False), ('medusa', False))
+        >>> s.route("math", draw=98.5)
+        ('ngram', False)
         """
         own = self.arms.get(arm)
         method = own.routes.get(prompt_type, own.default_method) if own is not None \
             else self.routes.get(prompt_type, self.default_method)
+        explored = None if own is not None else self.explored(prompt_type, method, draw)
         if not self.in_fallback(prompt_type, cluster):
-            return method, False
+            return explored or method, False
+        if explored is not None:
+            return explored, True
         if method != "none" and draw < self.probe_share:
             return method, True
         return "none", False
 
+    def explored(self, prompt_type: str, method: str, draw: float) -> str | None:
+        """The other candidate a request of this type explores, or None (most requests, a pinned
+        type, a method that is not a candidate)."""
+        start = 100.0 - self.explore_share
+        if not start <= draw < 100.0 or prompt_type in self.pinned or method not in self.candidates:  # 100: no draw
+            return None
+        others = [m for m in self.candidates if m != method]
+        if not others:
+            return None
+        return others[min(len(others) - 1, int((draw - start) / self.explore_share * len(others)))]
+
     def problems(self) -> list[str]:
         out = []
-        for what in ("probe_share", "mirror_share"):
+        for what in ("probe_share", "mirror_share", "explore_share"):
             share = getattr(self, what)
             if not 0.0 <= share <= 100.0:
                 out.append(f"{what}: {share} is not a percentage")
@@ -133,7 +159,11 @@ class LiveState:
         for arm in self.arms:
             if arm not in ARMS:
                 out.append(f"arms[{arm!r}]: not an arm of {ARMS}")
-        for t in list(self.routes) + list(self.fallback) + [t for r in self.arms.values() for t in r.routes]:
+        for m in self.candidates:
+            if m not in METHODS or m == "none":
+                out.append(f"candidates: {m!r} is not a draft method that speculates")
+        for t in (list(self.routes) + list(self.fallback) + [t for r in self.arms.values() for t in r.routes]
+                  + list(self.pinned)):
             if t not in PROMPT_TYPES:
                 out.append(f"prompt type {t!r} is not one of {', '.join(PROMPT_TYPES)}")
         for arm, b in self.k.items():
@@ -145,8 +175,9 @@ class LiveState:
         raw = asdict(self)
         raw["fallback"] = list(self.fallback)
         raw["fallback_clusters"] = list(self.fallback_clusters)
+        raw["candidates"], raw["pinned"] = list(self.candidates), list(self.pinned)
         for key, default in (("probe_share", 0.0), ("fallback_clusters", []), ("mirror_share", 0.0),
-                             ("drift_epoch", "")):
+                             ("drift_epoch", ""), ("explore_share", 0.0), ("candidates", []), ("pinned", [])):
             if raw[key] == default:
                 del raw[key]  # readers that predate the loop's fields see the same document
         raw["k"] = {arm: {"kMin": b.k_min, "kMax": b.k_max} for arm, b in self.k.items()}
@@ -172,7 +203,10 @@ class LiveState:
                         probe_share=float(raw.get("probe_share", 0.0)),
                         fallback_clusters=tuple(str(c) for c in raw.get("fallback_clusters") or ()),
                         mirror_share=float(raw.get("mirror_share", 0.0)),
-                        drift_epoch=str(raw.get("drift_epoch", "")))
+                        drift_epoch=str(raw.get("drift_epoch", "")),
+                        explore_share=float(raw.get("explore_share", 0.0)),
+                        candidates=tuple(str(m) for m in raw.get("candidates") or ()),
+                        pinned=tuple(str(t) for t in raw.get("pinned") or ()))
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"live state: not a state document ({type(e).__name__}: {e})") from None
         problems = state.problems()
@@ -187,6 +221,7 @@ class LiveState:
         raw["arms"] = {arm: r if isinstance(r, Routing) else Routing(**r) for arm, r in raw["arms"].items()}
         raw["fallback"] = tuple(raw["fallback"])
         raw["fallback_clusters"] = tuple(raw["fallback_clusters"])
+        raw["candidates"], raw["pinned"] = tuple(raw["candidates"]), tuple(raw["pinned"])
         raw["version"] = self.version + 1
         raw["updated"] = time.time()
         return LiveState(**raw)

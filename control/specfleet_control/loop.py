@@ -28,6 +28,7 @@ from typing import Any
 
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
+from .methods import Choice, Selection, choose
 from .observe import Observation
 from .slo import (FALLBACK, HEALTHY, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, alpha_clear,
                   judge, mean_var, step, t95, wilson, window_evidence)
@@ -63,6 +64,7 @@ class Memory:
     evidence: Mapping[str, Evidence] = dataclasses.field(default_factory=dict)  # key -> windows not yet decisive
     judged_at: float | None = None  # the last judgement of the windows
     early_at: float | None = None  # the last half-way check for misses
+    methods: Mapping[str, Choice] = dataclasses.field(default_factory=dict)  # prompt type -> its draft method
 
     @property
     def whole(self) -> bool:
@@ -76,8 +78,14 @@ class Memory:
         return tuple(sorted(k.split(":", 1)[1] for k, s in self.keys.items()
                             if k.startswith("cluster:") and s.mode == FALLBACK))
 
+    def chosen_methods(self) -> dict[str, str]:
+        """The draft method the loop chose per (unpinned) prompt type."""
+        return {t: c.method for t, c in sorted(self.methods.items())}
+
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": {k: s.to_status() for k, s in sorted(self.keys.items())}}
+        if self.methods:
+            out["methods"] = {t: c.to_status() for t, c in sorted(self.methods.items())}
         if self.seen:
             out["seen"] = dict(sorted(self.seen.items()))
         if self.evidence:
@@ -94,7 +102,8 @@ class Memory:
         return cls({str(k): KeyState.from_status(v) for k, v in (raw.get("keys") or {}).items()},
                    {str(k): float(v) for k, v in (raw.get("seen") or {}).items()},
                    {str(k): Evidence.from_status(v) for k, v in (raw.get("evidence") or {}).items()},
-                   raw.get("judgedAt"), raw.get("earlyAt"))
+                   raw.get("judgedAt"), raw.get("earlyAt"),
+                   {str(t): Choice.from_status(c) for t, c in (raw.get("methods") or {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,11 +191,14 @@ def judges_cluster(keys: Mapping[str, KeyState], key: str, cw: ClusterWindow) ->
     return key in keys or keys.get(type_key(cw.prompt_type), KeyState()).mode != FALLBACK
 
 
-def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True) -> Tick:
+def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True,
+         selection: Selection | None = None) -> Tick:
     """One tick: every key judged when a window has passed since the last judgement (a key with an
     alert, at once); nothing changes on an incomplete observation. `per_type` False (no router
     following a live state): the deployment is the only key; with no windows at all
-    (`obs.windows` empty: no Redis), its alerts alone move it, both ways."""
+    (`obs.windows` empty: no Redis), its alerts alone move it, both ways. `selection`: what the
+    loop chooses each prompt type's draft method among (methods.py), at each judgement; a type
+    that moves learns its alpha baseline afresh (another method accepts at another rate)."""
     if not obs.complete:
         return Tick(memory, (), decided=False)
     due = memory.judged_at is None or now - memory.judged_at >= policy.window_s * 0.98
@@ -256,6 +268,19 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
                               | {k.split(":", 1)[1] for k in keys if k.startswith("type:")}):
         move(type_key(prompt_type), f"prompt type {prompt_type}", window_evidence(stable.get(prompt_type)),
              type_alerts.get(prompt_type))
+    chosen = dict(memory.methods)
+    if due and selection is not None and selection.candidates:
+        chosen, moves = choose(obs.methods.get("stable", {}), memory.methods, selection.policy, now,
+                               candidates=selection.candidates, default=selection.default, pins=selection.pins)
+        for prompt_type, choice in chosen.items():
+            before = memory.methods.get(prompt_type)
+            if choice.since == now and (before is None or before.since != now):  # it moved now
+                key = type_key(prompt_type)
+                keys[key] = dataclasses.replace(keys.get(key, KeyState()), baseline=None, baseline_tokens=None)
+                evidence.pop(key, None)
+        events += moves
+    elif selection is not None and not selection.candidates:
+        chosen = {}  # nothing to choose among any more (the spec serves one method, or turned it off)
     if policy.clusters:
         for cluster, cw in sorted(obs.clusters.items()):
             key = cluster_key(cluster)
@@ -284,5 +309,5 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             del keys[key]
             seen.pop(key, None)
             evidence.pop(key, None)
-    return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at, now if early else memory.early_at),
-                tuple(events))
+    return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at, now if early else memory.early_at,
+                       chosen), tuple(events))

@@ -31,22 +31,22 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from specfleet_api import fleet_spec
 from specfleet_api.durations import parse_duration
 from specfleet_api.windows import Window
 
 from .slo import Evidence, welch_half_width, window_evidence
 
-EXPLORE_SHARE = 5.0  # routing.select.exploreShare's default
 MAX_CARRY = 0.9  # the most of a method's evidence a window carries on (a method no request runs is forgotten)
 MOVED = "MethodChanged"
 
 
 @dataclasses.dataclass(frozen=True)
 class SelectPolicy:
-    """routing.select: whether the loop picks methods, and how cautiously."""
+    """routing.select: whether the loop picks methods, and how cautiously (the share of requests
+    that explore is the live state's: `fleet_spec.explore_share`)."""
 
     enabled: bool = True
-    explore_share: float = EXPLORE_SHARE  # percent of an unpinned type's requests that try the others
     margin: float = 0.05  # a move needs speedup(new) / speedup(now) above 1 + margin, interval and all
     min_dwell_s: float = 600.0  # between two moves of one type
     min_requests: int = 4  # speedups a method needs on a type before it is compared
@@ -57,11 +57,31 @@ class SelectPolicy:
         raw = (spec.get("routing") or {}).get("select") or {}
         d = cls()
         return cls(enabled=bool(raw.get("enabled", d.enabled)),
-                   explore_share=float(raw.get("exploreShare", d.explore_share)),
                    margin=float(raw.get("margin", d.margin)),
                    min_dwell_s=parse_duration(raw.get("minDwell", "10m")),
                    min_requests=int(raw.get("minRequests", d.min_requests)),
                    evidence_requests=int(raw.get("evidenceRequests", d.evidence_requests)))
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What the loop chooses among for a deployment: its policy, the methods its stable arm
+    serves, the method of a type it has not chosen for, and the spec's pins."""
+
+    policy: SelectPolicy
+    candidates: tuple[str, ...]
+    default: str
+    pins: Mapping[str, str]
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any], state: fleet_spec.FleetState = fleet_spec.FleetState()) -> Selection:
+        """From a defaulted spec; no candidates where the loop does not choose (one served method,
+        or routing.select.enabled false)."""
+        stable = fleet_spec.effective_spec(spec, "stable", state)
+        routing = stable.get("routing") or {}
+        candidates = fleet_spec.served_methods(spec, "stable", state) if fleet_spec.selects_methods(spec, state) else ()
+        return cls(SelectPolicy.from_spec(spec), candidates, routing.get("default", stable["draft"]["method"]),
+                   dict(routing.get("byPromptType", {})))
 
 
 @dataclasses.dataclass(frozen=True)

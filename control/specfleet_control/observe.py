@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 
 from specfleet_api.live_state import ARMS
-from specfleet_api.windows import (ClusterWindow, DriftCounts, Window, read_cluster_windows, read_drift,
-                                   read_windows)
+from specfleet_api.windows import (ClusterWindow, DriftCounts, Window, read_all_windows, read_cluster_windows,
+                                   read_drift)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,6 +25,8 @@ class Alert:
 class Observation:
     complete: bool = True  # False: the windows could not be read (Redis away); decide nothing
     windows: dict[str, dict[str, Window]] = dataclasses.field(default_factory=dict)  # arm -> type -> window
+    # arm -> type -> draft method -> window: the requests of each type that ran each method
+    methods: dict[str, dict[str, dict[str, Window]]] = dataclasses.field(default_factory=dict)
     clusters: dict[str, ClusterWindow] = dataclasses.field(default_factory=dict)  # cluster id -> window
     drift: dict[str, DriftCounts] = dataclasses.field(default_factory=dict)  # pair kind -> counts
     alerts: tuple[Alert, ...] = ()
@@ -38,9 +40,9 @@ class Observation:
 def read(client, namespace: str, name: str, arms: tuple[str, ...] = ARMS, drift_epoch: str = "") -> Observation:
     """Everything the fleet published for this deployment, now; never raises."""
     try:
-        windows = read_windows(client, namespace, name, arms)
+        windows, methods = read_all_windows(client, namespace, name, arms)
         clusters = read_cluster_windows(client, namespace, name)
         drift = read_drift(client, namespace, name, drift_epoch) if drift_epoch else {}
     except Exception as e:  # noqa: BLE001 - redis errors, timeouts: no data, no decision
         return Observation(complete=False, error=f"{type(e).__name__}: {e}")
-    return Observation(windows=windows, clusters=clusters, drift=drift)
+    return Observation(windows=windows, methods=methods, clusters=clusters, drift=drift)

@@ -24,10 +24,12 @@ from typing import Any, Protocol
 from specfleet_api import fleet_spec
 from specfleet_api.live_state import PREFIX, LiveState, state_key
 from specfleet_control import canary as canaries
+from specfleet_control import fleet as control_fleet
 from specfleet_control import loop as slo_loop
 from specfleet_control import observe
+from specfleet_control.methods import Selection
 from specfleet_control.observe import Observation
-from specfleet_control.slo import FALLBACK, SloPolicy
+from specfleet_control.slo import SloPolicy
 
 log = logging.getLogger("specfleet.local")
 
@@ -88,11 +90,7 @@ class ControlLoop:
         self.clock, self.readiness, self.gate, self.clear_gate = clock, readiness, gate, clear_gate
 
     def fleet(self) -> fleet_spec.FleetState:
-        m, routing = self.memory, canaries.routing(self.canary, self.spec)
-        return fleet_spec.FleetState(mode=FALLBACK if m.whole else "speculative", canary_weight=routing.weight,
-                                    canary_phase=self.canary.phase, fallback=m.fallback_types(),
-                                    fallback_clusters=m.fallback_clusters(), mirror_share=routing.mirror_share,
-                                    drift_epoch=routing.drift_epoch, promoted=self.canary.promoted)
+        return control_fleet.fleet_state(self.memory, self.canary, self.spec)
 
     def _event(self, now: float, reason: str, message: str) -> None:
         log.info("control loop: %s", message, extra={"reason": reason})
@@ -101,7 +99,8 @@ class ControlLoop:
     def tick(self, state: LiveState, obs: Observation, now: float) -> LiveState | None:
         if self.readiness is not None:
             obs = dataclasses.replace(obs, ready=self.readiness())
-        t = slo_loop.tick(obs, self.memory, self.policy, now, per_type=True)
+        t = slo_loop.tick(obs, self.memory, self.policy, now, per_type=True,
+                          selection=Selection.from_spec(self.spec, self.fleet()))
         if not t.decided:
             self.skipped += 1
         else:
@@ -127,6 +126,7 @@ class ControlLoop:
         return {"memory": self.memory.to_status(), "fallback": {"promptTypes": list(self.memory.fallback_types()),
                                                                  "clusters": list(self.memory.fallback_clusters()),
                                                                  "deployment": self.memory.whole},
+                "methods": self.memory.chosen_methods(),
                 "canary": self.canary.to_status() if self.spec.get("canary") else None,
                 "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
 

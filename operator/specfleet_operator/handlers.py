@@ -21,7 +21,9 @@ import kopf
 from specfleet_api import fleet_spec
 from specfleet_api.windows import Window, sum_windows
 from specfleet_control import canary as canaries
+from specfleet_control import fleet as control_fleet
 from specfleet_control import loop as slo_loop
+from specfleet_control.methods import Selection
 from specfleet_control.observe import Observation
 from specfleet_control.slo import FALLBACK, SloPolicy
 
@@ -67,14 +69,8 @@ def memory_of(status: dict[str, Any]) -> slo_loop.Memory:
 
 def fleet_state(cstate: canaries.CanaryState, spec: dict[str, Any], memory: slo_loop.Memory | None = None
                 ) -> fleet_spec.FleetState:
-    """What shapes the children and the live state: the SLO loop's fallbacks and the canary's
-    routing (its weight now, the drift mirror share and epoch, a promotion record)."""
-    memory = memory or slo_loop.Memory()
-    routing = canaries.routing(cstate, spec)
-    return fleet_spec.FleetState(mode=FALLBACK if memory.whole else "speculative", canary_weight=routing.weight,
-                                canary_phase=cstate.phase, fallback=memory.fallback_types(),
-                                fallback_clusters=memory.fallback_clusters(), mirror_share=routing.mirror_share,
-                                drift_epoch=routing.drift_epoch, promoted=cstate.promoted)
+    """What shapes the children and the live state (specfleet_control.fleet.fleet_state)."""
+    return control_fleet.fleet_state(memory, cstate, spec)
 
 
 def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, stable: dict[str, Any] | None,
@@ -115,6 +111,8 @@ def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> 
     out = statuses.compute(observed, prev, now)
     out["slo"] = memory.to_status()
     out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
+    chosen = memory.chosen_methods()  # a merge patch: a type no longer chosen for is dropped by None
+    out["methods"] = {**{t: None for t in prev.get("methods") or {} if t not in chosen}, **chosen} or None
     for key in ("fallbackSince", "notInSpec"):
         if key not in out and prev.get(key):
             out[key] = None  # merge patch: drop the key
@@ -545,7 +543,8 @@ async def tick(body: Any, memo: Any) -> None:
     if spec.get("canary") or before.phase in canaries.LIVE_PHASES:
         ready["canary"] = _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")))
     obs = dataclasses.replace(obs, ready=ready)
-    slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type)
+    selection = Selection.from_spec(spec, fleet_state(before, spec, memory))
+    slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type, selection=selection)
     # a Redis away is said once, by RedisReady and its event, not by one event a tick
     if not slo.decided and not (per_type and _redis_failing(memo, ns, name)):
         _event(body, "NoDecision", f"the fleet's windows could not be read ({obs.error}): nothing decided this tick")

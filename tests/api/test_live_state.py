@@ -32,7 +32,27 @@ def test_an_arm_with_its_own_table():
     assert LiveState(version=1, fallback=("code",), arms=s.arms).method_for("code", "canary") == "none"
 
 
+def test_exploration_round_trips_splits_its_share_evenly_and_keeps_clear_of_probes_pins_and_own_tables():
+    s = LiveState(version=2, routes={"chat": "eagle"}, explore_share=6.0, candidates=("ngram", "eagle", "medusa"),
+                  pinned=("code",), fallback=("rag",), probe_share=5.0)
+    assert LiveState.from_json(s.to_json()) == s and s.next(version=9).candidates == s.candidates
+    assert "explore_share" not in LiveState(version=1).to_json()  # older readers see the document they know
+    draws = [i / 100 for i in range(10000)]
+    chat = [s.route("chat", draw=d) for d in draws]
+    assert chat.count(("eagle", False)) == 9400
+    assert chat.count(("ngram", False)) == chat.count(("medusa", False)) == 300  # 6% over the two others
+    assert {s.route("code", draw=d) for d in draws} == {("ngram", False)}  # pinned: never explored
+    rag = [s.route("rag", draw=d) for d in draws]  # in fallback: probes at the bottom, explorers at the top
+    assert rag.count(("ngram", True)) == 500 and rag.count(("eagle", True)) == rag.count(("medusa", True)) == 300
+    assert rag.count(("none", False)) == 10000 - 500 - 600
+    own = LiveState(explore_share=6.0, candidates=("ngram", "eagle"), arms={"canary": Routing("ngram")})
+    assert {own.route("chat", "canary", draw=d) for d in draws} == {("ngram", False)}  # its own table: not explored
+
+
 @pytest.mark.parametrize("doc,field", [
+    ('{"version": 1, "explore_share": 120}', "explore_share"),
+    ('{"version": 1, "candidates": ["ngram", "none"]}', "candidates"),
+    ('{"version": 1, "pinned": ["poetry"]}', "poetry"),
     ('{"version": 1, "canary_weight": 1.234}', "canary_weight"),
     ('{"version": 1, "routes": {"code": "eagle2"}}', "routes['code']"),
     ('{"version": 1, "fallback": ["poetry"]}', "poetry"),

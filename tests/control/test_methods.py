@@ -154,9 +154,49 @@ def test_a_choice_survives_the_status_round_trip_with_its_weighted_evidence():
 
 def test_policy_from_spec():
     p = SelectPolicy.from_spec({"routing": {"select": {"exploreShare": 2, "margin": 0.1, "minDwell": "5m"}}})
-    assert (p.enabled, p.explore_share, p.margin, p.min_dwell_s) == (True, 2.0, 0.1, 300.0)
+    assert (p.enabled, p.margin, p.min_dwell_s) == (True, 0.1, 300.0)
     assert SelectPolicy.from_spec({}) == SelectPolicy()
 
 
 def test_docstring_examples():
     assert doctest.testmod(methods).failed == 0
+
+
+def test_the_loop_moves_a_type_learns_its_baseline_afresh_and_the_live_state_routes_and_explores():
+    """From windows to routing: `loop.tick` with a Selection from the spec chooses, the status
+    round-trips it, and the live state routes the type to its new method, explores the other,
+    and leaves the pinned type alone."""
+    from specfleet_api import fleet_spec
+    from specfleet_control import canary, loop
+    from specfleet_control.fleet import fleet_state
+    from specfleet_control.methods import Selection
+    from specfleet_control.observe import Observation
+    from specfleet_control.slo import KeyState, SloPolicy
+
+    spec = {"draft": {"method": "eagle", "uri": "x"}, "speculation": {"kMin": 0, "kMax": 6},
+            "routing": {"default": "ngram", "byPromptType": {"code": "ngram"}}}
+    rng = random.Random(10)
+    obs = Observation(methods={"stable": {"chat": explored(rng, "ngram", 60, {"ngram": 1.1, "eagle": 1.8}),
+                                          "code": explored(rng, "ngram", 60, {"ngram": 1.0, "eagle": 2.0})}})
+    memory = loop.Memory(keys={"type:chat": KeyState(baseline=0.7, baseline_tokens=5000)})
+    selection = Selection.from_spec(spec)
+    assert selection.candidates == ("ngram", "eagle") and selection.pins == {"code": "ngram"}
+    t = loop.tick(obs, memory, SloPolicy(window_s=WINDOW_S), now=100.0, selection=selection)
+    assert t.memory.chosen_methods() == {"chat": "eagle"}  # code is pinned: never chosen for
+    assert [r for r, _ in t.events] == [MOVED]
+    assert t.memory.keys["type:chat"].baseline is None  # eagle accepts at its own rate
+    assert loop.Memory.from_status(t.memory.to_status()).chosen_methods() == {"chat": "eagle"}
+
+    state = fleet_spec.live_state(spec, fleet_state(t.memory, canary.CanaryState(), spec))
+    assert state.method_for("chat") == "eagle" and state.method_for("code") == "ngram"
+    assert state.method_for("math") == "ngram"  # not seen yet: the default
+    draws = [i / 10 for i in range(1000)]
+    chat = [state.route("chat", draw=d)[0] for d in draws]
+    assert chat.count("ngram") == 50 and chat.count("eagle") == 950  # 5% explore n-gram
+    assert {state.route("code", draw=d)[0] for d in draws} == {"ngram"}  # a pin is never explored
+
+    off = {**spec, "routing": {**spec["routing"], "select": {"enabled": False}}}
+    t2 = loop.tick(obs, t.memory, SloPolicy(window_s=WINDOW_S), now=200.0, selection=Selection.from_spec(off))
+    assert t2.memory.chosen_methods() == {}  # turned off: the spec's table again
+    state = fleet_spec.live_state(off, fleet_state(t2.memory, canary.CanaryState(), off))
+    assert state.method_for("chat") == "ngram" and state.explore_share == 0.0
