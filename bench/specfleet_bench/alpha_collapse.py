@@ -39,9 +39,7 @@ import argparse
 import collections
 import json
 import math
-import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -49,16 +47,14 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import yaml
-
 from specfleet_api.live_state import LiveState, state_key
 from specfleet_api.windows import read_cluster_windows, read_windows
 from specfleet_control import loop as slo_loop
 from specfleet_control.slo import FALLBACK, MISSED, SPECULATIVE, Evidence, KeyState, SloPolicy, judge
-from specfleet_local import procs, runfile
 from specfleet_local.state import loop_key
 from specfleet_router.classify import classify
 
+from .local_fleet import local_fleet
 from .questions import default_questions, load_questions
 
 NAME, NAMESPACE = "collapse", "default"
@@ -173,41 +169,6 @@ class Episode:
         self.loop_doc: dict = {}
         self.missing: str | None = None  # what the loop still lacked when a phase reached its limit
 
-    # -- the fleet ---------------------------------------------------------------------------
-
-    def start(self, workdir: Path) -> dict:
-        a = self.args
-        f = workdir / "collapse.yaml"
-        f.write_text(yaml.safe_dump(spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share)))
-        self.run_file = workdir / "up.json"
-        env = {k: v for k, v in os.environ.items() if k not in ("SPECFLEET_REDIS_URL", runfile.ENV)}
-        cmd = [sys.executable, "-m", "specfleet_cli.main", "up", "-f", str(f), "--http-port", "0", "--grpc-port", "0",
-               "--run-file", str(self.run_file), "--loop-period", str(a.loop_period), "--drain-seconds", "5",
-               "--worker-threads", str(a.worker_threads),
-               f"--worker-arg=--max-batch-size={a.max_batch}"]
-        if a.model != "smollm2":
-            cmd += ["--model", a.model]
-        # tied to this process: a harness killed mid-episode (a test's timeout) leaves no fleet behind
-        self.up = procs.spawn(cmd, stdout=open(workdir / "up.out", "w"), stderr=subprocess.STDOUT, env=env)
-        end = time.monotonic() + a.ready_timeout
-        while True:
-            doc = runfile.read(self.run_file)
-            if doc is not None and doc.get("phase") == "serving":
-                return doc
-            if self.up.poll() is not None or time.monotonic() > end:
-                self.shutdown()  # what it started goes with it
-                raise RuntimeError(f"specfleet up did not serve within --ready-timeout {a.ready_timeout:g} s:\n"
-                                   f"{(workdir / 'up.out').read_text()[-3000:]}")
-            time.sleep(0.2)
-
-    def shutdown(self) -> None:
-        if self.up.poll() is None:
-            self.up.terminate()
-            try:
-                self.up.wait(30)
-            except subprocess.TimeoutExpired:
-                self.up.kill()
-
     # -- traffic ------------------------------------------------------------------------------
 
     def client_loop(self, openai_url: str, prompt_type: str, seed: int, ood_client: bool = False) -> None:
@@ -303,54 +264,53 @@ class Episode:
 
     def run(self) -> dict:
         a = self.args
-        with tempfile.TemporaryDirectory(prefix="specfleet-collapse-") as tmp:
-            doc = self.start(Path(tmp))
-            try:
-                self.t0 = time.monotonic()
-                threads = [threading.Thread(target=self.sampler, args=(doc,), daemon=True)]
-                for t, n in ((a.type, a.clients), (a.other, a.other_clients or a.clients)):
-                    for i in range(n):
-                        threads.append(threading.Thread(target=self.client_loop,
-                                                        args=(doc["router"]["openai"], t, 17 * i + len(t)),
-                                                        daemon=True))
-                if a.cluster:
-                    for i in range(a.ood_clients):
-                        threads.append(threading.Thread(target=self.client_loop,
-                                                        args=(doc["router"]["openai"], a.type, 1000 + i, True),
-                                                        daemon=True))
-                for th in threads:
-                    th.start()
-                schedule = [("warm", a.warm), ("collapse", a.collapse), ("recover", a.recover_phase)]
-                if a.cluster:
-                    schedule.append(("cluster", a.cluster_phase))
-                self.phases = {}
-                for phase, seconds in schedule:
-                    self.phase = phase
-                    start = time.monotonic() - self.t0
-                    self.phases[phase] = (round(start, 2), None)
-                    if not a.until_evidence:
-                        print(f"[{start:6.1f}s] phase {phase} for {seconds:.0f}s", flush=True)
-                        self.stop.wait(seconds)
-                    else:
-                        print(f"[{start:6.1f}s] phase {phase}: at least {seconds:.0f}s, until its evidence "
-                              f"(at most {a.phase_limit:.0f}s x the fleet's slowness, now {self.stretch():.2f})",
-                              flush=True)
-                        missing = self.wait_for_evidence(phase, start, seconds, a.phase_limit)
-                    self.phases[phase] = (self.phases[phase][0], round(time.monotonic() - self.t0, 2))
-                    if a.until_evidence and missing:
-                        ran = self.phases[phase][1] - start
-                        tps = self.fleet_tps()
-                        self.missing = (f"phase {phase} ran {ran:.0f}s (its limit {a.phase_limit:.0f}s x "
-                                        f"{self.stretch():.2f}: the fleet served "
-                                        f"{'no' if tps is None else f'{tps:.0f}'} tokens/s against the "
-                                        f"{a.reference_tps:g} the limit is sized for) without its evidence: {missing}")
-                        print(f"[{time.monotonic() - self.t0:6.1f}s] {self.missing}", flush=True)
-                        break
-                self.stop.set()
-                for th in threads:
-                    th.join(timeout=a.max_tokens * 2 + 60)
-            finally:
-                self.shutdown()
+        with tempfile.TemporaryDirectory(prefix="specfleet-collapse-") as tmp, local_fleet(
+                spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share), Path(tmp), loop_period=a.loop_period,
+                worker_threads=a.worker_threads, max_batch=a.max_batch, model=a.model, ready_timeout=a.ready_timeout,
+                name="collapse") as doc:
+            self.t0 = time.monotonic()
+            threads = [threading.Thread(target=self.sampler, args=(doc,), daemon=True)]
+            for t, n in ((a.type, a.clients), (a.other, a.other_clients or a.clients)):
+                for i in range(n):
+                    threads.append(threading.Thread(target=self.client_loop,
+                                                    args=(doc["router"]["openai"], t, 17 * i + len(t)),
+                                                    daemon=True))
+            if a.cluster:
+                for i in range(a.ood_clients):
+                    threads.append(threading.Thread(target=self.client_loop,
+                                                    args=(doc["router"]["openai"], a.type, 1000 + i, True),
+                                                    daemon=True))
+            for th in threads:
+                th.start()
+            schedule = [("warm", a.warm), ("collapse", a.collapse), ("recover", a.recover_phase)]
+            if a.cluster:
+                schedule.append(("cluster", a.cluster_phase))
+            self.phases = {}
+            for phase, seconds in schedule:
+                self.phase = phase
+                start = time.monotonic() - self.t0
+                self.phases[phase] = (round(start, 2), None)
+                if not a.until_evidence:
+                    print(f"[{start:6.1f}s] phase {phase} for {seconds:.0f}s", flush=True)
+                    self.stop.wait(seconds)
+                else:
+                    print(f"[{start:6.1f}s] phase {phase}: at least {seconds:.0f}s, until its evidence "
+                          f"(at most {a.phase_limit:.0f}s x the fleet's slowness, now {self.stretch():.2f})",
+                          flush=True)
+                    missing = self.wait_for_evidence(phase, start, seconds, a.phase_limit)
+                self.phases[phase] = (self.phases[phase][0], round(time.monotonic() - self.t0, 2))
+                if a.until_evidence and missing:
+                    ran = self.phases[phase][1] - start
+                    tps = self.fleet_tps()
+                    self.missing = (f"phase {phase} ran {ran:.0f}s (its limit {a.phase_limit:.0f}s x "
+                                    f"{self.stretch():.2f}: the fleet served "
+                                    f"{'no' if tps is None else f'{tps:.0f}'} tokens/s against the "
+                                    f"{a.reference_tps:g} the limit is sized for) without its evidence: {missing}")
+                    print(f"[{time.monotonic() - self.t0:6.1f}s] {self.missing}", flush=True)
+                    break
+            self.stop.set()
+            for th in threads:
+                th.join(timeout=a.max_tokens * 2 + 60)
         return self.report()
 
     # -- phases sized by evidence ---------------------------------------------------------------

@@ -1,0 +1,301 @@
+"""The loop choosing each prompt type's draft method, on a real local fleet, against fixed choices,
+on the same stream of requests.
+
+Every config serves SmolLM2-135M (int8) with the bundled EAGLE head as draft.method, so that its
+workers serve two draft methods (EAGLE and n-gram), under `specfleet up` (Redis, a worker, the
+router, the control loop); the official openai client sends the same seeded stream of requests
+(Spec-Bench dev questions, every category in turn, a share of them sampled) from --clients threads
+for --seconds:
+
+    self     routing.select on: the loop explores (--explore percent) and moves each type to the
+             method that pays on it
+    eagle    routing.select off: every type drafts with the head (what draft.method says)
+    ngram    draft.method ngram: n-gram drafts for every type
+    table    routing.byPromptType from --table TYPE=METHOD,... (a per-type table fixed by hand)
+
+It prints and writes (JSON, and a plot with --plot) each config's tokens/s over the whole run and
+over its second half (after the loop has had time to choose), the ratios of `self` to the others,
+the methods each type ran, the loop's moves with their evidence and times, and the errors (there
+must be none). Configs run one after another, in a rotating order over --rounds.
+
+    python -m specfleet_bench.method_select --seconds 600 --out docs/bench/method-select.json --plot docs/bench/method-select.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import random
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
+from specfleet_local.state import loop_key
+
+from .local_fleet import local_fleet
+from .questions import default_questions, load_questions
+
+NAME, NAMESPACE = "select", "default"
+CONFIGS = ("self", "eagle", "ngram", "table")
+
+
+def spec(config: str, args) -> dict:
+    draft = {"method": "ngram"} if config == "ngram" else {"method": "eagle", "uri": BUNDLED_EAGLE_HEAD}
+    routing: dict = {"select": {"enabled": config == "self", "exploreShare": args.explore,
+                                "minDwell": f"{int(args.dwell * 1000)}ms", "minRequests": args.min_requests}}
+    if config == "table":
+        routing["byPromptType"] = dict(pair.split("=", 1) for pair in args.table.split(",") if pair)
+    return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
+            "metadata": {"name": NAME, "namespace": NAMESPACE},
+            "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
+                     "draft": draft, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3},
+                     "quantization": "int8", "replicas": 1, "routing": routing,
+                     "slo": {"window": f"{int(args.window * 1000)}ms"}}}
+
+
+@dataclass
+class Call:
+    start: float
+    end: float
+    category: str
+    temperature: float
+    prompt_type: str = ""
+    method: str = ""
+    tokens: int = 0
+    error: str = ""
+
+
+def request_stream(questions: list[dict], seed: int, sampled_share: float, temperature: float):
+    """An endless, seeded stream of (category, prompt, temperature, seed): every category in turn,
+    a question drawn from it, sampled at `temperature` with probability `sampled_share`."""
+    rng = random.Random(seed)
+    by_cat: dict[str, list[str]] = collections.defaultdict(list)
+    for q in questions:
+        by_cat[q["category"]].append(q["turns"][0])
+    cats = sorted(by_cat)
+    while True:
+        for cat in cats:
+            t = temperature if rng.random() < sampled_share else 0.0
+            yield cat, rng.choice(by_cat[cat]), t, rng.randrange(2**31)
+
+
+class Run:
+    """One config: its fleet, its clients, what the loop did."""
+
+    def __init__(self, config: str, args, questions: list[dict]):
+        self.config, self.args = config, args
+        self.stream = request_stream(questions, args.seed, args.sampled_share, args.temperature)
+        self.lock = threading.Lock()
+        self.calls: list[Call] = []
+        self.loop_doc: dict = {}
+        self.methods_over_time: list[tuple[float, dict]] = []
+        self.stop = threading.Event()
+        self.t0 = 0.0
+
+    def client(self, url: str) -> None:
+        import openai
+
+        client = openai.OpenAI(base_url=url, api_key="none", timeout=300, max_retries=0)
+        while not self.stop.is_set():
+            with self.lock:
+                cat, prompt, temperature, seed = next(self.stream)
+            call = Call(time.monotonic() - self.t0, 0.0, cat, temperature)
+            try:
+                raw = client.chat.completions.with_raw_response.create(
+                    model=NAME, messages=[{"role": "user", "content": prompt}], max_tokens=self.args.max_tokens,
+                    temperature=temperature, seed=seed)
+                r = raw.parse()
+                call.tokens = r.usage.completion_tokens
+                call.prompt_type = raw.headers.get("x-specfleet-prompt-type", "")
+                call.method = raw.headers.get("x-specfleet-method", "")
+            except Exception as e:  # noqa: BLE001 - every failure is counted, none may happen
+                call.error = f"{type(e).__name__}: {e}"
+                self.stop.wait(0.5)
+            call.end = time.monotonic() - self.t0
+            with self.lock:
+                self.calls.append(call)
+
+    def sampler(self, run: dict) -> None:
+        import redis
+
+        from specfleet_local.redis_server import run_credentials
+
+        client = redis.Redis.from_url(run["redis"]["url"], socket_timeout=2, **run_credentials(run))
+        while not self.stop.is_set():
+            try:
+                self.loop_doc = json.loads(client.get(loop_key(NAMESPACE, NAME)) or "{}")
+                self.methods_over_time.append((round(time.monotonic() - self.t0, 1),
+                                               dict(self.loop_doc.get("methods") or {})))
+            except Exception as e:  # noqa: BLE001 - a missed sample is a gap
+                print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
+            self.stop.wait(2.0)
+
+    def go(self) -> dict:
+        a = self.args
+        with tempfile.TemporaryDirectory(prefix="specfleet-select-") as tmp, local_fleet(
+                spec(self.config, a), Path(tmp), worker_threads=a.worker_threads, max_batch=a.max_batch,
+                ready_timeout=a.ready_timeout, name=self.config) as run:
+            self.t0 = time.monotonic()
+            threads = [threading.Thread(target=self.sampler, args=(run,), daemon=True)]
+            threads += [threading.Thread(target=self.client, args=(run["router"]["openai"],), daemon=True)
+                        for _ in range(a.clients)]
+            for th in threads:
+                th.start()
+            until = a.seconds
+            while time.monotonic() - self.t0 < until:
+                self.stop.wait(min(30.0, until - (time.monotonic() - self.t0)))
+                done = [c for c in self.calls if not c.error]
+                print(f"[{self.config} {time.monotonic() - self.t0:6.0f}s] {len(done)} requests, "
+                      f"{sum(c.tokens for c in done)} tokens, methods {self.current_methods()}", flush=True)
+                if a.until_moved and a.until_moved in self.current_methods() and \
+                        self.current_methods()[a.until_moved] != "eagle":
+                    break
+            self.stop.set()
+            for th in threads:
+                th.join(timeout=a.max_tokens * 3 + 60)
+            return self.report(time.monotonic() - self.t0)
+
+    def current_methods(self) -> dict:
+        return dict(self.loop_doc.get("methods") or {})
+
+    def report(self, seconds: float) -> dict:
+        done = [c for c in self.calls if not c.error and c.end <= seconds]
+        half = seconds / 2
+
+        def tps(calls, lo, hi):
+            return round(sum(c.tokens for c in calls if lo <= c.end < hi) / (hi - lo), 2) if hi > lo else None
+
+        by_type: dict[str, dict] = {}
+        for t in sorted({c.prompt_type for c in done}):
+            mine = [c for c in done if c.prompt_type == t]
+            by_type[t] = {"requests": len(mine), "tokens": sum(c.tokens for c in mine),
+                          "methods": dict(collections.Counter(c.method for c in mine)),
+                          "tokens_per_s_each": round(statistics.median(
+                              c.tokens / (c.end - c.start) for c in mine if c.end > c.start), 2)}
+        events = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "MethodChanged"]
+        return {"config": self.config, "seconds": round(seconds, 1), "requests": len(done),
+                "tokens": sum(c.tokens for c in done), "tokens_per_s": tps(done, 0.0, seconds),
+                "tokens_per_s_second_half": tps(done, half, seconds),
+                "errors": [c.error for c in self.calls if c.error],
+                "types": by_type, "methods_chosen": self.current_methods(), "moves": events,
+                "methods_over_time": self.methods_over_time, "calls": [asdict(c) for c in self.calls]}
+
+
+def ratios(results: dict[str, list[dict]]) -> dict:
+    """`self`'s tokens/s over each other config's, whole run and second half (medians over rounds)."""
+    out = {}
+    if "self" not in results:
+        return out
+    for other in results:
+        if other == "self":
+            continue
+        for key in ("tokens_per_s", "tokens_per_s_second_half"):
+            rs = [s[key] / o[key] for s, o in zip(results["self"], results[other]) if s[key] and o[key]]
+            if rs:
+                out[f"self/{other} {key}"] = round(statistics.median(rs), 3)
+    return out
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
+    for config, runs in result["runs"].items():
+        calls = sorted((c for c in runs[0]["calls"] if not c["error"]), key=lambda c: c["end"])
+        if not calls:
+            continue
+        span = 30.0
+        ts = [i * 5.0 for i in range(int(calls[-1]["end"] // 5) + 1)]
+        rate = [sum(c["tokens"] for c in calls if t - span <= c["end"] < t) / span if t >= span else None for t in ts]
+        ax1.plot(ts, rate, label=config)
+    ax1.set_ylabel(f"tokens/s (last 30 s)")
+    ax1.set_xlabel("seconds")
+    ax1.legend()
+    ax1.set_title(f"the same requests, {result['clients']} clients, max {result['max_tokens']} tokens")
+    runs = result["runs"].get("self")
+    if runs:
+        types = sorted({t for _, m in runs[0]["methods_over_time"] for t in m})
+        for i, t in enumerate(types):
+            xs = [x for x, m in runs[0]["methods_over_time"]]
+            ys = [{"ngram": 0, "eagle": 1}.get(m.get(t, ""), None) for _, m in runs[0]["methods_over_time"]]
+            ax2.step(xs, [None if y is None else y + 0.04 * i for y in ys], where="post", label=t)
+        ax2.set_yticks([0, 1], ["ngram", "eagle"])
+        ax2.set_xlabel("seconds")
+        ax2.set_title("the method the loop chose per prompt type (self)")
+        ax2.legend(fontsize=7, ncol=4)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m specfleet_bench.method_select", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--configs", default="self,eagle,ngram", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--table", default="", help="TYPE=METHOD,... for the table config")
+    p.add_argument("--seconds", type=float, default=600.0, help="each config's run (default 600)")
+    p.add_argument("--rounds", type=int, default=1, help="runs of every config, the order rotating (default 1)")
+    p.add_argument("--clients", type=int, default=4)
+    p.add_argument("--max-tokens", type=int, default=96)
+    p.add_argument("--sampled-share", type=float, default=0.25, help="share of requests sampled (default 0.25)")
+    p.add_argument("--temperature", type=float, default=0.7, help="their temperature (default 0.7)")
+    p.add_argument("--window", type=float, default=30.0, help="slo.window, seconds (default 30)")
+    p.add_argument("--dwell", type=float, default=60.0, help="routing.select.minDwell, seconds (default 60)")
+    p.add_argument("--explore", type=float, default=5.0, help="routing.select.exploreShare, percent (default 5)")
+    p.add_argument("--min-requests", type=int, default=4, help="routing.select.minRequests (default 4)")
+    p.add_argument("--until-moved", default=None,
+                   help="end a run once the loop has moved this prompt type off eagle (a test's short episode)")
+    p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
+    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--worker-threads", type=int, default=2)
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--questions", default=None)
+    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--out", default=None, help="write the result JSON here")
+    p.add_argument("--plot", default=None, help="write the plot (PNG) here")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    configs = [c for c in args.configs.split(",") if c]
+    unknown = [c for c in configs if c not in CONFIGS]
+    if unknown:
+        print(f"method_select: error: unknown config(s) {unknown}; have {', '.join(CONFIGS)}", file=sys.stderr)
+        return 2
+    if "table" in configs and not args.table:
+        print("method_select: error: the table config needs --table TYPE=METHOD,...", file=sys.stderr)
+        return 2
+    questions = load_questions(Path(args.questions) if args.questions else default_questions())
+    if args.categories:
+        keep = set(args.categories.split(","))
+        questions = [q for q in questions if q["category"] in keep]
+    runs: dict[str, list[dict]] = {c: [] for c in configs}
+    for r in range(args.rounds):
+        for c in configs[r % len(configs):] + configs[:r % len(configs)]:
+            print(f"== round {r + 1}/{args.rounds}: {c}", flush=True)
+            runs[c].append(Run(c, args, questions).go())
+    result = {"clients": args.clients, "max_tokens": args.max_tokens, "seconds": args.seconds,
+              "sampled_share": args.sampled_share, "temperature": args.temperature, "window_s": args.window,
+              "explore_pct": args.explore, "ratios": ratios(runs), "runs": runs}
+    summary = {"ratios": result["ratios"], **{c: [{k: v for k, v in x.items()
+                                                   if k not in ("calls", "methods_over_time")} for x in rs]
+                                              for c, rs in runs.items()}}
+    print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot:
+        plot(result, Path(args.plot))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
