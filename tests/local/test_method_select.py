@@ -6,7 +6,7 @@ the traffic.
 Translation copies names and numbers from its prompt: n-gram drafts pay there and the head's do
 not (Spec-Bench, fp32: 1.60x against 1.02x plain). The fleet starts with every type on the head;
 the loop must move translation to n-gram on its workers' measured speedups, say why in its event,
-route the type's requests there afterwards (its explorers aside), and lose no request. The run
+and lose no request. The run
 ends once the loop moved the type (or at the bench's limit, which fails the test naming what the
 loop chose)."""
 from __future__ import annotations

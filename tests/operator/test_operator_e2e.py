@@ -306,3 +306,34 @@ async def test_control_loop_falls_back_per_prompt_type_and_recovers_through_the_
         await wait_for(lambda: events(cluster, "FallbackLeft"), 10, "FallbackLeft event")
     finally:
         await op.stop_and_join()
+
+async def test_control_loop_moves_a_prompt_type_to_the_draft_method_that_pays_on_it(cluster, kube, redis_server):
+    """An EAGLE deployment serves two methods: the loop reads each method's window on a type,
+    moves chat to n-gram where it is clearly faster (status.methods, a MethodChanged Event, the
+    live state's routes and exploration), leaves the pinned type alone, restarts no worker."""
+    from specfleet_operator.testing import publish_window, stored_live_state as stored
+    op = OperatorThread(cluster.endpoint, "op-a", loop_interval=0.2).start()
+    client = redis_server.client()
+    try:
+        await kube.create(sdd_body("sel", redis={"url": redis_server.url}, slo={"window": "1s"},
+                                   draft={"method": "eagle", "uri": "smollm2-135m-eagle"},
+                                   routing={"byPromptType": {"code": "eagle"}, "select": {"minDwell": "1s"}}))
+        await wait_for(lambda: ready(cluster, "sel"), 20, "Ready")
+        sdd = lambda: cluster.live(API_VERSION, SDDS, "default", "sel")["status"]
+        hash_before = pod_hash(children_of(cluster, "sel")[("Deployment", "sel--stable")])
+        state = await wait_for(lambda: stored(client, name="sel"), 10, "a live state")
+        assert state.candidates == ("ngram", "eagle") and state.explore_share == 5.0 and state.pinned == ("code",)
+        for t in ("chat", "code"):  # n-gram is 1.6x faster than the head on both
+            publish_window(client, "default", "sel", t, alpha=0.5, speedup=1.05)
+            publish_window(client, "default", "sel", t, alpha=0.4, speedup=1.0, method="eagle", spread=0.1)
+            publish_window(client, "default", "sel", t, alpha=0.6, speedup=1.6, method="ngram", requests=6, spread=0.1)
+        await wait_for(lambda: sdd().get("methods") == {"chat": "ngram"}, 10, "chat moved to n-gram")
+        state = await wait_for(lambda: (st := stored(client, name="sel")).method_for("chat") == "ngram" and st, 5,
+                               "chat routed to n-gram in the live state")
+        assert state.method_for("code") == "eagle" and state.method_for("math") == "eagle"  # a pin; the default
+        assert state.route("chat", draw=99.0) == ("eagle", False)  # chat now explores the head
+        [event] = await wait_for(lambda: events(cluster, "MethodChanged"), 10, "MethodChanged event")
+        assert event["message"].startswith("prompt type chat: eagle -> ngram: speedup 1.60x against 1.00x")
+        assert pod_hash(children_of(cluster, "sel")[("Deployment", "sel--stable")]) == hash_before
+    finally:
+        await op.stop_and_join()
