@@ -18,7 +18,7 @@ over its second half (after the loop has had time to choose), the ratios of `sel
 the methods each type ran, the loop's moves with their evidence and times, and the errors (there
 must be none). Configs run one after another, in a rotating order over --rounds.
 
-    python -m specfleet_bench.method_select --seconds 600 --out docs/bench/method-select.json --plot docs/bench/method-select.png
+    specfleet bench select --seconds 600 --out docs/bench/method-select.json --plot docs/bench/method-select.png
 """
 
 from __future__ import annotations
@@ -237,7 +237,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m specfleet_bench.method_select", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="specfleet bench select", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default="self,eagle,ngram", help=f"comma-separated, of {', '.join(CONFIGS)}")
     p.add_argument("--table", default="", help="TYPE=METHOD,... for the table config")

@@ -139,11 +139,27 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     return 0
 
 
+# `specfleet bench NAME ...`: the serving-level benchmarks beside Spec-Bench (their own flags)
+BENCHES = {"pareto": ("specfleet_bench.pareto", "the throughput-latency front of serving configurations"),
+           "select": ("specfleet_bench.method_select", "the loop's choice of draft method per prompt type "
+                                                       "against fixed choices, on a real local fleet")}
+
+
 def _bench(argv: list[str]) -> int:
+    if argv and argv[0] in BENCHES:
+        import importlib
+
+        module = importlib.import_module(BENCHES[argv[0]][0])
+        try:
+            return module.main(argv[1:])
+        except (ValueError, FileNotFoundError) as e:
+            print(f"specfleet bench {argv[0]}: error: {e}", file=sys.stderr)
+            return 2
     from specfleet_bench.spec_bench import add_bench_args, run_bench
 
-    parser = argparse.ArgumentParser(prog="specfleet bench",
-                                     description="Spec-Bench: tokens/s, speedup, tau and alpha by category")
+    parser = argparse.ArgumentParser(
+        prog="specfleet bench", description="Spec-Bench: tokens/s, speedup, tau and alpha by category. "
+        + "; ".join(f"`specfleet bench {name}`: {what}" for name, (_, what) in BENCHES.items()))
     add_bench_args(parser)
     args = parser.parse_args(argv)
     try:
