@@ -67,3 +67,58 @@ def test_redis_gone_mid_run_halts_the_analysis(redis_server):
     d = c.decide_canary(o, state, p, now=120.0)
     assert d.state.phase == "Progressing" and d.state.analysed_s == 60.0 and d.state.failed_checks == 0
     assert "could not be read" in d.state.message
+
+
+def _head_spec():
+    from specfleet_operator.spec import with_defaults
+
+    return with_defaults({
+        "model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"}, "replicas": 2,
+        "draft": {"method": "eagle", "uri": "heads/v1"},
+        "canary": {"weight": 1, "overrides": {"draft": {"uri": "heads/v2"}},  # a retrained head
+                   "steps": [{"weight": 10, "pause": "2m"}],
+                   "analysis": {"interval": "60s", "failureLimit": 2, "minRequests": 20,
+                                "drift": {"sampleShare": 0}}}})
+
+
+def _publish_arms(client, canary_alpha: float, drafted: int = 4000):
+    """Both arms' windows alike but for the canary head's acceptance."""
+    same = dict(requests=40, steps=400, plain_seconds=14.0, busy_seconds=10.0, ttft_seconds_sum=4.0, ttft_count=40,
+                tpot_seconds_sum=1.2, tpot_count=40, spec_requests=40, spec_plain_seconds=14.0,
+                spec_busy_seconds=10.0)
+    for arm, alpha in (("stable", 0.6), ("canary", canary_alpha)):
+        publish_window(client, arm, f"{arm}-0", "chat", draft_tokens=drafted, accepted_tokens=int(alpha * drafted),
+                       **same)
+
+
+def _run(client, spec, times):
+    section, decisions = None, []
+    for now in times:
+        d = c.tick(spec, {}, section, read(client, ""), now)
+        section = d.state.to_status()
+        decisions.append(d)
+    return decisions
+
+
+def test_a_degraded_head_is_aborted_within_failure_limit_intervals_naming_its_acceptance(redis_server):
+    """A retrained head (canary.overrides.draft.uri) that accepts far less than stable's: each
+    interval fails on the acceptance ratio's interval, and after failureLimit of them the run is
+    aborted with weight 0, the evidence in the status's message."""
+    client = redis_server.client()
+    _publish_arms(client, canary_alpha=0.25)
+    ds = _run(client, _head_spec(), (0.0, 60.0, 120.0))
+    assert [d.state.phase for d in ds] == ["Progressing", "Progressing", "Aborted"] and ds[-1].weight == 0
+    assert ds[1].state.failed_checks == 1
+    status = ds[-1].state.to_status()
+    assert "alpha 0.25 < stable 0.6" in status["message"] and "95% interval [" in status["message"], status
+    assert ds[-1].state.promoted is None
+
+
+def test_a_better_head_is_promoted_through_its_steps_and_the_record_names_it(redis_server):
+    client = redis_server.client()
+    _publish_arms(client, canary_alpha=0.7)
+    ds = _run(client, _head_spec(), [60.0 * i for i in range(8)])
+    phases = [(d.state.phase, d.state.step) for d in ds]
+    assert ("Progressing", 1) in phases and phases[-1][0] == "Promoted", phases
+    assert all(d.state.failed_checks == 0 for d in ds)
+    assert ds[-1].state.promoted["overrides"] == {"draft": {"uri": "heads/v2"}}
