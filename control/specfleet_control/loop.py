@@ -22,7 +22,6 @@ Pure: the operator's daemon and `specfleet up` call `tick` with what they read a
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -31,7 +30,7 @@ from specfleet_api.windows import ClusterWindow, Window, sum_windows
 from .methods import Choice, Selection, choose
 from .observe import Observation
 from .slo import (FALLBACK, HEALTHY, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, alpha_clear,
-                  judge, mean_var, step, t95, wilson, window_evidence)
+                  judge, mean_var, speedup_bounds, step, t95, wilson, window_evidence)
 
 # Accepted draft tokens are not independent (a rejection ends its draft): a cluster's interval
 # counts its drafted tokens as this many times fewer trials.
@@ -123,23 +122,6 @@ def alpha_bounds(e: Evidence) -> tuple[float, float] | None:
     if not e.draft_tokens:
         return None
     return wilson(e.accepted_tokens / DRAFT_CORRELATION, e.draft_tokens / DRAFT_CORRELATION, CLUSTER_Z)
-
-
-def speedup_bounds(e: Evidence) -> tuple[float, float] | None:
-    """The speedup's 95% interval: around the evidence's speedup (plain / busy seconds summed),
-    as wide as the mean of the requests' log speedups is uncertain (Student's t over them); None
-    under two requests with a speedup of their own.
-
-    >>> e = Evidence(requests=4, plain_s=3.8, busy_s=4.0, speedups=4, log_speedup=-0.2, log_speedup_sq=0.05)
-    >>> [round(b, 3) for b in speedup_bounds(e)]
-    [0.791, 1.141]
-    """
-    n = e.speedups
-    if n < 2 or e.speedup is None:
-        return None
-    _, var = mean_var(n, e.log_speedup, e.log_speedup_sq)
-    half = t95(n - 1) * math.sqrt(var / n)
-    return e.speedup * math.exp(-half), e.speedup * math.exp(half)
 
 
 def sample_of(e: Evidence | None, alert: str | None = None) -> Sample | None:
@@ -270,8 +252,10 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
              type_alerts.get(prompt_type))
     chosen = dict(memory.methods)
     if due and selection is not None and selection.candidates:
+        plain = frozenset(k.split(":", 1)[1] for k, st in keys.items() if k.startswith("type:") and st.mode == FALLBACK)
         chosen, moves = choose(obs.methods.get("stable", {}), memory.methods, selection.policy, now,
-                               candidates=selection.candidates, default=selection.default, pins=selection.pins)
+                               candidates=selection.candidates, default=selection.default, pins=selection.pins,
+                               plain=plain)
         for prompt_type, choice in chosen.items():
             before = memory.methods.get(prompt_type)
             if choice.since == now and (before is None or before.since != now):  # it moved now

@@ -35,7 +35,7 @@ from specfleet_api import fleet_spec
 from specfleet_api.durations import parse_duration
 from specfleet_api.windows import Window
 
-from .slo import Evidence, welch_half_width, window_evidence
+from .slo import Evidence, speedup_bounds, welch_half_width, window_evidence
 
 MAX_CARRY = 0.9  # the most of a method's evidence a window carries on (a method no request runs is forgotten)
 MOVED = "MethodChanged"
@@ -150,13 +150,15 @@ def log_ratio_bounds(a: Evidence, b: Evidence) -> tuple[float, float, float] | N
 
 
 def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Choice], policy: SelectPolicy,
-           now: float, *, candidates: tuple[str, ...], default: str, pins: Mapping[str, str]
-           ) -> tuple[dict[str, Choice], list[tuple[str, str]]]:
+           now: float, *, candidates: tuple[str, ...], default: str, pins: Mapping[str, str],
+           plain: frozenset[str] = frozenset()) -> tuple[dict[str, Choice], list[tuple[str, str]]]:
     """One judgement: every unpinned type seen (now or before) with its evidence carried and this
     window's added, moved where another candidate's speedup is clearly better. `windows`: the
     stable arm's {type: {method: Window}}; `candidates`: the draft methods the deployment serves
-    (`fleet_spec.served_methods`); `default`: what an unchosen type runs. Returns the next
-    choices and the events (reason, message)."""
+    (`fleet_spec.served_methods`); `default`: what an unchosen type runs; `plain`: the types the
+    SLO loop has fallen back to plain decoding (their method did not pay): each moves to another
+    method whose own speedup's interval is clearly above 1 (plain decoding's), so that it can
+    come back on that one. Returns the next choices and the events (reason, message)."""
     out: dict[str, Choice] = {}
     events: list[tuple[str, str]] = []
     if not policy.enabled or len(candidates) < 2:
@@ -176,7 +178,20 @@ def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Ch
         choice = Choice(before.method, before.since, evidence)
         current = evidence.get(choice.method)
         dwelt = choice.since is None or now - choice.since >= policy.min_dwell_s
-        if current is not None and current.speedups >= policy.min_requests and dwelt:
+        if prompt_type in plain and dwelt:  # its method fell back: is another one clearly paying?
+            best = None
+            for m, e in evidence.items():
+                bounds = speedup_bounds(e) if m != choice.method and e.speedups >= policy.min_requests else None
+                if bounds is not None and bounds[0] > 1 + policy.margin and (best is None or bounds > best[1]):
+                    best = (m, bounds)
+            if best is not None:
+                m, (low, high) = best
+                events.append((MOVED, (
+                    f"prompt type {prompt_type}: {choice.method} -> {m}: {choice.method} fell back to plain "
+                    f"decoding, {m}'s speedup {evidence[m].speedup:.2f}x [{low:.2f}, {high:.2f}] over "
+                    f"{evidence[m].speedups:.3g} requests (weighted)")))
+                choice = Choice(m, now, evidence)
+        elif current is not None and current.speedups >= policy.min_requests and dwelt:
             best = None
             for m, e in evidence.items():
                 if m == choice.method or e.speedups < policy.min_requests:

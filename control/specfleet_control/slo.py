@@ -152,6 +152,23 @@ def mean_var(n: float, total: float, squares: float) -> tuple[float, float]:
     return mean, max(0.0, (squares - n * mean * mean) / (n - 1))
 
 
+def speedup_bounds(e: Evidence) -> tuple[float, float] | None:
+    """The speedup's 95% interval: around the evidence's speedup (plain / busy seconds summed),
+    as wide as the mean of the requests' log speedups is uncertain (Student's t over them); None
+    under two requests with a speedup of their own.
+
+    >>> e = Evidence(requests=4, plain_s=3.8, busy_s=4.0, speedups=4, log_speedup=-0.2, log_speedup_sq=0.05)
+    >>> [round(b, 3) for b in speedup_bounds(e)]
+    [0.791, 1.141]
+    """
+    n = e.speedups
+    if n < 2 or e.speedup is None:
+        return None
+    _, var = mean_var(n, e.log_speedup, e.log_speedup_sq)
+    half = t95(n - 1) * math.sqrt(var / n)
+    return e.speedup * math.exp(-half), e.speedup * math.exp(half)
+
+
 def welch_half_width(a: tuple[float, float, float], b: tuple[float, float, float]) -> float | None:
     """The 95% half-width of the difference of two means, each sample given as (count, sum, sum
     of squares) (Welch's t, Satterthwaite's degrees of freedom); None under two values on a side.

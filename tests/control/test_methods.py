@@ -200,3 +200,24 @@ def test_the_loop_moves_a_type_learns_its_baseline_afresh_and_the_live_state_rou
     assert t2.memory.chosen_methods() == {}  # turned off: the spec's table again
     state = fleet_spec.live_state(off, fleet_state(t2.memory, canary.CanaryState(), off))
     assert state.method_for("chat") == "ngram" and state.explore_share == 0.0
+
+
+def test_a_type_that_fell_back_moves_to_another_method_that_clearly_pays_and_only_then():
+    """In fallback the type runs plain decoding (its method did not pay); its explorers keep
+    drafting with the other method, and once that one's own speedup is clearly above plain
+    decoding's the type moves to it, to come back on it. One near 1.0 is not enough."""
+    rng = random.Random(11)
+    pays = {"chat": {"eagle": window(rng, 2, 0.9), "ngram": window(rng, 6, 1.3)}}
+    choices, events = choose(pays, {}, SelectPolicy(), 0.0, candidates=CANDIDATES, default="eagle", pins={},
+                             plain=frozenset({"chat"}))
+    assert choices["chat"].method == "ngram"
+    [(reason, message)] = events
+    assert reason == MOVED and message.startswith("prompt type chat: eagle -> ngram: eagle fell back to plain "
+                                                  "decoding, ngram's speedup 1.3")
+    even = {"chat": {"eagle": window(rng, 2, 0.9), "ngram": window(rng, 30, 1.02)}}
+    choices, events = choose(even, {}, SelectPolicy(), 0.0, candidates=CANDIDATES, default="eagle", pins={},
+                             plain=frozenset({"chat"}))
+    assert choices["chat"].method == "eagle" and events == []
+    choices, events = choose(pays, {}, SelectPolicy(), 0.0, candidates=CANDIDATES, default="eagle",
+                             pins={"chat": "eagle"}, plain=frozenset({"chat"}))
+    assert choices == {} and events == []
