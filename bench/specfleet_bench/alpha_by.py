@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
+from specfleet_api.enums import SERVED_QUANTIZATIONS
 
 from .questions import default_questions, pick_prompts
 
@@ -29,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m specfleet_bench.alpha_by", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--quantization", default="int8", choices=("none", "int8"))
+    p.add_argument("--quantization", default="int8", choices=SERVED_QUANTIZATIONS)
     p.add_argument("--methods", default="ngram,eagle", help="draft methods (default ngram,eagle)")
     p.add_argument("--temperatures", default="0,0.7,1.2", help="(default 0,0.7,1.2)")
     p.add_argument("--limit", type=int, default=13, help="prompts, round-robin over categories (default 13)")

@@ -36,17 +36,19 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
+from specfleet_api.enums import Method
 from specfleet_local.state import loop_key
 
 from .local_fleet import local_fleet
 from .questions import default_questions, load_questions
 
 NAME, NAMESPACE = "select", "default"
-CONFIGS = ("self", "eagle", "ngram", "table")
+FIXED = (Method.EAGLE.value, Method.NGRAM.value)  # every type on one method: the head's, n-gram's
+CONFIGS = ("self", *FIXED, "table")
 
 
 def spec(config: str, args) -> dict:
-    draft = {"method": "ngram"} if config == "ngram" else {"method": "eagle", "uri": BUNDLED_EAGLE_HEAD}
+    draft = {"method": config} if config == Method.NGRAM else {"method": Method.EAGLE.value, "uri": BUNDLED_EAGLE_HEAD}
     routing: dict = {"select": {"enabled": config == "self", "exploreShare": args.explore,
                                 "minDwell": f"{int(args.dwell * 1000)}ms", "minRequests": args.min_requests}}
     if config == "table":
@@ -154,7 +156,7 @@ class Run:
                 print(f"[{self.config} {time.monotonic() - self.t0:6.0f}s] {len(done)} requests, "
                       f"{sum(c.tokens for c in done)} tokens, methods {self.current_methods()}", flush=True)
                 if a.until_moved and a.until_moved in self.current_methods() and \
-                        self.current_methods()[a.until_moved] != "eagle":
+                        self.current_methods()[a.until_moved] != Method.EAGLE:
                     break
             self.stop.set()
             for th in threads:
@@ -226,9 +228,10 @@ def plot(result: dict, path: Path) -> None:
         types = sorted({t for _, m in runs[0]["methods_over_time"] for t in m})
         for i, t in enumerate(types):
             xs = [x for x, m in runs[0]["methods_over_time"]]
-            ys = [{"ngram": 0, "eagle": 1}.get(m.get(t, ""), None) for _, m in runs[0]["methods_over_time"]]
+            ys = [{Method.NGRAM.value: 0, Method.EAGLE.value: 1}.get(m.get(t, ""), None)
+                  for _, m in runs[0]["methods_over_time"]]
             ax2.step(xs, [None if y is None else y + 0.04 * i for y in ys], where="post", label=t)
-        ax2.set_yticks([0, 1], ["ngram", "eagle"])
+        ax2.set_yticks([0, 1], [Method.NGRAM.value, Method.EAGLE.value])
         ax2.set_xlabel("seconds")
         ax2.set_title("the method the loop chose per prompt type (self)")
         ax2.legend(fontsize=7, ncol=4)

@@ -30,7 +30,7 @@ from pathlib import Path
 import grpc
 
 from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
-from specfleet_api.enums import K_POLICIES, SERVED_QUANTIZATIONS
+from specfleet_api.enums import K_POLICIES, SERVED_QUANTIZATIONS, Method, Quantization
 from specfleet_proto import worker_pb2 as pb
 from specfleet_proto import worker_pb2_grpc as pb_grpc
 
@@ -62,7 +62,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.draft_uri is None and args.draft == "eagle":
         args.draft_uri = BUNDLED_EAGLE_HEAD
-    served = {"none", "ngram", args.draft}
+    served = {Method.NONE.value, Method.NGRAM.value, args.draft}
     for m in args.methods.split(","):
         if m and m not in served:
             p.error(f"--methods: {m!r} is not served by these workers (none, ngram and --draft {args.draft})")
@@ -234,6 +234,14 @@ def print_table(points: list[dict]) -> None:
         print(" | ".join(str(p.get(c)) for c in cols))
 
 
+MARKERS = {Quantization.INT8.value: "o", Quantization.NONE.value: "s"}
+
+
+def label_of(precision: str) -> str:
+    """A quantization as the plot names it: `none` is fp32 weights."""
+    return "fp32" if precision == Quantization.NONE else precision
+
+
 def plot(result: dict, path: Path) -> None:
     import matplotlib
 
@@ -244,7 +252,7 @@ def plot(result: dict, path: Path) -> None:
     colors = {"none": "tab:gray", "ngram": "tab:blue", "eagle": "tab:orange", "draft-model": "tab:green",
               "medusa": "tab:red"}
     for p in result["points"]:
-        marker = "o" if p["precision"] == "int8" else "s"
+        marker = MARKERS.get(p["precision"], "^")
         ax.scatter(p["tpot_p50_s"] * 1000, p["tokens_per_s"], c=colors.get(p["method"], "k"), marker=marker,
                    alpha=0.9 if p["on_front"] else 0.35, edgecolors="k" if p["on_front"] else "none")
     edge = result["front"]
@@ -256,9 +264,8 @@ def plot(result: dict, path: Path) -> None:
     for m, c in colors.items():
         if any(p["method"] == m for p in result["points"]):
             ax.scatter([], [], c=c, label=m)
-    for precision, marker, label in (("int8", "o", "int8"), ("none", "s", "fp32")):
-        if any(p["precision"] == precision for p in result["points"]):
-            ax.scatter([], [], c="w", edgecolors="k", marker=marker, label=label)
+    for precision in sorted({p["precision"] for p in result["points"]}):
+        ax.scatter([], [], c="w", edgecolors="k", marker=MARKERS.get(precision, "^"), label=label_of(precision))
     ax.set_xlabel("P50 time per output token (ms)")
     ax.set_ylabel("tokens/s (all clients)")
     ax.set_title(f"{result['model']}: {result['prompts']} Spec-Bench prompts, {result['max_tokens']} tokens a point")
