@@ -227,7 +227,9 @@ METHOD_SEP = "@"
 
 
 def method_field(prompt_type: str, method: str) -> str:
-    """>>> method_field("code", "eagle")
+    """The hash field of one (prompt type, draft method)'s window.
+
+    >>> method_field("code", "eagle")
     'code@eagle'
     """
     return f"{prompt_type}{METHOD_SEP}{method}"
