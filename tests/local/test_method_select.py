@@ -35,7 +35,7 @@ def test_the_loop_moves_a_type_to_the_method_that_pays_on_it_and_loses_no_reques
     assert re.fullmatch(r"prompt type translation: eagle -> ngram: speedup [\d.]+x against [\d.]+x, ratio [\d.]+ "
                         r"\[[\d.]+, [\d.]+\] over [\d.]+ and [\d.]+ requests \(weighted\)", move["message"]), move
     low = float(re.search(r"\[([\d.]+),", move["message"]).group(1))
-    assert low > 1.05  # the interval's lower end cleared the margin
+    assert low >= 1.05  # the interval's lower end cleared the margin (the event rounds it to two places)
     # both methods ran (half the requests explored n-gram), every request was translation
     calls = [c for c in result["calls"] if not c["error"]]
     methods = {c["method"] for c in calls}
