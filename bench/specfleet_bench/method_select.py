@@ -149,14 +149,15 @@ class Run:
                         for _ in range(a.clients)]
             for th in threads:
                 th.start()
-            until = a.seconds
+            until, said = a.seconds, 0.0
             while time.monotonic() - self.t0 < until:
-                self.stop.wait(min(30.0, until - (time.monotonic() - self.t0)))
-                done = [c for c in self.calls if not c.error]
-                print(f"[{self.config} {time.monotonic() - self.t0:6.0f}s] {len(done)} requests, "
-                      f"{sum(c.tokens for c in done)} tokens, methods {self.current_methods()}", flush=True)
-                if a.until_moved and a.until_moved in self.current_methods() and \
-                        self.current_methods()[a.until_moved] != Method.EAGLE:
+                self.stop.wait(min(2.0, until - (time.monotonic() - self.t0)))
+                if time.monotonic() - self.t0 - said >= 30.0:
+                    said = time.monotonic() - self.t0
+                    done = [c for c in self.calls if not c.error]
+                    print(f"[{self.config} {said:6.0f}s] {len(done)} requests, "
+                          f"{sum(c.tokens for c in done)} tokens, methods {self.current_methods()}", flush=True)
+                if a.until_moved and self.current_methods().get(a.until_moved, Method.EAGLE) != Method.EAGLE:
                     break
             self.stop.set()
             for th in threads:

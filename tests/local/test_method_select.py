@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600 + LIMIT_S + 300)]  # sta
 def test_the_loop_moves_a_type_to_the_method_that_pays_on_it_and_loses_no_request():
     args = build_parser().parse_args([
         "--configs", "self", "--categories", "translation", "--until-moved", "translation", "--explore", "50",
-        "--window", "8", "--dwell", "8", "--clients", "2", "--max-tokens", "48", "--seconds", str(LIMIT_S),
+        "--window", "8", "--dwell", "600", "--clients", "2", "--max-tokens", "48", "--seconds", str(LIMIT_S),
         "--ready-timeout", "600"])
     questions = [q for q in load_questions(default_questions()) if q["category"] == "translation"]
     result = Run("self", args, questions).go()
