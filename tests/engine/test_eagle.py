@@ -96,10 +96,12 @@ def test_training_rows_attend_as_drafting_does():
     assert mask[at[(1, 2)]].sum() == 3  # step 1 is causal over the target's features
 
 
-def reference_loss(head, embeddings, row, feats, top, probs, unroll):
-    """The training loss the plain way: every unrolled row in one forward under the whole mask."""
+def reference_loss(head, embeddings, row, feats, top, probs, unroll, prompt_weight=0.0, prompt_from=0):
+    """The training loss the plain way: every unrolled row in one forward under the whole mask;
+    rows predicting the prompt's tokens past `prompt_from` weigh `prompt_weight`."""
     seq = row["prompt"] + row["output"]
     n, first = len(seq), max(0, len(row["prompt"]) - 2)
+    start = min(first, max(0, prompt_from - 1)) if prompt_weight else first
     emb, fused = embeddings(torch.tensor(seq)).float(), head.fused(feats.float())
     rows, mask = unrolled_rows(n, unroll)
     index = {r: i for i, r in enumerate(rows)}
@@ -112,16 +114,19 @@ def reference_loss(head, embeddings, row, feats, top, probs, unroll):
                 if jj > 1:
                     feature[i] = hidden[index[(jj - 1, tt - 1)]]
         hidden, _ = head.forward_dense(emb[t + 1], feature, t, mask)
-        use = [i for i, (jj, tt) in enumerate(rows) if jj == j and tt >= first]
+        use = [i for i, (jj, tt) in enumerate(rows) if jj == j and tt >= start]
         logp = torch.log_softmax(head.logits(hidden[use]), dim=-1)
         tt = t[use] + 1
         p = probs[tt].float()
-        out.append((-(p * logp.gather(1, top[tt].long())).sum(1) / p.sum(1)).mean())
+        row_loss = -(p * logp.gather(1, top[tt].long())).sum(1) / p.sum(1)
+        w = torch.tensor([1.0 if rows[i][1] >= first else prompt_weight for i in use])
+        out.append((w * row_loss).sum() / w.sum())
     return out
 
 
 @pytest.mark.parametrize("unroll", [1, 2, 3])
-def test_the_training_passes_give_the_plain_unrolled_loss_and_gradients(unroll):
+@pytest.mark.parametrize("prompt_weight, prompt_from", [(0.0, 0), (0.5, 3)])
+def test_the_training_passes_give_the_plain_unrolled_loss_and_gradients(unroll, prompt_weight, prompt_from):
     target = tiny_model(seed=2, scale=2.0)
     vocab = target.args.vocab_size
     head = EagleHead(HeadConfig.for_target(target, vocab), target.args).float().init_from(target, torch.arange(vocab))
@@ -129,9 +134,12 @@ def test_the_training_passes_give_the_plain_unrolled_loss_and_gradients(unroll):
     for prompt_len in (1, 2, 7):  # the answer from the first position on, and after a prompt
         row = {"prompt": list(range(3, 3 + prompt_len)), "output": [5, 9, 2, 11, 4, 4, 8, 30, 1]}
         feats, top, probs = target_pass(target, head.config.feature_layers, [row["prompt"] + row["output"]], 4)[0]
-        want = reference_loss(head, emb, row, feats, top, probs, unroll)
-        total, losses, _ = sequence_loss(head, emb, row, feats, top, probs, torch.arange(vocab), unroll)
-        assert losses == pytest.approx([float(x.detach()) for x in want], rel=1e-5, abs=1e-6)
+        want = reference_loss(head, emb, row, feats, top, probs, unroll, prompt_weight, prompt_from)
+        total, losses, _ = sequence_loss(head, emb, row, feats, top, probs, torch.arange(vocab), unroll,
+                                         prompt_weight, prompt_from)
+        if not prompt_weight:  # what it reports is the answer rows' loss
+            assert losses == pytest.approx([float(x.detach()) for x in want], rel=1e-5, abs=1e-6)
+        assert float(total) == pytest.approx(float(sum(x * 0.8 ** i for i, x in enumerate(want))), rel=1e-5)
         grads = torch.autograd.grad(total, [head.fuse.weight, head.layer.feed_forward.w2.weight])
         ref = torch.autograd.grad(sum(x * 0.8 ** i for i, x in enumerate(want)),
                                   [head.fuse.weight, head.layer.feed_forward.w2.weight])
@@ -195,7 +203,7 @@ def trained(tmp_path_factory):
     out = d / "head"
     argv = ["--target", "tiny-random", "--prompts", str(prompts), "--out", str(out), "--train-prompts", "40",
             "--eval-prompts", "4", "--max-new-tokens", "24", "--epochs", "8", "--train-batch", "2", "--sampled-share", "0.25",
-            "--draft-vocab", "96", "--lr", "5e-3", "--eval-k", "3"]
+            "--draft-vocab", "96", "--lr", "5e-3", "--eval-k", "3", "--prompt-weight", "0.3", "--val-share", "0.1"]
     assert main(argv) == 0
     return argv, out, prompts
 
@@ -213,6 +221,9 @@ def test_train_draft_writes_a_head_serving_loads_with_its_record(trained):
     curve = json.loads((out / "work" / "train.json").read_text())["curve"]
     first, last = curve[0]["loss"][0], sum(c["loss"][0] for c in curve[-10:]) / 10
     assert last < first - 0.5, (first, last)  # it learned
+    held = [c for c in curve if "held_loss" in c]  # 4 answers it never trained on, checked along the way
+    assert len(held) >= 10 and record["held_out"]["held_loss"] == held[-1]["held_loss"]
+    assert held[-1]["held_loss"] != held[0]["held_loss"]  # measured on the head as it trains
     # on the answers it trained on, its first draft is the target's next token far more often than
     # an untrained head's
     a = TrainArgs("tiny-random", str(prompts), str(out), max_new_tokens=24, eval_k=3)
@@ -262,6 +273,8 @@ def test_the_optimizer_resumes_exactly_from_its_safetensors(tmp_path):
     (["--prompts", "/nonexistent.jsonl"], "--prompts /nonexistent.jsonl: no such file"),
     (["--train-prompts", "0"], "--train-prompts must be >= 1"),
     (["--unroll", "0"], "--unroll must be >= 1"),
+    (["--val-share", "1"], "--val-share must be in [0, 1), got 1.0"),
+    (["--method", "medusa", "--prompt-weight", "0.5"], "--prompt-weight 0.5: a weight >= 0, for EAGLE heads"),
 ])
 def test_train_draft_refuses_bad_arguments_naming_them(tmp_path, args, message):
     prompts = tmp_path / "p.jsonl"

@@ -67,6 +67,8 @@ class TrainArgs:
     unroll: int = 2  # draft steps a training row unrolls (EAGLE)
     heads: int = DEFAULT_HEADS  # Medusa's
     train_batch: int = 8  # sequences an optimizer step
+    prompt_weight: float = 0.0  # EAGLE: of a prompt row's loss against an answer row's (0: answers only)
+    val_share: float = 0.02  # of the distilled answers, held out of training: the teacher-forced check
     top_k_labels: int = 8
     seed: int = 0
     threads: int = 0
@@ -242,10 +244,16 @@ def unrolled_rows(n: int, unroll: int) -> tuple[list[tuple[int, int]], torch.Ten
 
 
 def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, top: torch.Tensor, probs: torch.Tensor,
-                  vocab_row: torch.Tensor, unroll: int) -> tuple[torch.Tensor, list[float], list[float]]:
+                  vocab_row: torch.Tensor, unroll: int, prompt_weight: float = 0.0,
+                  prompt_from: int = 0) -> tuple[torch.Tensor, list[float], list[float]]:
     """The loss of one sequence (soft cross-entropy against the target's top tokens, over the draft
     vocabulary, on the answer's positions), and per unroll step its loss and the share of rows
-    whose top draft token is the target's top token.
+    whose top draft token is the target's top token, both on the answer's rows.
+
+    With `prompt_weight` > 0 the rows that predict the prompt's tokens past position `prompt_from`
+    (the chat template's common prefix) count too, each weighing `prompt_weight` against an
+    answer row's 1: the target's labels there come from the same forward, so they are more
+    training rows for no more distilling.
 
     One pass per draft step over the rows that step needs (the rows of `unrolled_rows`, each once):
     step 1 adds every position's keys and values (the target's features all rows attend to) and
@@ -253,13 +261,14 @@ def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, t
     runs the rows whose chain ends in the answer, attending to the keys and values so far."""
     seq = row["prompt"] + row["output"]
     n, first = len(seq), max(0, len(row["prompt"]) - 2)  # rows t >= first predict answer tokens
+    start = min(first, max(0, prompt_from - 1)) if prompt_weight > 0 else first  # the first row with a loss
     emb_all = embeddings(torch.tensor(seq)).float()
     fused = head.fused(feats.float())  # [n, dim]
     total, losses, hits = 0.0, [], []
     past, hidden_prev, lo_prev = None, None, 0
     col_step, col_t = torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
     for j in range(1, unroll + 1):
-        lo = max(j - 1, first - (unroll - j))  # the first t whose row step j needs
+        lo = max(j - 1, start - (unroll - j))  # the first t whose row step j needs
         if lo > n - 2:
             losses.append(0.0)
             hits.append(0.0)
@@ -278,7 +287,7 @@ def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, t
         mask = attends(torch.full_like(t_q, j), t_q, col_step, col_t)
         hidden, past = head.forward_dense(emb_all[t_rows + 1], feature, t_rows, mask, past, queries)
         hidden_prev, lo_prev = hidden, lo
-        use = (t_q >= first).nonzero().flatten()
+        use = (t_q >= start).nonzero().flatten()
         if len(use) == 0:
             losses.append(0.0)
             hits.append(0.0)
@@ -288,10 +297,17 @@ def sequence_loss(head: EagleHead, embeddings, row: dict, feats: torch.Tensor, t
         label_rows = vocab_row[top[tt].long()]  # [m, k] draft-vocabulary rows, -1 off it
         p = probs[tt].float() * (label_rows >= 0)
         picked = torch.log_softmax(logits, dim=-1).gather(1, label_rows.clamp(min=0))
-        step_loss = (-(p * picked).sum(1) / p.sum(1).clamp(min=1e-6)).mean()
+        row_loss = -(p * picked).sum(1) / p.sum(1).clamp(min=1e-6)
+        answer = t_q[use] >= first
+        weight = torch.where(answer, 1.0, prompt_weight)
+        step_loss = (weight * row_loss).sum() / weight.sum()
         total = total + step_loss * (0.8 ** (j - 1))
-        losses.append(float(step_loss.detach()))
-        hits.append(float((logits.detach().argmax(1) == label_rows[:, 0]).float().mean()))
+        if answer.any():
+            losses.append(float(row_loss.detach()[answer].mean()))
+            hits.append(float((logits.detach()[answer].argmax(1) == label_rows[answer, 0]).float().mean()))
+        else:
+            losses.append(0.0)
+            hits.append(0.0)
     return total, losses, hits
 
 
@@ -331,7 +347,7 @@ class Recipe:
 
     config: Callable  # (target, TrainArgs) -> its config
     module: type
-    loss: Callable  # (head, embeddings, row, feats, top, probs, vocab_row, TrainArgs) -> (loss, [loss], [top-1])
+    loss: Callable  # (head, embeddings, row, feats, top, probs, vocab_row, TrainArgs, prompt_from) -> (loss, [loss], [top-1])
     terms: Callable  # TrainArgs -> int
     proposer: Callable  # (head, target) -> proposer
     load: Callable  # (path, target) -> head
@@ -350,12 +366,12 @@ def _medusa_proposer(head, target):
 RECIPES = {
     Method.EAGLE.value: Recipe(
         config=lambda target, a: HeadConfig.for_target(target, a.draft_vocab), module=EagleHead,
-        loss=lambda head, emb, row, f, top, p, vocab_row, a: sequence_loss(head, emb, row, f, top, p, vocab_row,
-                                                                           a.unroll),
+        loss=lambda head, emb, row, f, top, p, vocab_row, a, prompt_from: sequence_loss(
+            head, emb, row, f, top, p, vocab_row, a.unroll, a.prompt_weight, prompt_from),
         terms=lambda a: a.unroll, proposer=_eagle_proposer, load=load_head),
     Method.MEDUSA.value: Recipe(
         config=lambda target, a: MedusaConfig.for_target(target, a.draft_vocab, a.heads), module=MedusaHead,
-        loss=lambda head, emb, row, f, top, p, vocab_row, a: medusa_loss(head, row, f, vocab_row),
+        loss=lambda head, emb, row, f, top, p, vocab_row, a, prompt_from: medusa_loss(head, row, f, vocab_row),
         terms=lambda a: a.heads, proposer=_medusa_proposer, load=load_medusa_head),
 }
 
@@ -394,12 +410,57 @@ def load_optimizer(path: Path, opt: torch.optim.Optimizer) -> dict:
     return {"state": state, "param_groups": groups}
 
 
+MAX_VAL_ROWS = 64
+
+
+def validation_split(n: int, share: float, seed: int) -> tuple[list[int], list[int]]:
+    """(training rows, held-out rows) of n distilled answers: a seeded draw of `share` of them (at
+    most MAX_VAL_ROWS, none when share is 0), the same on every resume.
+
+    >>> validation_split(10, 0.2, 0)
+    ([0, 1, 2, 3, 4, 5, 7, 8], [6, 9])
+    """
+    held = sorted(random.Random(seed).sample(range(n), min(MAX_VAL_ROWS, round(n * share)))) if share > 0 else []
+    out = set(held)
+    return [r for r in range(n) if r not in out], held
+
+
+def common_prefix(seqs: list[list[int]]) -> int:
+    """How many leading tokens every sequence shares (a chat template's system prompt and header).
+
+    >>> common_prefix([[1, 2, 3, 4], [1, 2, 5], [1, 2, 3]])
+    2
+    """
+    if not seqs:
+        return 0
+    n = min(map(len, seqs))
+    first = seqs[0]
+    return next((i for i in range(n) if any(s[i] != first[i] for s in seqs)), n)
+
+
+def held_out(recipe: Recipe, head, embeddings, rows: list[dict], held: list[int], data: dict, vocab_row, a: TrainArgs,
+             prompt_from: int) -> tuple[list[float], list[float]]:
+    """Per term, the mean loss and top-1 agreement on the held-out rows (teacher-forced, answers)."""
+    losses, hits = [], []
+    with torch.no_grad():
+        for r in held:
+            _, ls, hs = recipe.loss(head, embeddings, rows[r], data[f"f{r}"], data[f"top{r}"], data[f"p{r}"],
+                                    vocab_row, a, prompt_from)
+            losses.append(ls)
+            hits.append(hs)
+    terms = recipe.terms(a)
+    return ([sum(x[j] for x in losses) / len(losses) for j in range(terms)],
+            [sum(x[j] for x in hits) / len(hits) for j in range(terms)])
+
+
 def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_path: Path, config):
     from safetensors.torch import load_file, save_file
     torch.manual_seed(a.seed)
     data = load_file(str(feats_path))
     eos = list(getattr(tokenizer, "eos_token_ids", None) or model.args.eos_token_ids)
-    vocab = draft_vocabulary(rows, config.draft_vocab_size, model.args.vocab_size, eos)
+    order, held = validation_split(len(rows), a.val_share, a.seed)
+    prompt_from = common_prefix([r["prompt"] for r in rows])
+    vocab = draft_vocabulary([rows[r] for r in order], config.draft_vocab_size, model.args.vocab_size, eos)
     config = dataclasses.replace(config, draft_vocab_size=len(vocab))
     recipe = RECIPES[a.method]
     head = recipe.module(config, model.args).float()
@@ -416,16 +477,18 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=0.0)
     if (work / OPTIMIZER_FILE).exists():
         opt.load_state_dict(load_optimizer(work / OPTIMIZER_FILE, opt))
-    order = list(range(len(rows)))
-    total_steps = max(1, math.ceil(a.epochs * len(rows)))
+    total_steps = max(1, math.ceil(a.epochs * len(order)))
     batch = a.train_batch  # sequences a step
+    checks = max(batch, total_steps // 10)  # held-out check every tenth of the run
     t0 = time.perf_counter()
     step = state["step"]
+    prompt_rows = f", prompt rows past position {prompt_from} weighing {a.prompt_weight}" if a.prompt_weight else ""
+    log(f"[train] {len(order)} sequences, {len(held)} held out{prompt_rows}")
     while step < total_steps:
-        rng = random.Random(a.seed + step // len(rows))
+        rng = random.Random(a.seed + step // len(order))
         epoch_order = order[:]
         rng.shuffle(epoch_order)
-        picks = [epoch_order[(step + b) % len(rows)] for b in range(batch)]
+        picks = [epoch_order[(step + b) % len(order)] for b in range(batch)]
         lr = a.lr * min(1.0, (step + batch) / (0.05 * total_steps + 1)) * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         for g in opt.param_groups:
             g["lr"] = lr
@@ -433,7 +496,7 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
         losses, hits = [], []
         for r in picks:
             loss, ls, hs = recipe.loss(head, embeddings, rows[r], data[f"f{r}"], data[f"top{r}"], data[f"p{r}"],
-                                       vocab_row, a)
+                                       vocab_row, a, prompt_from)
             if isinstance(loss, torch.Tensor):
                 (loss / batch).backward()
             losses.append(ls)
@@ -444,7 +507,13 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
         terms = recipe.terms(a)
         mean = [sum(x[j] for x in losses) / len(losses) for j in range(terms)]
         acc = [sum(x[j] for x in hits) / len(hits) for j in range(terms)]
-        state["curve"].append({"step": step, "loss": mean, "top1": acc, "lr": lr})
+        point = {"step": step, "loss": mean, "top1": acc, "lr": lr}
+        if held and (step % checks < batch or step >= total_steps):
+            point["held_loss"], point["held_top1"] = held_out(recipe, head, embeddings, rows, held, data, vocab_row,
+                                                              a, prompt_from)
+            log(f"[train] held out ({len(held)} answers): loss {' '.join(f'{x:.3f}' for x in point['held_loss'])}, "
+                f"top-1 agreement {' '.join(f'{x:.3f}' for x in point['held_top1'])}")
+        state["curve"].append(point)
         state["step"] = step
         if step % (batch * 25) < batch or step >= total_steps:
             save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(ckpt))
@@ -454,7 +523,7 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
             rl = [sum(c["loss"][j] for c in recent) / len(recent) for j in range(terms)]
             ra = [sum(c["top1"][j] for c in recent) / len(recent) for j in range(terms)]
             spent = time.perf_counter() - t0
-            log(f"[train] {min(step, total_steps)}/{total_steps} sequences ({step / len(rows):.2f} epochs), "
+            log(f"[train] {min(step, total_steps)}/{total_steps} sequences ({step / len(order):.2f} epochs), "
                 f"loss by draft {'head' if a.method == Method.MEDUSA else 'step'} "
                 f"{' '.join(f'{x:.3f}' for x in rl)}, top-1 agreement "
                 f"{' '.join(f'{x:.3f}' for x in ra)}, {spent / 60:.1f} min")
@@ -509,7 +578,11 @@ def plot(curve: list[dict], result: dict, path: Path) -> None:
         w = max(1, len(curve) // 50)
         ys = [sum(c["loss"][j] for c in curve[max(0, i - w):i + 1]) / len(curve[max(0, i - w):i + 1])
               for i in range(len(curve))]
-        l.plot(steps, ys, label=f"draft step {j + 1}")
+        line, = l.plot(steps, ys, label=f"draft step {j + 1}")
+        held = [c for c in curve if "held_loss" in c]
+        if held:
+            l.plot([c["step"] for c in held], [c["held_loss"][j] for c in held], "o--", color=line.get_color(),
+                   label=f"held out, step {j + 1}")
     l.set_xlabel("training sequences")
     l.set_ylabel("loss (soft cross-entropy)")
     l.legend()
@@ -578,6 +651,8 @@ def run(a: TrainArgs) -> dict:
         "answer_tokens": sum(len(r["output"]) for r in rows),
         "sampled_share": a.sampled_share, "temperature": a.temperature,
         "epochs": a.epochs, "draft_vocab": len(head.draft_vocab),
+        **({"prompt_weight": a.prompt_weight} if a.prompt_weight else {}),
+        "held_out": {k: curve[-1][k] for k in ("held_loss", "held_top1") if curve and k in curve[-1]},
         **({"heads": a.heads} if a.method == Method.MEDUSA else {"unroll": a.unroll}),
         "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
         "total_minutes": round(sum(timings.values()) / 60, 2), "eval": result,
@@ -610,7 +685,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("train_prompts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "batch", "draft_vocab",
                  "unroll", "heads", "train_batch", "top_k_labels", "seed", "threads", "eval_k"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("sampled_share", "temperature", "epochs", "lr"):
+    for name in ("sampled_share", "temperature", "epochs", "lr", "prompt_weight", "val_share"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     return p
 
@@ -630,6 +705,13 @@ def main(argv: list[str] | None = None) -> int:
             print(f"specfleet train-draft: --{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}",
                   file=sys.stderr)
             return 2
+    if not 0 <= a.val_share < 1:
+        print(f"specfleet train-draft: --val-share must be in [0, 1), got {a.val_share}", file=sys.stderr)
+        return 2
+    if a.prompt_weight < 0 or (a.prompt_weight and a.method != Method.EAGLE):
+        print(f"specfleet train-draft: --prompt-weight {a.prompt_weight}: a weight >= 0, for EAGLE heads (Medusa "
+              f"heads learn the answers' own tokens)", file=sys.stderr)
+        return 2
     if not Path(a.prompts).is_file():
         print(f"specfleet train-draft: --prompts {a.prompts}: no such file", file=sys.stderr)
         return 2
