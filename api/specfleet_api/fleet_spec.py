@@ -38,6 +38,8 @@ class FleetState:
     promoted: dict[str, Any] | None = dataclasses.field(default=None, hash=False)
     # the draft method the loop chose per unpinned prompt type (specfleet_control.methods)
     methods: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
+    # the K ceiling the loop set per prompt type, below kMax (specfleet_control.kbounds)
+    k_ceilings: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
 
 
 def leaves(obj: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -415,4 +417,5 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
                      fallback_clusters=tuple(state.fallback_clusters), mirror_share=state.mirror_share,
                      drift_epoch=state.drift_epoch, explore_share=explore_share(spec, state),
                      candidates=served_methods(spec, "stable", state) if selects else (),
-                     pinned=tuple(sorted(pins)) if selects else ())
+                     pinned=tuple(sorted(pins)) if selects else (),
+                     k_ceilings={t: kc for t, kc in sorted(state.k_ceilings.items()) if kc < k["stable"].k_max})

@@ -67,7 +67,8 @@ class LiveState:
     percent (two decimals); `routes` maps a prompt type to a draft method (`default_method` for
     the rest), for every arm that `arms` does not give a table of its own; a prompt type in
     `fallback` runs `none`; `speculate` False turns speculation off for the whole deployment (its
-    fallback); `k` holds each arm's K bounds."""
+    fallback); `k` holds each arm's K bounds, and `k_ceilings` a lower kMax for some prompt types
+    on the stable arm."""
 
     version: int = 0
     canary_weight: float = 0.0
@@ -87,6 +88,8 @@ class LiveState:
     explore_share: float = 0.0
     candidates: tuple[str, ...] = ()
     pinned: tuple[str, ...] = ()  # prompt types routing.byPromptType pins: never explored
+    # the stable arm's K ceiling per prompt type, below its kMax (specfleet_control.kbounds)
+    k_ceilings: dict[str, int] = field(default_factory=dict)
 
     def method_for(self, prompt_type: str, arm: str = "stable") -> str:
         """The draft method a request of this prompt type runs with on this arm.
@@ -166,6 +169,9 @@ class LiveState:
                   + list(self.pinned)):
             if t not in PROMPT_TYPES:
                 out.append(f"prompt type {t!r} is not one of {', '.join(PROMPT_TYPES)}")
+        for t, k in self.k_ceilings.items():
+            if t not in PROMPT_TYPES or not 1 <= k <= K_LIMIT:
+                out.append(f"k_ceilings[{t!r}]: need a prompt type and 1 <= kMax <= {K_LIMIT}, got {k}")
         for arm, b in self.k.items():
             if arm not in ARMS or not 0 <= b.k_min <= b.k_max <= K_LIMIT:
                 out.append(f"k[{arm!r}]: need an arm of {ARMS} and 0 <= kMin <= kMax <= {K_LIMIT}, got {b}")
@@ -177,7 +183,8 @@ class LiveState:
         raw["fallback_clusters"] = list(self.fallback_clusters)
         raw["candidates"], raw["pinned"] = list(self.candidates), list(self.pinned)
         for key, default in (("probe_share", 0.0), ("fallback_clusters", []), ("mirror_share", 0.0),
-                             ("drift_epoch", ""), ("explore_share", 0.0), ("candidates", []), ("pinned", [])):
+                             ("drift_epoch", ""), ("explore_share", 0.0), ("candidates", []), ("pinned", []),
+                             ("k_ceilings", {})):
             if raw[key] == default:
                 del raw[key]  # readers that predate the loop's fields see the same document
         raw["k"] = {arm: {"kMin": b.k_min, "kMax": b.k_max} for arm, b in self.k.items()}
@@ -206,7 +213,8 @@ class LiveState:
                         drift_epoch=str(raw.get("drift_epoch", "")),
                         explore_share=float(raw.get("explore_share", 0.0)),
                         candidates=tuple(str(m) for m in raw.get("candidates") or ()),
-                        pinned=tuple(str(t) for t in raw.get("pinned") or ()))
+                        pinned=tuple(str(t) for t in raw.get("pinned") or ()),
+                        k_ceilings={str(t): int(k) for t, k in (raw.get("k_ceilings") or {}).items()})
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"live state: not a state document ({type(e).__name__}: {e})") from None
         problems = state.problems()

@@ -37,6 +37,11 @@ def _zeros(buckets: tuple[float, ...]) -> tuple[int, ...]:
     return (0,) * (len(buckets) + 1)
 
 
+# Draft positions a window counts acceptance at (1 .. POSITIONS; deeper drafts count up to it):
+# what the loop sets each prompt type's K ceiling from (specfleet_control.kbounds).
+POSITIONS = 16
+
+
 def bucket_of(value: float, buckets: tuple[float, ...]) -> int:
     """The histogram bucket a value counts in (len(buckets): above the last bound).
 
@@ -101,6 +106,10 @@ class TypeCounts:
     spec_log_speedup_sq: float = 0.0
     ttft_hist: tuple[int, ...] = _zeros(TTFT_BUCKETS)  # counts per TTFT_BUCKETS bucket
     tpot_hist: tuple[int, ...] = _zeros(TPOT_BUCKETS)
+    # per draft position p (0-based): the decoding steps whose draft reached it, and those whose
+    # draft was accepted up to it (a tree: its depth, and the accepted path)
+    pos_drafted: tuple[int, ...] = (0,) * POSITIONS
+    pos_accepted: tuple[int, ...] = (0,) * POSITIONS
 
     def minus(self, earlier: TypeCounts) -> TypeCounts:
         return TypeCounts(**{f.name: _combine(getattr(self, f.name), getattr(earlier, f.name), -1)

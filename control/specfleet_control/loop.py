@@ -27,6 +27,7 @@ from typing import Any
 
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
+from .kbounds import Ceiling, KTuning, tune
 from .methods import Choice, Selection, choose
 from .observe import Observation
 from .slo import (FALLBACK, HEALTHY, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, alpha_clear,
@@ -64,6 +65,7 @@ class Memory:
     judged_at: float | None = None  # the last judgement of the windows
     early_at: float | None = None  # the last half-way check for misses
     methods: Mapping[str, Choice] = dataclasses.field(default_factory=dict)  # prompt type -> its draft method
+    ceilings: Mapping[str, Ceiling] = dataclasses.field(default_factory=dict)  # prompt type -> its K ceiling
 
     @property
     def whole(self) -> bool:
@@ -81,10 +83,17 @@ class Memory:
         """The draft method the loop chose per (unpinned) prompt type."""
         return {t: c.method for t, c in sorted(self.methods.items())}
 
+    def k_ceilings(self, k_max: int) -> dict[str, int]:
+        """The K ceiling in force per prompt type, where it is below the deployment's kMax."""
+        out = {t: c.k_max(k_max) for t, c in sorted(self.ceilings.items())}
+        return {t: k for t, k in out.items() if k is not None}
+
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": {k: s.to_status() for k, s in sorted(self.keys.items())}}
         if self.methods:
             out["methods"] = {t: c.to_status() for t, c in sorted(self.methods.items())}
+        if self.ceilings:
+            out["kCeilings"] = {t: c.to_status() for t, c in sorted(self.ceilings.items())}
         if self.seen:
             out["seen"] = dict(sorted(self.seen.items()))
         if self.evidence:
@@ -102,7 +111,8 @@ class Memory:
                    {str(k): float(v) for k, v in (raw.get("seen") or {}).items()},
                    {str(k): Evidence.from_status(v) for k, v in (raw.get("evidence") or {}).items()},
                    raw.get("judgedAt"), raw.get("earlyAt"),
-                   {str(t): Choice.from_status(c) for t, c in (raw.get("methods") or {}).items()})
+                   {str(t): Choice.from_status(c) for t, c in (raw.get("methods") or {}).items()},
+                   {str(t): Ceiling.from_status(c) for t, c in (raw.get("kCeilings") or {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,13 +184,14 @@ def judges_cluster(keys: Mapping[str, KeyState], key: str, cw: ClusterWindow) ->
 
 
 def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_type: bool = True,
-         selection: Selection | None = None) -> Tick:
+         selection: Selection | None = None, tuning: KTuning | None = None) -> Tick:
     """One tick: every key judged when a window has passed since the last judgement (a key with an
     alert, at once); nothing changes on an incomplete observation. `per_type` False (no router
     following a live state): the deployment is the only key; with no windows at all
     (`obs.windows` empty: no Redis), its alerts alone move it, both ways. `selection`: what the
     loop chooses each prompt type's draft method among (methods.py), at each judgement; a type
-    that moves learns its alpha baseline afresh (another method accepts at another rate)."""
+    that moves learns its alpha baseline afresh (another method accepts at another rate).
+    `tuning`: how the loop sets each prompt type's K ceiling (kbounds.py), at each judgement."""
     if not obs.complete:
         return Tick(memory, (), decided=False)
     due = memory.judged_at is None or now - memory.judged_at >= policy.window_s * 0.98
@@ -265,6 +276,10 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         events += moves
     elif selection is not None and not selection.candidates:
         chosen = {}  # nothing to choose among any more (the spec serves one method, or turned it off)
+    ceilings = dict(memory.ceilings)
+    if due and tuning is not None:
+        ceilings, changes = tune(obs.methods.get("stable", {}), stable, memory.ceilings, tuning, now)
+        events += changes
     if policy.clusters:
         for cluster, cw in sorted(obs.clusters.items()):
             key = cluster_key(cluster)
@@ -294,4 +309,4 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             seen.pop(key, None)
             evidence.pop(key, None)
     return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at, now if early else memory.early_at,
-                       chosen), tuple(events))
+                       chosen, ceilings), tuple(events))

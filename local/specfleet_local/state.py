@@ -27,6 +27,7 @@ from specfleet_control import canary as canaries
 from specfleet_control import fleet as control_fleet
 from specfleet_control import loop as slo_loop
 from specfleet_control import observe
+from specfleet_control.kbounds import KTuning
 from specfleet_control.methods import Selection
 from specfleet_control.observe import Observation
 from specfleet_control.slo import SloPolicy
@@ -100,7 +101,7 @@ class ControlLoop:
         if self.readiness is not None:
             obs = dataclasses.replace(obs, ready=self.readiness())
         t = slo_loop.tick(obs, self.memory, self.policy, now, per_type=True,
-                          selection=Selection.from_spec(self.spec, self.fleet()))
+                          selection=Selection.from_spec(self.spec, self.fleet()), tuning=KTuning.from_spec(self.spec))
         if not t.decided:
             self.skipped += 1
         else:
@@ -127,6 +128,7 @@ class ControlLoop:
                                                                  "clusters": list(self.memory.fallback_clusters()),
                                                                  "deployment": self.memory.whole},
                 "methods": self.memory.chosen_methods(),
+                "kCeilings": self.memory.k_ceilings(int(self.spec["speculation"]["kMax"])),
                 "canary": self.canary.to_status() if self.spec.get("canary") else None,
                 "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
 

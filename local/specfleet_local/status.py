@@ -164,7 +164,10 @@ def document(obs: Observed) -> dict[str, Any]:
     types = []
     for t in PROMPT_TYPES:
         by_arm = {arm: obs.windows.get(arm, {}).get(t) for arm in arm_names}
+        stable_k = state.k.get("stable") if state else None
         entry = {"name": t, "method": state.method_for(t) if state else None,
+                 # the stable arm's kMax for the type: the loop's ceiling where it set one
+                 "kMax": state.k_ceilings.get(t, stable_k.k_max) if state and stable_k else None,
                  "mode": None if state is None else
                  ("fallback" if not state.speculate or t in state.fallback else "speculative"),
                  "slo": ((obs.loop or {}).get("memory") or {}).get("keys", {}).get(f"type:{t}"),
@@ -249,8 +252,8 @@ def table(doc: dict[str, Any]) -> str:
         [a["name"], _fmt(a["weight"], "g") + "%", _fmt(a["replicas"]), _fmt(a["ready"]),
          f"{_fmt(a['kMin'])}-{_fmt(a['kMax'])}"] for a in doc["arms"]]))
     out.append("")
-    out.append(_columns([["PROMPT TYPE", "METHOD", "MODE", "ALPHA", "TAU", "SPEEDUP", "REQUESTS"]] + [
-        [t["name"], _method(t), _fmt(t["mode"]), _fmt(t["alpha"], ".2f"), _fmt(t["tau"], ".2f"),
+    out.append(_columns([["PROMPT TYPE", "METHOD", "KMAX", "MODE", "ALPHA", "TAU", "SPEEDUP", "REQUESTS"]] + [
+        [t["name"], _method(t), _fmt(t["kMax"]), _fmt(t["mode"]), _fmt(t["alpha"], ".2f"), _fmt(t["tau"], ".2f"),
          _fmt(t["speedup"], ".2f"), str(t["requests"])] for t in doc["promptTypes"]]))
     window = max((t["windowSeconds"] or 0 for t in doc["promptTypes"]), default=0)
     out.append(f"(alpha, tau, speedup, requests: the workers' windows, last {window or 60:.0f} s)")

@@ -23,6 +23,7 @@ from specfleet_api.windows import Window, sum_windows
 from specfleet_control import canary as canaries
 from specfleet_control import fleet as control_fleet
 from specfleet_control import loop as slo_loop
+from specfleet_control.kbounds import KTuning
 from specfleet_control.methods import Selection
 from specfleet_control.observe import Observation
 from specfleet_control.slo import FALLBACK, SloPolicy
@@ -113,6 +114,8 @@ def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> 
     out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
     chosen = memory.chosen_methods()  # a merge patch: a type no longer chosen for is dropped by None
     out["methods"] = {**{t: None for t in prev.get("methods") or {} if t not in chosen}, **chosen} or None
+    ceilings = memory.k_ceilings(specs.with_defaults(dict(body.get("spec") or {}))["speculation"]["kMax"])
+    out["kCeilings"] = {**{t: None for t in prev.get("kCeilings") or {} if t not in ceilings}, **ceilings} or None
     for key in ("fallbackSince", "notInSpec"):
         if key not in out and prev.get(key):
             out[key] = None  # merge patch: drop the key
@@ -544,7 +547,8 @@ async def tick(body: Any, memo: Any) -> None:
         ready["canary"] = _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")))
     obs = dataclasses.replace(obs, ready=ready)
     selection = Selection.from_spec(spec, fleet_state(before, spec, memory))
-    slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type, selection=selection)
+    slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type, selection=selection,
+                        tuning=KTuning.from_spec(spec))
     # a Redis away is said once, by RedisReady and its event, not by one event a tick
     if not slo.decided and not (per_type and _redis_failing(memo, ns, name)):
         _event(body, "NoDecision", f"the fleet's windows could not be read ({obs.error}): nothing decided this tick")

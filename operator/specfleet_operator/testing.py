@@ -170,12 +170,15 @@ def stored_live_state(client, namespace: str = "default", name: str = "chat"):
 
 def publish_window(client, namespace: str, name: str, prompt_type: str, *, alpha: float, speedup: float = 1.4,
                    arm: str = "stable", pod: str = "pod-0", drafted: int = 1000, requests: int = 20,
-                   ttl_s: int = 30, method: str | None = None, spread: float | None = None) -> None:
+                   ttl_s: int = 30, method: str | None = None, spread: float | None = None,
+                   gains: tuple[float, ...] | None = None) -> None:
     """Write one worker pod's window of one prompt type (of one draft method's requests on it,
     with `method`) into Redis, as specfleet_worker.fleet does; `spread`: the requests' own log
-    speedups, half of them that much above log(speedup), half below."""
+    speedups, half of them that much above log(speedup), half below; `gains`: every step drafts
+    len(gains) positions and position p is accepted in gains[p] of them (then `drafted` is
+    ignored)."""
     from specfleet_api.live_state import window_key
-    from specfleet_api.windows import TypeCounts, method_field
+    from specfleet_api.windows import POSITIONS, TypeCounts, method_field
 
     busy = 10.0
     log_speedups = {}
@@ -183,10 +186,17 @@ def publish_window(client, namespace: str, name: str, prompt_type: str, *, alpha
         log_s = math.log(speedup)
         log_speedups = {"spec_speedups": requests, "spec_log_speedup_sum": requests * log_s,
                         "spec_log_speedup_sq": requests * (log_s * log_s + spread * spread)}
-    counts = TypeCounts(requests=requests, steps=requests * 20, draft_tokens=drafted,
+    steps = requests * 20
+    positions = {}
+    if gains is not None:
+        drafted = steps * len(gains)
+        pad = (0,) * (POSITIONS - len(gains))
+        positions = {"pos_drafted": (steps,) * len(gains) + pad,
+                     "pos_accepted": tuple(round(g * steps) for g in gains) + pad}
+    counts = TypeCounts(requests=requests, steps=steps, draft_tokens=drafted,
                         accepted_tokens=int(alpha * drafted), plain_seconds=speedup * busy, busy_seconds=busy,
                         spec_requests=requests, spec_plain_seconds=speedup * busy, spec_busy_seconds=busy,
-                        **log_speedups)
+                        **log_speedups, **positions)
     key = f"{window_key(namespace, name, arm)}:{pod}"
     field = method_field(prompt_type, method) if method else prompt_type
     client.hset(key, field, json.dumps({**dataclasses.asdict(counts), "window_seconds": 10.0}))

@@ -335,5 +335,15 @@ async def test_control_loop_moves_a_prompt_type_to_the_draft_method_that_pays_on
         [event] = await wait_for(lambda: events(cluster, "MethodChanged"), 10, "MethodChanged event")
         assert event["message"].startswith("prompt type chat: eagle -> ngram: speedup 1.60x against 1.00x")
         assert pod_hash(children_of(cluster, "sel")[("Deployment", "sel--stable")]) == hash_before
+        # on n-gram (most of its steps now; the head explores), chat's drafts rarely hold past two
+        # positions: the loop sets its K ceiling there
+        publish_window(client, "default", "sel", "chat", alpha=0.4, speedup=1.0, method="eagle", requests=1)
+        publish_window(client, "default", "sel", "chat", alpha=0.6, speedup=1.6, method="ngram", requests=6,
+                       spread=0.1, gains=(0.8, 0.4, 0.08, 0.01))
+        await wait_for(lambda: sdd().get("kCeilings") == {"chat": 2}, 10, "chat's K ceiling in the status")
+        await wait_for(lambda: stored(client, name="sel").k_ceilings == {"chat": 2}, 5, "in the live state")
+        [event] = await wait_for(lambda: events(cluster, "KCeilingChanged"), 10, "KCeilingChanged event")
+        assert event["message"].startswith("prompt type chat (ngram): kMax none -> 2: acceptance by position 0.80")
+        assert pod_hash(children_of(cluster, "sel")[("Deployment", "sel--stable")]) == hash_before
     finally:
         await op.stop_and_join()

@@ -120,10 +120,29 @@ def test_a_types_requests_are_windowed_by_the_method_they_ran_and_readers_split_
     assert by["ngram"].counts.draft_tokens == sum(x.speculation.num_draft_tokens for x in ngram) > 0
     assert by["none"].counts.draft_tokens == 0 and by["none"].counts.spec_requests == 0
     assert by["ngram"].counts.spec_speedups == 2
+    # acceptance by draft position: every drafting step reached the first, and each accepted token
+    # is one step's accepted position
+    c = by["ngram"].counts
+    assert c.pos_drafted[0] == c.drafts > 0 and sum(c.pos_accepted) == c.accepted_tokens
+    assert sum(c.pos_drafted) == c.draft_tokens and list(c.pos_drafted) == sorted(c.pos_drafted, reverse=True)
     assert by["ngram"].counts.plus(by["none"].counts).output_tokens == whole.output_tokens == 50
     assert by["ngram"].counts.busy_seconds + by["none"].counts.busy_seconds == pytest.approx(whole.busy_seconds)
     assert sum(len(x.token_ids) for x in plain) == 10
     pub.stop()
+
+
+def test_the_loops_k_ceiling_holds_its_prompt_types_drafts_and_no_other_types():
+    with running_worker() as r:
+        r.worker.live.apply_live_state(LiveState(version=1, k_ceilings={"code": 1}), "stable")
+        counts = r.worker.scheduler.metrics.counts_by_type
+        for t in ("code", "chat"):
+            run(r, t, "ngram", [5, 6, 7, 8] * 5, 40)
+        code, chat = counts()["code"], counts()["chat"]
+        assert code.drafts > 0 and code.pos_drafted[1] == 0  # one position a step at most
+        assert chat.pos_drafted[1] > 0  # the deployment's kMax
+        assert sum(chat.pos_accepted) == chat.accepted_tokens > 0 and chat.pos_accepted[1] > 0
+        r.worker.live.apply_live_state(LiveState(version=2, k_ceilings={"code": 1}), "canary")  # stable's only
+        assert r.worker.live.settings.k_ceilings == {}
 
 
 def test_a_worker_that_stops_publishing_drops_out_and_redis_read_only_costs_no_request(canary, redis_server):

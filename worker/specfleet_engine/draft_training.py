@@ -347,7 +347,8 @@ class Recipe:
 
     config: Callable  # (target, TrainArgs) -> its config
     module: type
-    loss: Callable  # (head, embeddings, row, feats, top, probs, vocab_row, TrainArgs, prompt_from) -> (loss, [loss], [top-1])
+    # (head, embeddings, row, feats, top, probs, vocab_row, TrainArgs, prompt_from) -> (loss, [loss], [top-1])
+    loss: Callable
     terms: Callable  # TrainArgs -> int
     proposer: Callable  # (head, target) -> proposer
     load: Callable  # (path, target) -> head

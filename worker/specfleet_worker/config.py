@@ -40,6 +40,18 @@ class Settings:
     default_method: str
     by_prompt_type: dict[str, str]
     default_speculate: bool = True  # soft: off, only the router's probes speculate
+    # a lower kMax for some prompt types (the live state's, the stable arm's: the control loop's)
+    k_ceilings: dict[str, int] = dataclasses.field(default_factory=dict)
+
+    def k_bounds(self, prompt_type: str) -> tuple[int, int]:
+        """(kMin, kMax) for a request of this prompt type: the deployment's, under its ceiling.
+
+        >>> s = Settings(True, 2, 8, 4, "adaptive", "ngram", {}, k_ceilings={"code": 3, "qa": 1})
+        >>> s.k_bounds("code"), s.k_bounds("qa"), s.k_bounds("chat")
+        ((2, 3), (1, 1), (2, 8))
+        """
+        k_max = min(self.k_max, self.k_ceilings.get(prompt_type, self.k_max))
+        return min(self.k_min, k_max), k_max
 
     def method_for(self, requested: str, prompt_type: str, probe: bool = False) -> str:
         """The method a new request runs with: "none" under the hard off, and under the soft off
@@ -89,7 +101,7 @@ class LiveConfig:
 
     def update(self, *, speculation_enabled: bool | None = None, default_speculate: bool | None = None,
                k_min: int | None = None, k_max: int | None = None, default_method: str | None = None,
-               by_prompt_type: dict[str, str] | None = None) -> Settings:
+               by_prompt_type: dict[str, str] | None = None, k_ceilings: dict[str, int] | None = None) -> Settings:
         """Raises ValueError naming the field; nothing changes then."""
         with self._lock:
             s = self.settings
@@ -112,14 +124,15 @@ class LiveConfig:
                 default_speculate=s.default_speculate if default_speculate is None else default_speculate,
                 k_min=k_lo, k_max=k_hi, k_initial=min(max(s.k_initial, k_lo), k_hi),
                 default_method=s.default_method if default_method is None else default_method,
-                by_prompt_type=routes)
+                by_prompt_type=routes, k_ceilings=s.k_ceilings if k_ceilings is None else dict(k_ceilings))
             log.info("settings changed", extra={"settings": dataclasses.asdict(self.settings)})
             return self.settings
 
     def apply_live_state(self, state: LiveState, arm: str) -> Settings:
         """The deployment's live state from Redis (live.py): `speculate` (the soft switch), and
-        the K bounds of this worker's arm when the state has them. The method per prompt type is
-        the router's choice, sent with each request, so the state's routes are not applied here.
+        the K bounds of this worker's arm when the state has them, and on the stable arm the loop's
+        K ceilings per prompt type. The method per prompt type is the router's choice, sent with
+        each request, so the state's routes are not applied here.
 
         Writers mark speculation off with kMax 0 too (the operator does); under the soft off a
         probe still speculates with the bounds in force, so kMax 0 beside `speculate: false` is
@@ -128,7 +141,8 @@ class LiveConfig:
         if bounds is not None and not state.speculate and bounds.k_max == 0:
             bounds = None
         return self.update(default_speculate=state.speculate, k_min=bounds.k_min if bounds else None,
-                           k_max=bounds.k_max if bounds else None)
+                           k_max=bounds.k_max if bounds else None,
+                           k_ceilings=state.k_ceilings if arm == "stable" else {})
 
     def apply_control_file(self, raw: dict) -> Settings:
         """control.json, written by the operator's control loop: {speculate, kMin, kMax}."""

@@ -135,6 +135,9 @@ class Metrics:
                     c.drafts += 1
                     c.draft_tokens += drafted
                     c.accepted_tokens += accepted
+                    c.pos_drafted = _counted_upto(c.pos_drafted, drafted)
+                    if accepted:
+                        c.pos_accepted = _counted_upto(c.pos_accepted, accepted)
         if drafted:
             self.totals["num_drafts"] += 1
             self.totals["num_draft_tokens"] += drafted
@@ -241,3 +244,13 @@ class Metrics:
 
 def _counted(hist: tuple[int, ...], bucket: int) -> tuple[int, ...]:
     return hist[:bucket] + (hist[bucket] + 1,) + hist[bucket + 1:]
+
+
+def _counted_upto(counts: tuple[int, ...], n: int) -> tuple[int, ...]:
+    """One more at each of the first n positions (at most all of them).
+
+    >>> _counted_upto((0, 0, 0), 2), _counted_upto((1, 1, 1), 5)
+    ((1, 1, 0), (2, 2, 2))
+    """
+    n = min(n, len(counts))
+    return tuple(c + 1 for c in counts[:n]) + counts[n:]

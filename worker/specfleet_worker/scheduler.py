@@ -331,9 +331,10 @@ class Scheduler:
         s = self.live.settings
         history = self._by_type.get(req.prompt_type)
         prior = history.alpha if history is not None and history.steps >= 16 else None
+        k_min, k_max = s.k_bounds(req.prompt_type)
         try:
             req.seq = self.engine.add(req.prompt_ids, req.params, req.method, req.k_initial, req.request_id,
-                                      k_min=s.k_min, k_max=s.k_max, prior=prior, batch=len(self._active) + 1)
+                                      k_min=k_min, k_max=k_max, prior=prior, batch=len(self._active) + 1)
         except ValueError as e:  # the service validates first; this is the engine's last word
             with self._cond:
                 self._reserved -= req.reserved_blocks
@@ -343,13 +344,14 @@ class Scheduler:
         self.metrics.prompt_tokens.labels(self.metrics.model).inc(len(req.prompt_ids))
 
     def _set_bounds(self) -> None:
-        """The live K bounds, applied to every running request (the K policy keeps K within); 0
-        for those that may not draft now (speculation off, hard or soft: config.Settings)."""
+        """The live K bounds (under its prompt type's ceiling), applied to every running request
+        (the K policy keeps K within); 0 for those that may not draft now (speculation off, hard
+        or soft: config.Settings)."""
         s = self.live.settings
         for req in self._active:
             seq = req.seq
             if s.drafts(req.method, req.probe):
-                seq.k_min, seq.k_max = s.k_min, s.k_max
+                seq.k_min, seq.k_max = s.k_bounds(req.prompt_type)
             else:
                 seq.k_min = seq.k_max = 0
             req.speculating = seq.k_max > 0
