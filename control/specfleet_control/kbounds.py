@@ -42,7 +42,7 @@ MIN_TPOT = 8  # requests with a TPOT a window needs before its P99 is judged
 class KTuning:
     """speculation.kTuning: whether the loop sets K ceilings per prompt type, and its lines."""
 
-    enabled: bool = True
+    enabled: bool = False  # opt-in: speculation.kTuning.enabled
     min_steps: int = 64  # drafting steps a position needs before its acceptance counts
     margin: float = 0.02  # a ceiling moves when the new K's rate beats the current one's by this
     tpot_p99_s: float | None = None  # a type over this TPOT P99 halves its ceiling
@@ -55,7 +55,7 @@ class KTuning:
         """From a defaulted spec; disabled where nothing is drafted (draft.method none).
 
         >>> t = KTuning.from_spec({"draft": {"method": "ngram"}, "speculation": {"kMin": 1, "kMax": 6,
-        ...                        "kTuning": {"tpotP99Seconds": 0.2}}})
+        ...                        "kTuning": {"enabled": True, "tpotP99Seconds": 0.2}}})
         >>> t.enabled, t.tpot_p99_s, (t.k_min, t.k_max)
         (True, 0.2, (1, 6))
         """

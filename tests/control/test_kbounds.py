@@ -46,7 +46,10 @@ def drafts(rng: random.Random, steps: int, conditional: list[float], k: int, cos
     return {method: Window(c, pods=1, seconds=WINDOW_S)}
 
 
-def run(ticks, tuning=KTuning(), ceilings=None):
+ON = KTuning(enabled=True)
+
+
+def run(ticks, tuning=ON, ceilings=None):
     """Judge a sequence of {type: {method: Window}}, one per window; the ceilings in force after
     each, and every event."""
     ceilings, history, events = ceilings or {}, [], []
@@ -83,7 +86,7 @@ def test_a_type_whose_drafts_hold_keeps_no_ceiling():
 def test_thin_evidence_moves_nothing_until_it_adds_up():
     rng = random.Random(2)
     thin = [{"chat": drafts(rng, 40, FALLING, 8, cost=0.15)} for _ in range(6)]
-    _, history, _ = run(thin, KTuning(min_steps=64))
+    _, history, _ = run(thin, KTuning(enabled=True, min_steps=64))
     assert history[0] == {"chat": None}  # 40 steps: no position has 64
     assert history[-1] == {"chat": 2}  # carried (halved a window), the first positions add up to 80 and 70
 
@@ -103,7 +106,7 @@ def test_a_ceiling_in_force_lifts_when_the_drafts_improve_and_does_not_flap():
 
 def test_load_halves_a_ceiling_and_it_rises_one_position_a_window_after():
     rng = random.Random(4)
-    tuning = KTuning(tpot_p99_s=0.1, k_max=8)
+    tuning = KTuning(enabled=True, tpot_p99_s=0.1, k_max=8)
     hold = [0.9]  # drafts pay at every depth: no acceptance ceiling
     loaded = [{"chat": drafts(rng, 600, hold, 8, cost=0.05, tpot=0.2)} for _ in range(2)]
     calm = [{"chat": drafts(rng, 600, hold, 8, cost=0.05, tpot=0.02)} for _ in range(6)]
@@ -131,8 +134,8 @@ def test_a_type_that_changes_method_starts_afresh():
 def test_disabled_or_no_room_between_the_bounds_sets_nothing():
     rng = random.Random(6)
     ticks = [{"chat": drafts(rng, 600, FALLING, 8, cost=0.15)}]
-    assert run(ticks, KTuning(enabled=False))[1] == [{}]
-    assert run(ticks, KTuning(k_min=0, k_max=1))[1] == [{}]
+    assert run(ticks, KTuning())[1] == [{}]  # off by default
+    assert run(ticks, KTuning(enabled=True, k_min=0, k_max=1))[1] == [{}]
 
 
 def test_a_ceiling_round_trips_through_the_status():
@@ -162,7 +165,7 @@ def test_the_loop_sets_ceilings_at_its_judgements_and_the_live_state_and_status_
     from specfleet_control.observe import Observation
     from specfleet_control.slo import SloPolicy
 
-    spec = {"draft": {"method": "ngram"}, "speculation": {"kMin": 0, "kMax": 6}}
+    spec = {"draft": {"method": "ngram"}, "speculation": {"kMin": 0, "kMax": 6, "kTuning": {"enabled": True}}}
     rng = random.Random(8)
     by_type = {"chat": drafts(rng, 600, FALLING, 6, cost=0.15), "code": drafts(rng, 600, [0.9], 6, cost=0.05)}
     obs = Observation(windows={"stable": {t: ws["ngram"] for t, ws in by_type.items()}},

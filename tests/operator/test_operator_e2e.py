@@ -317,6 +317,7 @@ async def test_control_loop_moves_a_prompt_type_to_the_draft_method_that_pays_on
     try:
         await kube.create(sdd_body("sel", redis={"url": redis_server.url}, slo={"window": "1s"},
                                    draft={"method": "eagle", "uri": "smollm2-135m-eagle"},
+                                   speculation={"kTuning": {"enabled": True}},
                                    routing={"byPromptType": {"code": "eagle"}, "select": {"minDwell": "1s"}}))
         await wait_for(lambda: ready(cluster, "sel"), 20, "Ready")
         sdd = lambda: cluster.live(API_VERSION, SDDS, "default", "sel")["status"]
