@@ -153,8 +153,8 @@ def rate(gains: list[float], k: int, cost: float) -> float:
 
 def best_k(gains: list[float], cost: float, k_lo: int, k_hi: int) -> tuple[int | None, float]:
     """(K, its rate): the K in [max(k_lo, 1), min(k_hi, len(gains))] with the most tokens per
-    unit of time; K None (no ceiling) when the deepest measured position wins and deeper ones
-    are allowed, or nothing is measured.
+    unit of time; K None (no ceiling) when the deepest of those wins (kMax itself, or deeper
+    drafts may pay too), or nothing is measured.
 
     >>> best_k([0.8, 0.5, 0.1, 0.05], 0.2, 0, 8)[0]      # the third draft costs more than it adds
     2
@@ -165,9 +165,7 @@ def best_k(gains: list[float], cost: float, k_lo: int, k_hi: int) -> tuple[int |
     if hi < lo:
         return None, 0.0
     k = max(range(lo, hi + 1), key=lambda j: (rate(gains, j, cost), -j))
-    if k == hi and hi < k_hi:
-        return None, rate(gains, k, cost)
-    return k, rate(gains, k, cost)
+    return None if k == hi else k, rate(gains, k, cost)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,10 +179,16 @@ class Ceiling:
     evidence: Positions = dataclasses.field(default_factory=Positions)
     since: float | None = None
 
+    @property
+    def in_force(self) -> int | None:
+        """The lower of the acceptance's and the load's ceilings (None: neither); `tune` keeps
+        both below the kMax it judged against."""
+        return min((x for x in (self.acceptance, self.load) if x is not None), default=None)
+
     def k_max(self, k_hi: int) -> int | None:
-        """The ceiling in force (None: the deployment's kMax)."""
-        k = min(x for x in (self.acceptance, self.load, k_hi) if x is not None)
-        return k if k < k_hi else None
+        """The ceiling in force under a kMax of k_hi (None: k_hi itself)."""
+        k = self.in_force
+        return k if k is not None and k < k_hi else None
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "evidence": self.evidence.to_status()}
@@ -252,7 +256,6 @@ def tune(windows: Mapping[str, Mapping[str, Window]], type_windows: Mapping[str,
             # drafts from being measured, so whether one more would pay is estimated
             gains = measured + ([next_gain(measured)] if len(measured) < k_hi else [])
             k, r = best_k(gains, cost, k_lo, k_hi)
-            k = None if k is not None and k >= k_hi else k  # kMax itself: no ceiling
             # what runs now: under a ceiling, its K's rate; without one, what the steps did
             current = rate(gains, min(before.acceptance, len(gains)), cost) if before.acceptance is not None \
                 else evidence.speedup

@@ -83,10 +83,10 @@ class Memory:
         """The draft method the loop chose per (unpinned) prompt type."""
         return {t: c.method for t, c in sorted(self.methods.items())}
 
-    def k_ceilings(self, k_max: int) -> dict[str, int]:
-        """The K ceiling in force per prompt type, where it is below the deployment's kMax."""
-        out = {t: c.k_max(k_max) for t, c in sorted(self.ceilings.items())}
-        return {t: k for t, k in out.items() if k is not None}
+    def k_ceilings(self) -> dict[str, int]:
+        """The K ceiling in force per prompt type, where the loop set one (below the kMax it
+        judged against; the live state drops one a lower kMax has overtaken)."""
+        return {t: c.in_force for t, c in sorted(self.ceilings.items()) if c.in_force is not None}
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"keys": {k: s.to_status() for k, s in sorted(self.keys.items())}}

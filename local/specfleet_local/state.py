@@ -128,7 +128,7 @@ class ControlLoop:
                                                                  "clusters": list(self.memory.fallback_clusters()),
                                                                  "deployment": self.memory.whole},
                 "methods": self.memory.chosen_methods(),
-                "kCeilings": self.memory.k_ceilings(int(self.spec["speculation"]["kMax"])),
+                "kCeilings": self.memory.k_ceilings(),
                 "canary": self.canary.to_status() if self.spec.get("canary") else None,
                 "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
 

@@ -114,7 +114,7 @@ def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> 
     out["fallback"] = {"promptTypes": list(memory.fallback_types()), "clusters": list(memory.fallback_clusters())}
     chosen = memory.chosen_methods()  # a merge patch: a type no longer chosen for is dropped by None
     out["methods"] = {**{t: None for t in prev.get("methods") or {} if t not in chosen}, **chosen} or None
-    ceilings = memory.k_ceilings(specs.with_defaults(dict(body.get("spec") or {}))["speculation"]["kMax"])
+    ceilings = memory.k_ceilings()
     out["kCeilings"] = {**{t: None for t in prev.get("kCeilings") or {} if t not in ceilings}, **ceilings} or None
     for key in ("fallbackSince", "notInSpec"):
         if key not in out and prev.get(key):

@@ -172,16 +172,16 @@ def test_the_loop_sets_ceilings_at_its_judgements_and_the_live_state_and_status_
                       methods={"stable": by_type})
     policy = SloPolicy(window_s=WINDOW_S)
     t = loop.tick(obs, loop.Memory(), policy, now=100.0, tuning=KTuning.from_spec(spec))
-    assert t.memory.k_ceilings(6) == {"chat": 2}
+    assert t.memory.k_ceilings() == {"chat": 2}
     assert [r for r, _ in t.events if r == CHANGED] == [CHANGED]
     back = loop.Memory.from_status(t.memory.to_status())
-    assert back.k_ceilings(6) == {"chat": 2} and back.ceilings["code"].acceptance is None
+    assert back.k_ceilings() == {"chat": 2} and back.ceilings["code"].acceptance is None
     state = live_state(spec, fleet_state(back, canary.CanaryState(), spec))
     assert state.k_ceilings == {"chat": 2}
     # between two judgements nothing is re-judged; off, the ceilings go
     assert loop.tick(obs, back, policy, now=130.0, tuning=KTuning.from_spec(spec)).memory.ceilings == back.ceilings
     off = {**spec, "speculation": {**spec["speculation"], "kTuning": {"enabled": False}}}
-    assert loop.tick(obs, back, policy, now=200.0, tuning=KTuning.from_spec(off)).memory.k_ceilings(6) == {}
+    assert loop.tick(obs, back, policy, now=200.0, tuning=KTuning.from_spec(off)).memory.k_ceilings() == {}
 
 
 def test_the_doctests():
