@@ -5,7 +5,9 @@
 For SmolLM2-135M (fp32 and int8 targets, as served): the target's one-token decoding step (the
 verify forward of a chain of K costs about as much on a CPU) against one draft step of a head with
 each draft vocabulary size (one decoder layer, its paged KV cache, the reduced LM head, the
-scatter back to the target's ids). The head's weights are random: cost does not depend on them.
+scatter back to the target's ids), as served (`EagleHead.serving_layout`: its layer through the
+fused step), and the shipped size also as trained ("unfused": layer by layer, nn.Linear weights).
+The head's weights are random: cost does not depend on them.
 All variants run interleaved, rep after rep, so a noisy machine slows them alike; medians.
 A chain of K drafts costs K head steps: what is left of the target's gain is
 tau / (1 + K * head / target).
@@ -15,8 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import torch
 from specfleet_api.enums import SERVED_QUANTIZATIONS, Quantization
@@ -24,6 +24,11 @@ from specfleet_api.enums import SERVED_QUANTIZATIONS, Quantization
 from specfleet_engine.draft_head import EagleHead, HeadConfig
 from specfleet_engine.factory import prepare_model
 from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
+
+from .timing import interleaved_medians
+
+
+SHIPPED_VOCAB = 4096  # the draft vocabulary of the shipped SmolLM2 head
 
 
 def time_target(model, context: int):
@@ -73,20 +78,16 @@ def main(argv=None) -> int:
     for q in SERVED_QUANTIZATIONS:  # none, int8
         model = prepare_model("smollm2", "fp32", q)
         variants[f"target {'fp32' if q == Quantization.NONE else q}"] = time_target(model, a.context)
-    for v in sizes:
+    for v in sizes:  # as served (serving_layout), and the size shipped also in its trained layout
         head = EagleHead(HeadConfig.for_target(model, v), model.args).eval()
-        variants[f"head {v}"] = time_head(model, head, a.context)
-    times = {k: [] for k in variants}
-    for rep in range(a.reps + 2):
-        for k, fn in variants.items():
-            t = time.perf_counter()
-            fn()
-            if rep >= 2:
-                times[k].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) * 1000 for k, v in times.items()}
-    print(f"{'variant':<16} {'ms':>7}  {'/ target fp32':>13}  {'/ target int8':>13}")
+        if v == SHIPPED_VOCAB:
+            variants[f"head {v} unfused"] = time_head(model, head, a.context)
+            head = EagleHead(HeadConfig.for_target(model, v), model.args).eval()
+        variants[f"head {v}"] = time_head(model, head.serving_layout(), a.context)
+    med = interleaved_medians(variants, a.reps)
+    print(f"{'variant':<20} {'ms':>7}  {'/ target fp32':>13}  {'/ target int8':>13}")
     for k, ms in med.items():
-        print(f"{k:<16} {ms:7.2f}  {ms / med['target fp32']:13.3f}  {ms / med['target int8']:13.3f}")
+        print(f"{k:<20} {ms:7.2f}  {ms / med['target fp32']:13.3f}  {ms / med['target int8']:13.3f}")
     if a.out:
         with open(a.out, "w") as f:
             json.dump({"context": a.context, "threads": a.threads, "reps": a.reps, "median_ms": med}, f, indent=1)

@@ -5,7 +5,6 @@ reference; a path the CPU lacks is skipped, saying so. The first run compiles th
 into the cache; later runs load it."""
 
 import platform
-import shutil
 import warnings
 
 import pytest
@@ -24,17 +23,6 @@ ROWS = [1, 2, 3, 5, 8, 16, 17, 64]
 # every row-tile shape of every path: AVX2 1-2 rows whole blocks, 3-6 half blocks, 7+ split in
 # tiles of at most 6 (7 = 4 + 3, 13 = 5 + 4 + 4); AVX-512 and portable tiles of at most 12
 ALL_ROWS = list(range(1, 18)) + [25, 64]
-
-
-@pytest.fixture(scope="module")
-def ops():
-    if cpu_gemm.kernel_disabled():
-        pytest.skip(f"{cpu_gemm.KERNEL_ENV}=torch: the kernel is switched off in this environment")
-    if shutil.which(cpu_gemm._compiler()) is None:
-        pytest.skip(f"no C++ compiler ({cpu_gemm._compiler()}) to build the CPU kernel with")
-    ops = int8_kernel()
-    assert ops is not None, f"a compiler is here but the kernel did not build: {cpu_gemm._KernelState.error}"
-    return ops
 
 
 def cpu_flags() -> set[str]:
@@ -66,14 +54,6 @@ def isa(request, ops):
         pytest.skip(f"this CPU lacks {name} ({' + '.join(sorted(ISA_FLAGS[name]))} not in /proc/cpuinfo)")
     assert name in cpu_gemm.available_isas(), f"the CPU has {name} but the kernel does not offer it"
     return name
-
-
-@pytest.fixture
-def restore_isa(ops):
-    """Puts back the path the ops ran before the test (whatever SPECFLEET_CPU_ISA the test left)."""
-    before = cpu_gemm.active_isa()
-    yield
-    cpu_gemm._KernelState.isa = ops.set_isa(before)
 
 
 _layers = {}
@@ -342,7 +322,7 @@ def test_paths_chosen_at_run_time_not_by_march(ops, tmp_path):
     import subprocess
 
     so = tmp_path / "generic.so"
-    cmd = [("-march=x86-64" if a == "-march=native" else a) for a in cpu_gemm._build_command(cpu_gemm._SOURCE, so)]
+    cmd = [("-march=x86-64" if a == "-march=native" else a) for a in cpu_gemm._build_command(cpu_gemm._SOURCES, so)]
     cmd.insert(1, "-DSF_NS=specfleet_int8_generic")  # its ops beside the native library's
     r = subprocess.run(cmd, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]

@@ -30,7 +30,8 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from .model import Block, ModelArgs, RMSNorm, Transformer, dense_block, linear, plan_attention, rms_norm, rope_cache
+from .model import (Block, FusedStack, ModelArgs, RMSNorm, Transformer, dense_block, fused_stack, interleave_blocks,
+                    linear, plan_attention, rms_norm, rope_cache)
 from .quant import dense_weight
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "head.safetensors"
@@ -191,9 +192,23 @@ class EagleHead(DraftVocabHead):
         cos, sin = rope_cache(args, args.max_position_embeddings)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.rope_cis: Tensor | None = None  # set by `serving_layout`
+        self.stack: FusedStack | None = None  # likewise
 
     def draft_vocab_weight(self) -> Tensor:
-        return self.output.weight
+        return self.norm.weight  # a weight every layout keeps as a plain tensor
+
+    def serving_layout(self) -> EagleHead:
+        """The target's CPU serving layout for this head, in place (drafting only: training reads
+        nn.Linear weights): interleaved RoPE, fp32 linears packed for the CPU kernel, and its
+        decoder layer run by the fused step (`fuse_layers`), where each can be had."""
+        from .quant import pack_linears
+        if self.device.type != "cpu" or self.dtype != torch.float32 or self.rope_cis is not None:
+            return self
+        self.rope_cis = interleave_blocks([self.layer], self.args, self.rope_cos, self.rope_sin)
+        if pack_linears(self):
+            self.stack = fused_stack([self.layer], self.args, self.rope_cis, self.device, self.dtype)
+        return self
 
     def init_from(self, target: Transformer, draft_vocab: Tensor) -> EagleHead:
         """A starting point that already drafts something: the target's LM-head rows of the draft
@@ -215,7 +230,7 @@ class EagleHead(DraftVocabHead):
 
     def fused(self, feats: Tensor) -> Tensor:
         """The target's layers' features [T, n * dim] -> the head's feature input [T, dim]."""
-        return linear(self.fuse, feats.to(self.fuse.weight.dtype))
+        return linear(self.fuse, feats.to(self.dtype))
 
     def _input(self, emb: Tensor, feature: Tensor) -> Tensor:
         a = self.args
@@ -232,11 +247,18 @@ class EagleHead(DraftVocabHead):
         """emb: the next tokens' embeddings [T, dim]; feature: the feature each row reads [T, dim]
         (`fused` target features, or the head's own hidden state). Returns the draft-vocabulary
         logits of `rows` (all without) [R, Vd] and the hidden state of every row [T, dim]."""
-        plan = plan_attention(meta, self.args, self.rope_cos.device, kv_caches[0][0].shape[1])
-        meta = plan.meta
-        cos = self.rope_cos.index_select(0, meta.positions).to(feature.dtype)
-        sin = self.rope_sin.index_select(0, meta.positions).to(feature.dtype)
-        hidden = self.layer(self._input(emb, feature), cos, sin, meta, plan, kv_caches[0])
+        x = self._input(emb, feature)
+        if self.stack is not None and self.stack.takes(meta, kv_caches):
+            hidden = self.stack(x, meta, kv_caches, ())[0]
+        else:
+            plan = plan_attention(meta, self.args, self.rope_cos.device, kv_caches[0][0].shape[1])
+            meta = plan.meta
+            if self.rope_cis is not None:
+                cos, sin = self.rope_cis.index_select(0, meta.positions), None
+            else:
+                cos = self.rope_cos.index_select(0, meta.positions).to(feature.dtype)
+                sin = self.rope_sin.index_select(0, meta.positions).to(feature.dtype)
+            hidden = self.layer(x, cos, sin, meta, plan, kv_caches[0])
         picked = hidden if rows is None else hidden.index_select(0, rows.to(hidden.device, non_blocking=True))
         return self.logits(picked), hidden
 
@@ -247,6 +269,8 @@ class EagleHead(DraftVocabHead):
         `queries` rows (all without) attend under a bool mask [Q, P + N] (True: may attend).
         Returns the queries' hidden states [Q, dim] (`logits` scores them) and the keys and values
         so far (see model.dense_block)."""
+        if self.rope_cis is not None:
+            raise RuntimeError("this head is in its serving layout (serving_layout): load it again to train it")
         cos = self.rope_cos.index_select(0, positions).to(feature.dtype)
         sin = self.rope_sin.index_select(0, positions).to(feature.dtype)
         return dense_block(self.layer, self._input(emb, feature), cos, sin, mask, past, queries)

@@ -9,7 +9,7 @@ from specfleet_api.enums import (
 )
 
 from .loader import load_model, load_tokenizer
-from .model import interleave_rope, transpose_linears
+from .model import fuse_layers, interleave_rope, transpose_linears
 from .proposers import default_proposers, proposer_class
 from .quant import pack_linears, quantize_int8
 
@@ -38,7 +38,9 @@ def prepare_model(name: str, dtype: str = "fp32", quantization: str = "none", fp
         quantize_int8(model)
     elif fp32 and device == Device.CPU and not (fp32_kernel and pack_linears(model)):  # our few-row kernel, or
         transpose_linears(model)  # the layout in which MKL's fp32 GEMM is fastest with few rows
-    return model.to(device)  # loaded on the CPU (a no-op there)
+    model = model.to(device)  # loaded on the CPU (a no-op there)
+    fuse_layers(model)  # a few-row step's layers in one call, where the CPU kernel serves them all
+    return model
 
 
 def build_engine_parts(model_name: str, dtype: str = "fp32", quantization: str = "none",
@@ -88,7 +90,7 @@ def eagle_proposer(path: str, model):
 
     from .draft_head import load_head
 
-    head = load_head(bundled_model(path) or path, model).to(model.device)
+    head = load_head(bundled_model(path) or path, model).to(model.device).serving_layout()
     return proposer_class(Method.EAGLE)(head, model)
 
 

@@ -8,6 +8,7 @@ returns logits only for the rows asked for. Nothing from HF transformers is on t
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -241,20 +242,25 @@ def interleave_rope(model: Transformer) -> Transformer:
     Attention only ever takes q . k, which a permutation applied to both leaves unchanged; v, the
     outputs and the logits are untouched. Keys are cached in the new layout. Call it on
     nn.Linear weights, before `transpose_linears`."""
-    a = model.args
-    hd, half = a.head_dim, a.head_dim // 2
+    model.rope_cis = interleave_blocks(model.layers, model.args, model.rope_cos, model.rope_sin)
+    return model
+
+
+def interleave_blocks(blocks, args: ModelArgs, rope_cos: Tensor, rope_sin: Tensor) -> Tensor:
+    """`interleave_rope` for any stack of `Block`s (a model's, a draft head's): reorders their
+    q and k rows in place and returns the complex RoPE table [L, hd / 2] they now take."""
+    hd, half = args.head_dim, args.head_dim // 2
     pairs = torch.stack([torch.arange(half), torch.arange(half) + half], dim=1).reshape(-1)
-    qk = a.n_heads + a.n_kv_heads
-    rows = torch.cat([h * hd + pairs for h in range(qk)] + [torch.arange(qk * hd, (qk + a.n_kv_heads) * hd)])
-    for layer in model.layers:
+    qk = args.n_heads + args.n_kv_heads
+    rows = torch.cat([h * hd + pairs for h in range(qk)] + [torch.arange(qk * hd, (qk + args.n_kv_heads) * hd)])
+    for layer in blocks:
         wqkv = layer.attention.wqkv
         if not isinstance(wqkv, nn.Linear):
             raise TypeError("interleave_rope needs nn.Linear weights: call it before transposing or quantizing")
         wqkv.weight.data = wqkv.weight.data[rows].contiguous()
         if wqkv.bias is not None:
             wqkv.bias.data = wqkv.bias.data[rows].contiguous()
-    model.rope_cis = torch.complex(model.rope_cos[:, :half].float(), model.rope_sin[:, :half].float())
-    return model
+    return torch.complex(rope_cos[:, :half].float(), rope_sin[:, :half].float())
 
 
 def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -618,6 +624,111 @@ def dense_block(block: Block, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor,
     return linear(ff.w2, F.silu(gate) * up, h), (k, v)
 
 
+FUSED_ENV = "SPECFLEET_FUSED_STEP"  # "0": every forward runs layer by layer from Python
+_EMPTY = torch.empty(0)  # "no scales" / "no bias" in the fused step's weight list
+
+
+class FusedStack:
+    """A few-row forward's decoder layers in one call of the CPU kernel library
+    (`specfleet_int8::decoder_step`, kernels/csrc/decoder_step.cpp): the same math as
+    `Block.forward` (interleaved RoPE, the paged cache, causal or tree attention), without Python
+    between the layers. It holds references to the model's weight tensors, not copies.
+
+    `Transformer.forward` hands it a forward when `takes` says so: every sequence with fewer
+    than PREFILL_ROWS new rows, fp32 caches. Build it with `fuse_layers`."""
+
+    def __init__(self, blocks, args: ModelArgs, rope_cis: Tensor, op):
+        """blocks: the `Block`s (a model's layers, a draft head's one), their linears on the CPU
+        kernel; rope_cis: their interleaved RoPE table (`interleave_blocks`)."""
+        a = args
+        self.op = op
+        self.weights: list[Tensor] = []
+        for layer in blocks:
+            att, ff = layer.attention, layer.feed_forward
+            for name, lin in (("wqkv", att.wqkv), ("wo", att.wo), ("w13", ff.w13), ("w2", ff.w2)):
+                packed, scales, bias = _fusable(lin)
+                if name != "wqkv" and bias is not None:
+                    raise ValueError(f"{name} has a bias: the fused step takes one only on wqkv")
+                if name in ("wqkv", "w13"):  # each follows its norm
+                    norm = layer.attention_norm if name == "wqkv" else layer.ffn_norm
+                    self.weights.append(norm.weight.detach())
+                self.weights += [packed, _EMPTY if scales is None else scales]
+                if name == "wqkv":
+                    self.weights.append(_EMPTY if bias is None else bias.detach())
+        self.dims = [a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size]
+        self.eps = blocks[0].attention_norm.eps
+        self.scale = blocks[0].attention.scale
+        self.rope_cos = rope_cis.real.contiguous()
+        self.rope_sin = rope_cis.imag.contiguous()
+
+    @staticmethod
+    def takes(meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]) -> bool:
+        cu = meta.cu_seqlens
+        return (all(cu[b + 1] - cu[b] < PREFILL_ROWS for b in range(meta.num_seqs))
+                and kv_caches[0][0].dtype == torch.float32 and meta.slot_mapping.device.type == "cpu")
+
+    def __call__(self, x: Tensor, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]],
+                 features: tuple[int, ...]) -> tuple[Tensor, Tensor]:
+        """x [T, D] (the embedded tokens) -> (x after the last layer, the `features` layers'
+        outputs [T, len(features) * D])."""
+        cu, rows, gathered, masks, at_slot, at_mask = meta.cu_seqlens, [], [], [], 0, 0
+        for b in range(meta.num_seqs):
+            S = meta.context_slots[b].shape[0]
+            start = meta.context_starts[b] if meta.context_starts else None
+            slots_at = 0
+            if start is None:
+                gathered.append(meta.context_slots[b])
+                start, slots_at, at_slot = -1, at_slot, at_slot + S
+            mask, mask_at = meta.masks[b], -1
+            if mask is not None:
+                masks.append(mask.reshape(-1))
+                mask_at, at_mask = at_mask, at_mask + mask.numel()
+            rows.append((cu[b], cu[b + 1], S, start, slots_at, mask_at))
+        ctx = torch.cat(gathered) if gathered else _NO_SLOTS
+        mask_flat = torch.cat(masks) if masks else _NO_MASK
+        return self.op(x, self.weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.positions,
+                       meta.slot_mapping, self.rope_cos, self.rope_sin, torch.tensor(rows, dtype=torch.long), ctx,
+                       mask_flat, self.dims, self.eps, self.scale, list(features))
+
+
+_NO_SLOTS = torch.empty(0, dtype=torch.long)
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
+
+def _fusable(lin: nn.Module) -> tuple[Tensor, Tensor | None, Tensor | None]:
+    """(packed weight, scales or None, bias or None) of a layer the fused step reads: a
+    PackedLinear, or an Int8WeightOnlyLinear on the kernel; ValueError for anything else."""
+    from .quant import Int8WeightOnlyLinear, PackedLinear
+    if isinstance(lin, PackedLinear):
+        return lin.weight_packed, None, lin.bias
+    if isinstance(lin, Int8WeightOnlyLinear) and lin.use_kernel and lin.scales.dtype == torch.float32:
+        return lin.weight_packed, lin.scales, lin.bias
+    raise ValueError(f"{type(lin).__name__} is not on the CPU kernel")
+
+
+def fuse_layers(model: Transformer) -> bool:
+    """Gives `model` a FusedStack where its few-row forwards can take one (sets `model.fused`):
+    on the CPU, fp32, interleaved RoPE, no sliding window, every linear on the CPU kernel
+    (PackedLinear or int8), the kernel library built, SPECFLEET_FUSED_STEP not "0". Returns
+    whether it did; where not, forwards run layer by layer, as before."""
+    model.fused = fused_stack(model.layers, model.args, model.rope_cis, model.device, model.dtype)
+    return model.fused is not None
+
+
+def fused_stack(blocks, args: ModelArgs, rope_cis: Tensor | None, device: torch.device,
+                dtype: torch.dtype) -> FusedStack | None:
+    """A FusedStack over `blocks` where the fused step can run them (see `fuse_layers`), else None."""
+    from .kernels.cpu_gemm import _KernelState, int8_kernel
+    if os.environ.get(FUSED_ENV, "").strip() == "0" or device.type != "cpu" or dtype != torch.float32:
+        return None
+    if rope_cis is None or args.sliding_window is not None or int8_kernel() is None:
+        return None
+    try:
+        return FusedStack(blocks, args, rope_cis, _KernelState.decoder_step)
+    except ValueError:
+        return None
+
+
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -632,6 +743,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.rope_cis: Tensor | None = None  # set by `interleave_rope`
+        self.fused: FusedStack | None = None  # set by `fuse_layers`
 
     @property
     def dtype(self) -> torch.dtype:
@@ -654,6 +766,12 @@ class Transformer(nn.Module):
         # the residual stream after each of those layers at every input row, concatenated:
         # [T, len(features) * dim], what an EAGLE head reads (logits_indices does not select them)
         device = self.norm.weight.device
+        if self.fused is not None and self.fused.takes(meta, kv_caches):
+            x, feats = self.fused(self.tok_embeddings(tokens), meta, kv_caches, features)
+            if logits_indices is not None:
+                x = x.index_select(0, logits_indices)
+            logits = linear(self.output, rms_norm(x, self.norm.weight, self.norm.eps))
+            return logits if not features else (logits, feats)
         plan = plan_attention(meta, self.args, device, kv_caches[0][0].shape[1] if kv_caches else None)
         meta = plan.meta
         if tokens.device != device:

@@ -1,8 +1,10 @@
-"""Our few-row CPU GEMM (csrc/int8_linear.cpp): how it is built, cached and loaded, which of its
-paths runs, and the weight layout it reads.
+"""Our CPU kernel library (csrc/): how it is built, cached and loaded, which of its paths runs,
+and the weight layout it reads.
 
-One kernel library holds two ops, `linear` (int8 weights, per-channel scales) and `linear_f32`
-(fp32 weights): fp32 accumulation, every weight byte read once for all the rows of a decoding or
+It holds the few-row GEMM (csrc/int8_linear.cpp) as two ops, `linear` (int8 weights, per-channel
+scales) and `linear_f32` (fp32 weights), and `decoder_step` (csrc/decoder_step.cpp), a few-row
+step's whole stack of decoder layers in one call over that GEMM (model.py's `FusedStack`).
+The GEMM: fp32 accumulation, every weight byte read once for all the rows of a decoding or
 verification step (M = 1..K+1), so verifying a draft costs about what decoding one token does.
 It is compiled on first use with -O3 -march=native into a per-CPU cache; where that cannot be
 done (no compiler, or SPECFLEET_INT8_KERNEL=torch) `int8_kernel()` returns None, warns once, and
@@ -36,7 +38,9 @@ BLOCK = 32  # output channels per packed block; must match NB in csrc/int8_linea
 KERNEL_ENV = "SPECFLEET_INT8_KERNEL"  # "torch": never build or use the kernel
 ISA_ENV = "SPECFLEET_CPU_ISA"  # the best path the ops may run: a cap on what the CPU has
 ISAS = ("avx512", "avx2", "portable")  # the kernel's paths, best first (kIsaNames in the C++)
-_SOURCE = Path(__file__).with_name("csrc") / "int8_linear.cpp"
+_CSRC = Path(__file__).with_name("csrc")
+_SOURCES = (_CSRC / "int8_linear.cpp", _CSRC / "decoder_step.cpp")  # one library
+_HEADERS = (_CSRC / "cpu_gemm.h",)
 
 
 def pack_int8_weight(q: Tensor) -> Tensor:
@@ -65,6 +69,7 @@ class _KernelState:
     ops = None  # torch.ops.specfleet_int8 once loaded
     linear = None  # its linear op, the cheapest callable form of it
     linear_f32 = None  # the same for fp32 weights
+    decoder_step = None  # the fused stack of decoder layers (csrc/decoder_step.cpp)
     isa: str | None = None  # the path linear and linear_f32 run
     error: str | None = None
     warned = False
@@ -95,14 +100,14 @@ def _compiler() -> str:
     return os.environ.get("CXX") or "c++"
 
 
-def _build_command(source: Path, out: Path) -> list[str]:
+def _build_command(sources: tuple[Path, ...], out: Path) -> list[str]:
     from torch.utils import cpp_extension
 
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     cmd = [_compiler(), "-O3", "-march=native", "-fopenmp", "-std=c++17", "-fPIC", "-shared",
            "-DNDEBUG", f"-D_GLIBCXX_USE_CXX11_ABI={abi}", "-w"]
     cmd += [f"-I{p}" for p in cpp_extension.include_paths()]
-    cmd += [str(source), "-o", str(out)]
+    cmd += [str(s) for s in sources] + ["-o", str(out)]
     for p in cpp_extension.library_paths():
         cmd += [f"-L{p}", f"-Wl,-rpath,{p}"]
     return cmd + ["-lc10", "-ltorch_cpu"]
@@ -123,9 +128,10 @@ def _cache_dir() -> Path:
 
 def kernel_library_path(cache_dir: Path | None = None) -> Path:
     """Where this source, built for this CPU, torch and these flags, lives in the cache."""
-    source = _SOURCE.read_bytes()
+    source = b"".join(p.read_bytes() for p in _SOURCES + _HEADERS)
+    command = _build_command(tuple(Path(p.name) for p in _SOURCES), Path("out.so"))
     h = hashlib.sha256()
-    for part in (source, " ".join(_build_command(Path("src.cpp"), Path("out.so"))).encode(),
+    for part in (source, " ".join(command).encode(),
                  _cpu_signature().encode(), torch.__version__.encode(), sys.platform.encode()):
         h.update(part)
         h.update(b"\0")
@@ -142,13 +148,14 @@ def _build(so: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released if we die, unlike a lock file's existence
         if so.exists():  # another process built it while we waited
             return
-        print(f"specfleet: compiling the int8 CPU kernel (once per CPU and torch version, ~15 s) into {so.parent}",
+        print(f"specfleet: compiling the CPU kernels (once per CPU and torch version, ~30 s) into {so.parent}",
               file=sys.stderr, flush=True)
         tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp.so")
         try:
-            r = subprocess.run(_build_command(_SOURCE, tmp), capture_output=True, text=True)
+            r = subprocess.run(_build_command(_SOURCES, tmp), capture_output=True, text=True)
             if r.returncode != 0:
-                raise RuntimeError(f"compiling {_SOURCE.name} failed:\n{(r.stderr or r.stdout)[-3000:]}")
+                names = " and ".join(p.name for p in _SOURCES)
+                raise RuntimeError(f"compiling {names} failed:\n{(r.stderr or r.stdout)[-3000:]}")
             os.replace(tmp, so)  # atomic: a reader sees no library or a whole one
         finally:
             tmp.unlink(missing_ok=True)
@@ -208,6 +215,8 @@ def int8_kernel():
                     _KernelState.linear = getattr(overload, "_op", overload)  # skips a Python wrapper
                     overload = ops.linear_f32.default
                     _KernelState.linear_f32 = getattr(overload, "_op", overload)
+                    overload = ops.decoder_step.default
+                    _KernelState.decoder_step = getattr(overload, "_op", overload)
                     _KernelState.isa = ops.set_isa(cap)
                     _KernelState.ops = ops
                 except Exception as e:  # noqa: BLE001 - any failure means: use torch's op

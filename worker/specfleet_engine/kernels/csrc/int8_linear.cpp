@@ -37,6 +37,8 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include "cpu_gemm.h"
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -112,28 +114,15 @@
 #define SF_TARGET_AVX2 __attribute__((target("avx2,fma")))
 #endif
 
+namespace specfleet {
 namespace {
 
 constexpr int64_t NB = 32;  // output channels per block
-
-// The paths, worst to best; kIsaNames[isa] is what the ops and SPECFLEET_CPU_ISA call them.
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kNumIsas = 3 };
-constexpr const char* kIsaNames[kNumIsas] = {"portable", "avx2", "avx512"};
 
 // Rows per register tile, at most: AVX-512 2 * MT accumulators + 2 weight vectors of 32
 // registers; AVX2 2 * MT (half blocks) of 16; the portable loops keep their tile in L1.
 constexpr int max_tile_rows(Isa isa) { return isa == kAvx2 ? 6 : 12; }
 
-struct Args {
-  const float* x;      // [M, K], row stride ldx
-  int64_t ldx;
-  const void* w;       // packed: int8_t or float
-  const float* scale;  // [N] or nullptr (float weights: no scale)
-  const float* bias;   // [N] or nullptr
-  float* y;            // [M, N], row stride ldy
-  int64_t ldy;
-  int64_t M, N, K;
-};
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: plain loops the compiler vectorizes (-O3 -march=native).
@@ -441,6 +430,37 @@ TileFn tile_for(int mt, Isa isa) {
   }
 }
 
+}  // namespace
+
+void gemm(const Args& a, bool int8, Isa isa) {
+  if (a.M == 0 || a.N == 0 || a.K == 0) return;  // callers handle empty shapes
+  // Row tiles of near-equal size, at most max_tile_rows each (AVX-512: 16 -> 8 + 8, 13 -> 7 + 6).
+  const int64_t M = a.M, K = a.K;
+  const int64_t max_mt = max_tile_rows(isa);
+  const int64_t n_mtiles = (M + max_mt - 1) / max_mt;
+  const int64_t mt_small = M / n_mtiles, n_big = M % n_mtiles;  // n_big tiles get one more row
+  const int64_t nblk = (a.N + NB - 1) / NB;
+  // Enough work per task to be worth a thread: ~32 KiB of weights at one row.
+  const int64_t bytes_per_blk = K * NB * (int8 ? 1 : 4);
+  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, bytes_per_blk) / std::max<int64_t>(1, M / 4 + 1));
+  const TileFn f_big = int8 ? tile_for<int8_t>(static_cast<int>(mt_small + 1), isa)
+                            : tile_for<float>(static_cast<int>(mt_small + 1), isa);
+  const TileFn f_small = int8 ? tile_for<int8_t>(static_cast<int>(mt_small), isa)
+                              : tile_for<float>(static_cast<int>(mt_small), isa);
+  at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      int64_t m0 = 0;
+      for (int64_t t = 0; t < n_mtiles; ++t) {
+        const bool big = t < n_big;
+        (big ? f_big : f_small)(a, m0, b);
+        m0 += big ? mt_small + 1 : mt_small;
+      }
+    }
+  });
+}
+
+namespace {
+
 // x: [..., K] of any floating dtype (computed in fp32; y comes back in x's dtype). Packed weight
 // [N_pad/32, K, 32] int8 (then scales [N], any floating dtype) or fp32 (then no scales, N given).
 at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w_, const at::Tensor* scales_, int64_t N,
@@ -486,29 +506,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w_, const at::T
   }
   Args a{x.data_ptr<float>(), x.stride(0), w.data_ptr(), int8 ? scales.data_ptr<float>() : nullptr,
          bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>(), N, M, N, K};
-
-  // Row tiles of near-equal size, at most max_tile_rows each (AVX-512: 16 -> 8 + 8, 13 -> 7 + 6).
-  const int64_t max_mt = max_tile_rows(isa);
-  const int64_t n_mtiles = (M + max_mt - 1) / max_mt;
-  const int64_t mt_small = M / n_mtiles, n_big = M % n_mtiles;  // n_big tiles get one more row
-  const int64_t nblk = w.size(0);
-  // Enough work per task to be worth a thread: ~32 KiB of weights at one row.
-  const int64_t bytes_per_blk = K * NB * static_cast<int64_t>(w.element_size());
-  const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, bytes_per_blk) / std::max<int64_t>(1, M / 4 + 1));
-  const TileFn f_big = int8 ? tile_for<int8_t>(static_cast<int>(mt_small + 1), isa)
-                            : tile_for<float>(static_cast<int>(mt_small + 1), isa);
-  const TileFn f_small = int8 ? tile_for<int8_t>(static_cast<int>(mt_small), isa)
-                              : tile_for<float>(static_cast<int>(mt_small), isa);
-  at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
-      int64_t m0 = 0;
-      for (int64_t t = 0; t < n_mtiles; ++t) {
-        const bool big = t < n_big;
-        (big ? f_big : f_small)(a, m0, b);
-        m0 += big ? mt_small + 1 : mt_small;
-      }
-    }
-  });
+  gemm(a, int8, isa);
   return finish(y);
 }
 
@@ -519,7 +517,12 @@ Isa runnable(const std::string& name) {
   return isa;
 }
 
+}  // namespace
+
 Isa active_path() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
+
+namespace {
+
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                   const std::optional<at::Tensor>& bias) {
@@ -560,6 +563,9 @@ std::string set_isa(std::string cap) {
 }
 
 }  // namespace
+}  // namespace specfleet
+
+using namespace specfleet;
 
 TORCH_LIBRARY(SF_NS, m) {
   m.def("linear(Tensor x, Tensor w, Tensor scales, Tensor? bias) -> Tensor", &linear);
