@@ -78,7 +78,9 @@ def both_paths(model, prompts, new, trees=None, features=()):
 
 
 def assert_same(a, b, tol=2e-4):
-    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
+    """Close to within float32 rounding: the paths sum in different orders (absolute error scaled
+    to the largest value, which grows along the residual stream)."""
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol * max(1.0, float(b.abs().max()) / 10))
 
 
 CASES = {

@@ -71,8 +71,60 @@ inline float dot(const float* a, const float* b, int64_t n) {
     for (int j = 0; j < kLanes; ++j) acc[j] += a[i + j] * b[i + j];
   float s = 0.f;
   for (; i < n; ++i) s += a[i] * b[i];
-  for (int j = 0; j < kLanes; ++j) s += acc[j];
-  return s;
+  for (int w = kLanes / 2; w > 0; w /= 2)  // a tree of vector adds, not kLanes dependent ones
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return s + acc[0];
+}
+
+// max and sum over kLanes independent partials (a serial reduction does not vectorize)
+inline float max_of(const float* x, int64_t n) {
+  float acc[kLanes];
+  std::fill(acc, acc + kLanes, -std::numeric_limits<float>::infinity());
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] = std::max(acc[j], x[i + j]);
+  float m = -std::numeric_limits<float>::infinity();
+  for (; i < n; ++i) m = std::max(m, x[i]);
+  for (int j = 0; j < kLanes; ++j) m = std::max(m, acc[j]);
+  return m;
+}
+
+inline float sum_of(const float* x, int64_t n) {
+  float acc[kLanes] = {};
+  int64_t i = 0;
+  for (; i + kLanes <= n; i += kLanes)
+    for (int j = 0; j < kLanes; ++j) acc[j] += x[i + j];
+  float s = 0.f;
+  for (; i < n; ++i) s += x[i];
+  for (int w = kLanes / 2; w > 0; w /= 2)
+    for (int j = 0; j < w; ++j) acc[j] += acc[j + w];
+  return s + acc[0];
+}
+
+// x[i] = e^x[i] in place, in a loop the compiler vectorizes (std::exp is a scalar call: at a
+// context of 1024 the softmax's exps were most of a step's attention). Cephes' expf: e^x =
+// 2^n e^f with n = round(x / ln 2), |f| <= ln 2 / 2, e^f by a degree-6 polynomial; within 2 ulp
+// of std::exp. Below -87.3 (e^x under FLT_MIN, and -inf) gives 0; above 88.7, e^88.7.
+void exp_inplace(float* x, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float v = std::min(std::max(x[i], -87.3f), 88.7f);
+    const float t = v * 1.44269504088896341f + 12582912.f;  // + 1.5 * 2^23: rounds to an integer
+    int32_t ti;
+    std::memcpy(&ti, &t, sizeof ti);
+    const float fn = t - 12582912.f;
+    const float f = (v - fn * 0.693359375f) + fn * 2.12194440e-4f;  // x - n ln 2 in two parts
+    float y = 1.9875691500e-4f;
+    y = y * f + 1.3981999507e-3f;
+    y = y * f + 8.3334519073e-3f;
+    y = y * f + 4.1665795894e-2f;
+    y = y * f + 1.6666665459e-1f;
+    y = y * f + 5.0000001201e-1f;
+    y = y * f * f + f + 1.f;
+    const int32_t bits = ((ti - 0x4B400000) + 127) << 23;  // 2^n (ti's low bits hold n + 2^22 * 3)
+    float scale;
+    std::memcpy(&scale, &bits, sizeof scale);
+    x[i] = x[i] < -87.3f ? 0.f : y * scale;
+  }
 }
 
 void rms_norm_rows(const float* x, const float* w, float* y, int64_t T, int64_t D, float eps) {
@@ -111,43 +163,59 @@ struct Seq {
   int64_t lo, hi, S, start, slots_at, mask_at;
 };
 
-// Query head h of sequence `sq`: each of its rows attends over the context (softmax(q.k * scale) v).
-void attend_head(const Seq& sq, int64_t h, int64_t group, int64_t H, int64_t hd, int64_t ld_qkv, const float* qkv,
-                 const float* kc, const float* vc, int64_t nslots, const int64_t* ctx_slots, const bool* masks,
-                 float scale, float* out, std::vector<float>& p) {
-  const int64_t g = h / group, n = sq.hi - sq.lo, S = sq.S;
+// KV head g of sequence `sq` for its `group` query heads at once: every row of each reads a
+// context row's key and value once (they are shared: grouped-query attention), computes
+// softmax(q.k * scale) v. Rows r = i * group + j: the sequence's row i, query head g * group + j.
+void attend_group(const Seq& sq, int64_t g, int64_t group, int64_t H, int64_t hd, int64_t ld_qkv, const float* qkv,
+                  const float* kc, const float* vc, int64_t nslots, const int64_t* ctx_slots, const bool* masks,
+                  float scale, float* out, std::vector<float>& p) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  const int64_t n = sq.hi - sq.lo, S = sq.S, R = n * group;
   const float* kh = kc + g * nslots * hd;
   const float* vh = vc + g * nslots * hd;
   const int64_t* slots = sq.start < 0 ? ctx_slots + sq.slots_at : nullptr;
-  p.resize(S);
-  for (int64_t i = 0; i < n; ++i) {
-    const float* q = qkv + (sq.lo + i) * ld_qkv + h * hd;
-    const bool* allow = sq.mask_at >= 0 ? masks + sq.mask_at + i * S : nullptr;
-    const int64_t last = allow ? S - 1 : S - n + i;  // causal: the context up to this row
-    float mx = -std::numeric_limits<float>::infinity();
-    for (int64_t s = 0; s <= last; ++s) {
-      if (allow && !allow[s]) {
-        p[s] = -std::numeric_limits<float>::infinity();
-        continue;
-      }
-      const int64_t slot = slots ? slots[s] : sq.start + s;
-      p[s] = dot(q, kh + slot * hd, hd) * scale;
-      mx = std::max(mx, p[s]);
+  const bool* mask = sq.mask_at >= 0 ? masks + sq.mask_at : nullptr;
+  p.resize(R * S);
+  // per row: its query, its output, its row in the sequence (no division in the loops below)
+  constexpr int64_t kMaxRows = 256;
+  TORCH_CHECK(R <= kMaxRows, "decoder_step: ", R, " query rows share a KV head, at most ", kMaxRows);
+  const float* q[kMaxRows];
+  float* o[kMaxRows];
+  int64_t last[kMaxRows];  // causal: the last context index row r sees
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t i = r / group, h = g * group + r % group;
+    q[r] = qkv + (sq.lo + i) * ld_qkv + h * hd;
+    o[r] = out + (sq.lo + i) * H * hd + h * hd;
+    last[r] = mask ? S - 1 : S - n + i;
+    std::fill(o[r], o[r] + hd, 0.f);
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const float* k = kh + (slots ? slots[s] : sq.start + s) * hd;
+    const bool* ms = mask ? mask + s : nullptr;  // mask[i * S + s]
+    for (int64_t r = 0; r < R; ++r) {
+      const bool ok = ms ? ms[(r / group) * S] : s <= last[r];
+      p[r * S + s] = ok ? dot(q[r], k, hd) * scale : kNegInf;
     }
-    float* o = out + (sq.lo + i) * H * hd + h * hd;
-    std::fill(o, o + hd, 0.f);
-    if (mx == -std::numeric_limits<float>::infinity()) continue;  // nothing to attend to (a mask's row)
-    float sum = 0.f;
-    for (int64_t s = 0; s <= last; ++s) {
-      p[s] = std::exp(p[s] - mx);  // exp(-inf) = 0 for masked slots
-      sum += p[s];
+  }
+  for (int64_t r = 0; r < R; ++r) {  // softmax of each row
+    float* pr = p.data() + r * S;
+    const float mx = max_of(pr, S);
+    if (mx == kNegInf) {  // nothing to attend to (a mask's row): zeros
+      std::fill(pr, pr + S, 0.f);
+      continue;
     }
-    const float inv = 1.f / sum;
-    for (int64_t s = 0; s <= last; ++s) {
-      if (p[s] == 0.f) continue;
-      const float w = p[s] * inv;
-      const float* v = vh + (slots ? slots[s] : sq.start + s) * hd;
-      for (int64_t d = 0; d < hd; ++d) o[d] += w * v[d];
+    for (int64_t s = 0; s < S; ++s) pr[s] -= mx;
+    exp_inplace(pr, S);  // 0 where masked (-inf)
+    const float inv = 1.f / sum_of(pr, S);
+    for (int64_t s = 0; s < S; ++s) pr[s] *= inv;
+  }
+  for (int64_t s = 0; s < S; ++s) {
+    const float* v = vh + (slots ? slots[s] : sq.start + s) * hd;
+    for (int64_t r = 0; r < R; ++r) {
+      const float w = p[r * S + s];
+      if (w == 0.f) continue;
+      float* orow = o[r];
+      for (int64_t d = 0; d < hd; ++d) orow[d] += w * v[d];
     }
   }
 }
@@ -287,8 +355,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_step(const at::Tensor& x_in, at::Tens
   const float eps = static_cast<float>(eps_d), scale = static_cast<float>(scale_d);
   const bool* masks = masks_t.data_ptr<bool>();
   const Isa isa = active_path();
-  // attention tasks (sequence, query head): one thread takes them all when they are small
-  const int64_t tasks = B * H;
+  // attention tasks (sequence, KV head): one thread takes them all when they are small
+  const int64_t tasks = B * Hkv;
   const int64_t attn_grain = work * hd * H < (1 << 16) ? tasks : 1;
 
   for (int64_t l = 0; l < L; ++l) {
@@ -306,7 +374,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_step(const at::Tensor& x_in, at::Tens
     at::parallel_for(0, tasks, attn_grain, [&](int64_t t0, int64_t t1) {
       std::vector<float> p;
       for (int64_t task = t0; task < t1; ++task)
-        attend_head(seqs[task / H], task % H, group, H, hd, Nqkv, qkv, kc, vc, nslots, ctx_slots, masks, scale, att, p);
+        attend_group(seqs[task / Hkv], task % Hkv, group, H, hd, Nqkv, qkv, kc, vc, nslots, ctx_slots, masks, scale,
+                     att, p);
     });
     gemm(Args{att, HD, w.wo, w.wo_s, nullptr, tmp, D, T, D, HD}, w.int8, isa);
     add_rows(xp, tmp, T * D);
@@ -315,7 +384,9 @@ std::tuple<at::Tensor, at::Tensor> decoder_step(const at::Tensor& x_in, at::Tens
     for (int64_t t = 0; t < T; ++t) {
       const float* g = gu + t * 2 * I;
       float* a = act + t * I;
-      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + std::exp(-g[i])) * g[I + i];
+      for (int64_t i = 0; i < I; ++i) a[i] = -g[i];
+      exp_inplace(a, I);
+      for (int64_t i = 0; i < I; ++i) a[i] = g[i] / (1.f + a[i]) * g[I + i];  // silu(gate) * up
     }
     gemm(Args{act, I, w.w2, w.w2_s, nullptr, tmp, D, T, D, I}, w.int8, isa);
     add_rows(xp, tmp, T * D);
