@@ -22,6 +22,7 @@ SHAPES = {
     "gqa": dict(),  # 4 heads over 2 KV heads of 16
     "odd": dict(dim=48, n_heads=4, n_kv_heads=1, head_dim=12, intermediate_size=100),  # no multiple of 16 or 32
     "qwen2": dict(attention_bias=True, architecture="qwen2", n_kv_heads=4),  # a QKV bias
+    "wide": dict(dim=96, n_heads=6, n_kv_heads=2, head_dim=48),  # heads of three 16-float vectors
 }
 
 
@@ -87,6 +88,8 @@ CASES = {
     "decode": ([[5, 6, 7, 8, 9, 10, 11]], [[12]], None),
     "chain": ([[5, 6, 7, 8, 9, 10, 11, 12, 13]], [[14, 15, 16, 17, 18]], None),
     "tree": ([[5, 6, 7, 8, 9, 10, 11]], [[12, 13, 14, 15, 16, 17]], [[-1, 0, 0, 1, 1, 2]]),
+    # contexts over several 16-row blocks of the attention loops, each ending mid-block
+    "long": ([list(range(1, 41)), list(range(3, 51))], [[60], [61, 62, 63]], None),
     # three sequences of different lengths: a decode, a chain and a tree in one forward
     "batch": ([[1, 2, 3], [4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14], [20, 21, 22, 23, 24, 25]],
               [[30], [31, 32, 33, 34], [35, 36, 37, 38]], [None, None, [-1, 0, 0, 2]]),

@@ -64,6 +64,41 @@ struct LayerW {
   bool int8;
 };
 
+// 16 floats as one vector (GCC's and clang's vector extension): one zmm on AVX-512, two ymm on
+// AVX2, whatever the build's -march allows.
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+static_assert(kLanes == 16, "v16f holds kLanes floats");
+
+inline v16f load16(const float* p) {
+  v16f v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+#if defined(__clang__)
+#define SF_SHUFFLE2(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
+#else
+#define SF_SHUFFLE2(a, b, ...) __builtin_shuffle(a, b, v16i{__VA_ARGS__})
+#endif
+
+// The sums of 16 vectors' lanes, as one vector (lane j: the sum of v[j]'s lanes): four rounds of
+// pairing, each adding two shuffles of a pair of vectors: 15 adds and 30 shuffles where 16
+// horizontal sums take 64 of each.
+inline v16f sum_lanes16(v16f (&v)[16]) {
+  for (int j = 0; j < 8; ++j)
+    v[j] = SF_SHUFFLE2(v[j], v[j + 8], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+           SF_SHUFFLE2(v[j], v[j + 8], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+  for (int j = 0; j < 4; ++j)
+    v[j] = SF_SHUFFLE2(v[j], v[j + 4], 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27) +
+           SF_SHUFFLE2(v[j], v[j + 4], 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int j = 0; j < 2; ++j)
+    v[j] = SF_SHUFFLE2(v[j], v[j + 2], 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29) +
+           SF_SHUFFLE2(v[j], v[j + 2], 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30, 31);
+  return SF_SHUFFLE2(v[0], v[1], 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30) +
+         SF_SHUFFLE2(v[0], v[1], 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13, 29, 15, 31);
+}
+
 inline float dot(const float* a, const float* b, int64_t n) {
   float acc[kLanes] = {};
   int64_t i = 0;
@@ -189,12 +224,31 @@ void attend_group(const Seq& sq, int64_t g, int64_t group, int64_t H, int64_t hd
     last[r] = mask ? S - 1 : S - n + i;
     std::fill(o[r], o[r] + hd, 0.f);
   }
-  for (int64_t s = 0; s < S; ++s) {
-    const float* k = kh + (slots ? slots[s] : sq.start + s) * hd;
-    const bool* ms = mask ? mask + s : nullptr;  // mask[i * S + s]
+  // q.k for kLanes context rows at a time: each row's products summed lane by lane, then the
+  // kLanes x kLanes partial sums reduced column-wise, which vectorizes (a dot product's own
+  // horizontal sum, row by row, cost most of the attention)
+  const int64_t hd_vec = hd / kLanes * kLanes;
+  for (int64_t s0 = 0; s0 < S; s0 += kLanes) {
+    const int64_t nb = std::min<int64_t>(kLanes, S - s0);
+    const float* kr[kLanes];  // the block's key rows (the last block repeats its last row)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const int64_t sj = s0 + std::min(j, nb - 1);
+      kr[j] = kh + (slots ? slots[sj] : sq.start + sj) * hd;
+    }
     for (int64_t r = 0; r < R; ++r) {
-      const bool ok = ms ? ms[(r / group) * S] : s <= last[r];
-      p[r * S + s] = ok ? dot(q[r], k, hd) * scale : kNegInf;
+      const float* qr = q[r];
+      v16f acc[kLanes];
+      for (int j = 0; j < kLanes; ++j) acc[j] = v16f{};
+      for (int64_t d = 0; d < hd_vec; d += kLanes) {
+        const v16f qv = load16(qr + d);
+        for (int j = 0; j < kLanes; ++j) acc[j] += qv * load16(kr[j] + d);
+      }
+      for (int64_t d = hd_vec; d < hd; ++d)  // a head size not a multiple of 16
+        for (int j = 0; j < kLanes; ++j) acc[j][0] += qr[d] * kr[j][d];
+      const v16f sc = sum_lanes16(acc) * scale;
+      float* pr = p.data() + r * S + s0;
+      const bool* mr = mask ? mask + (r / group) * S + s0 : nullptr;
+      for (int64_t j = 0; j < nb; ++j) pr[j] = (mr ? mr[j] : s0 + j <= last[r]) ? sc[j] : kNegInf;
     }
   }
   for (int64_t r = 0; r < R; ++r) {  // softmax of each row
@@ -208,6 +262,22 @@ void attend_group(const Seq& sq, int64_t g, int64_t group, int64_t H, int64_t hd
     exp_inplace(pr, S);  // 0 where masked (-inf)
     const float inv = 1.f / sum_of(pr, S);
     for (int64_t s = 0; s < S; ++s) pr[s] *= inv;
+  }
+  if (hd % kLanes == 0 && hd <= kLanes * kLanes) {  // each row's output in registers, over the context
+    const int64_t nv = hd / kLanes;
+    for (int64_t r = 0; r < R; ++r) {
+      const float* pr = p.data() + r * S;
+      v16f acc[kLanes];
+      for (int64_t c = 0; c < nv; ++c) acc[c] = v16f{};
+      for (int64_t s = 0; s < S; ++s) {
+        const float w = pr[s];
+        if (w == 0.f) continue;
+        const float* v = vh + (slots ? slots[s] : sq.start + s) * hd;
+        for (int64_t c = 0; c < nv; ++c) acc[c] += w * load16(v + c * kLanes);
+      }
+      for (int64_t c = 0; c < nv; ++c) std::memcpy(o[r] + c * kLanes, &acc[c], sizeof(v16f));
+    }
+    return;
   }
   for (int64_t s = 0; s < S; ++s) {
     const float* v = vh + (slots ? slots[s] : sq.start + s) * hd;
