@@ -55,7 +55,7 @@ def prefilled(model, prompts: list[list[int]], interleave: bool = True):
     return cache, tables
 
 
-def both_paths(model, prompts, new, trees=None, features=()):
+def both_paths(model, prompts, new, trees=None, features=(), rows=None):
     """The same forward of `new` tokens after `prompts`, fused and layer by layer, on copies of one
     cache: (fused logits, reference logits, fused cache, reference cache[, features of each])."""
     cache, tables = prefilled(model, prompts)
@@ -71,8 +71,8 @@ def both_paths(model, prompts, new, trees=None, features=()):
         saved, model.fused = model.fused, fused
         try:
             with torch.inference_mode():
-                out.append(model(tokens, meta, c.layers, features=features) if features else
-                           model(tokens, meta, c.layers))
+                out.append(model(tokens, meta, c.layers, rows, features=features) if features else
+                           model(tokens, meta, c.layers, rows))
         finally:
             model.fused = saved
     return out, cache, ref_cache
@@ -123,6 +123,19 @@ def test_fused_step_returns_the_features_an_eagle_head_reads(ops):
     assert_same(fused[1], ref[1])
     (fused, ref), _, _ = both_paths(model, prompts, new, trees, features=(1,))
     assert_same(fused[1], ref[1])
+
+
+@pytest.mark.parametrize("weights", ["fp32", "int8"])
+def test_the_lm_head_in_the_call_scores_the_rows_asked_for(ops, weights):
+    model = fused_model(weights=weights)
+    assert model.fused.lm_head, "the packed LM head was not taken into the fused step"
+    prompts, new, trees = CASES["batch"]
+    rows = torch.tensor([7, 0, 3, 3])  # any order, repeats
+    (fused, ref), _, _ = both_paths(model, prompts, new, trees, rows=rows)
+    assert fused.shape == (4, model.args.vocab_size)
+    assert_same(fused, ref)
+    with pytest.raises(RuntimeError, match="logits row 99 of 9"):
+        both_paths(model, prompts, new, trees, rows=torch.tensor([99]))
 
 
 def test_every_cpu_path_gives_the_same_step(ops, restore_isa):

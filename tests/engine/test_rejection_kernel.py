@@ -126,6 +126,18 @@ def test_plain_rows_are_plain_decoding():
     assert got.next_token[1] == sample_from(probs[1:2], torch.Generator().manual_seed(5))[0]
 
 
+def test_greedy_argmax_is_what_the_reference_returns_for_plain_greedy_rows():
+    """The engine's shortcut for plain greedy decoding (no drafts, every sequence greedy) returns
+    rejection_sample_ref's answer, field for field."""
+    logits = torch.randn(4, V, generator=torch.Generator().manual_seed(1))
+    logits[2, 7] = logits[2, 9] = logits[2].max() + 1  # a tie: the first index, as argmax takes it
+    batch = make_batch([([-1], [-1], [False])] * 4, [True] * 4)
+    ref = rk.rejection_sample_ref(logits, None, batch, [None] * 4)
+    got = rk.greedy_argmax(logits, [0, 1, 2, 3, 4])
+    for field in ("num_accepted", "path", "next_token", "bonus"):
+        assert torch.equal(getattr(got, field), getattr(ref, field)), field
+
+
 # Sampling: vocabulary SV; the target is a fixed function of the context (up to 3 tokens after the prompt)
 SV = 6
 TREE = [-1, 0, 0, 0, 1, 1, 2, 4]  # root; 3 children of the root; 2 under row 1; 1 under row 2; row 7 at depth 3

@@ -23,7 +23,7 @@ from torch import Tensor
 
 from .costs import StepCostModel
 from .k_policies import KPolicy, make_policy
-from .kernels.rejection import TreeVerifyBatch, rejection_sample
+from .kernels.rejection import TreeVerifyBatch, greedy_argmax, rejection_sample
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
 from .model import Transformer
 from .proposers import Capabilities, Proposal, Proposer, TreeShape, default_proposers
@@ -517,6 +517,8 @@ class Engine:
     def _verify(self, seqs: list[Sequence], proposals: list[Proposal], row_parents: list[list[int]], logits: Tensor,
                 cu: list[int]):
         """Greedy or multi-draft rejection sampling over the whole batch (kernels/rejection.py)."""
+        if not any(p.draft_tokens for p in proposals) and all(s.params.greedy for s in seqs):
+            return greedy_argmax(logits, cu)  # plain greedy decoding: nothing to verify
         target, draft, tokens, parents, has_q = [], [], [], [], []
         any_q = any(p.draft_probs is not None for p in proposals)
         for b, (seq, prop) in enumerate(zip(seqs, proposals)):

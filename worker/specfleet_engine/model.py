@@ -637,9 +637,12 @@ class FusedStack:
     `Transformer.forward` hands it a forward when `takes` says so: every sequence with fewer
     than PREFILL_ROWS new rows, fp32 caches. Build it with `fuse_layers`."""
 
-    def __init__(self, blocks, args: ModelArgs, rope_cis: Tensor, op):
+    def __init__(self, blocks, args: ModelArgs, rope_cis: Tensor, op, norm: RMSNorm | None = None,
+                 output: nn.Module | None = None):
         """blocks: the `Block`s (a model's layers, a draft head's one), their linears on the CPU
-        kernel; rope_cis: their interleaved RoPE table (`interleave_blocks`)."""
+        kernel; rope_cis: their interleaved RoPE table (`interleave_blocks`); norm and output:
+        the final norm and LM head, taken into the call where the output layer is on the kernel
+        too (then it returns logits, see `lm_head`)."""
         a = args
         self.op = op
         self.weights: list[Tensor] = []
@@ -660,6 +663,16 @@ class FusedStack:
         self.scale = blocks[0].attention.scale
         self.rope_cos = rope_cis.real.contiguous()
         self.rope_sin = rope_cis.imag.contiguous()
+        self.lm_head: list[Tensor] = []  # [final norm, packed weight, scales or _EMPTY]: logits from the call
+        self.vocab = 0
+        if norm is not None and output is not None:
+            try:
+                packed, scales, bias = _fusable(output)
+            except ValueError:
+                packed = None
+            if packed is not None and bias is None:
+                self.lm_head = [norm.weight.detach(), packed, _EMPTY if scales is None else scales]
+                self.vocab = output.out_features
 
     @staticmethod
     def takes(meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]]) -> bool:
@@ -668,9 +681,9 @@ class FusedStack:
                 and kv_caches[0][0].dtype == torch.float32 and meta.slot_mapping.device.type == "cpu")
 
     def __call__(self, x: Tensor, meta: AttentionMetadata, kv_caches: list[tuple[Tensor, Tensor]],
-                 features: tuple[int, ...]) -> tuple[Tensor, Tensor]:
-        """x [T, D] (the embedded tokens) -> (x after the last layer, the `features` layers'
-        outputs [T, len(features) * D])."""
+                 features: tuple[int, ...], logit_rows: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """x [T, D] (the embedded tokens) -> (x after the last layer, or with `lm_head` the logits
+        of `logit_rows` (all without), the `features` layers' outputs [T, len(features) * D])."""
         cu, rows, gathered, masks, at_slot, at_mask = meta.cu_seqlens, [], [], [], 0, 0
         for b in range(meta.num_seqs):
             S = meta.context_slots[b].shape[0]
@@ -688,7 +701,8 @@ class FusedStack:
         mask_flat = torch.cat(masks) if masks else _NO_MASK
         return self.op(x, self.weights, [k for k, _ in kv_caches], [v for _, v in kv_caches], meta.positions,
                        meta.slot_mapping, self.rope_cos, self.rope_sin, torch.tensor(rows, dtype=torch.long), ctx,
-                       mask_flat, self.dims, self.eps, self.scale, list(features))
+                       mask_flat, self.dims, self.eps, self.scale, list(features), self.lm_head, self.vocab,
+                       _NO_SLOTS if logit_rows is None else logit_rows)
 
 
 _NO_SLOTS = torch.empty(0, dtype=torch.long)
@@ -711,12 +725,13 @@ def fuse_layers(model: Transformer) -> bool:
     on the CPU, fp32, interleaved RoPE, no sliding window, every linear on the CPU kernel
     (PackedLinear or int8), the kernel library built, SPECFLEET_FUSED_STEP not "0". Returns
     whether it did; where not, forwards run layer by layer, as before."""
-    model.fused = fused_stack(model.layers, model.args, model.rope_cis, model.device, model.dtype)
+    model.fused = fused_stack(model.layers, model.args, model.rope_cis, model.device, model.dtype, model.norm,
+                              model.output)
     return model.fused is not None
 
 
-def fused_stack(blocks, args: ModelArgs, rope_cis: Tensor | None, device: torch.device,
-                dtype: torch.dtype) -> FusedStack | None:
+def fused_stack(blocks, args: ModelArgs, rope_cis: Tensor | None, device: torch.device, dtype: torch.dtype,
+                norm: RMSNorm | None = None, output: nn.Module | None = None) -> FusedStack | None:
     """A FusedStack over `blocks` where the fused step can run them (see `fuse_layers`), else None."""
     from .kernels.cpu_gemm import _KernelState, int8_kernel
     if os.environ.get(FUSED_ENV, "").strip() == "0" or device.type != "cpu" or dtype != torch.float32:
@@ -724,7 +739,7 @@ def fused_stack(blocks, args: ModelArgs, rope_cis: Tensor | None, device: torch.
     if rope_cis is None or args.sliding_window is not None or int8_kernel() is None:
         return None
     try:
-        return FusedStack(blocks, args, rope_cis, _KernelState.decoder_step)
+        return FusedStack(blocks, args, rope_cis, _KernelState.decoder_step, norm, output)
     except ValueError:
         return None
 
@@ -767,11 +782,12 @@ class Transformer(nn.Module):
         # [T, len(features) * dim], what an EAGLE head reads (logits_indices does not select them)
         device = self.norm.weight.device
         if self.fused is not None and self.fused.takes(meta, kv_caches):
-            x, feats = self.fused(self.tok_embeddings(tokens), meta, kv_caches, features)
-            if logits_indices is not None:
-                x = x.index_select(0, logits_indices)
-            logits = linear(self.output, rms_norm(x, self.norm.weight, self.norm.eps))
-            return logits if not features else (logits, feats)
+            out, feats = self.fused(self.tok_embeddings(tokens), meta, kv_caches, features, logits_indices)
+            if not self.fused.lm_head:  # the LM head is not on the kernel: out is x
+                if logits_indices is not None:
+                    out = out.index_select(0, logits_indices)
+                out = linear(self.output, rms_norm(out, self.norm.weight, self.norm.eps))
+            return out if not features else (out, feats)
         plan = plan_attention(meta, self.args, device, kv_caches[0][0].shape[1] if kv_caches else None)
         meta = plan.meta
         if tokens.device != device:

@@ -14,7 +14,9 @@
 //   specfleet_int8::decoder_step(x[T, D], weights (11 a layer, see LayerW), k_caches, v_caches
 //       ([Hkv, slots, hd] each, written), positions[T], slot_mapping[T], rope_cos/sin[P, hd/2],
 //       seqs[B, 6], ctx_slots[*], masks (bool, flat), dims [H, Hkv, hd, I], eps, scale,
-//       feature_layers) -> (x after the last layer [T, D], features [T, len(feature_layers) * D])
+//       feature_layers, lm_head ([] or [final norm [D], packed weight, scales or empty]), vocab,
+//       rows) -> (x after the last layer [T, D], or with lm_head the logits of `rows` (all when
+//       empty) [R, vocab]; features [T, len(feature_layers) * D])
 //
 // seqs row b: first row, end row, context length S (new rows included), first slot when the
 // context is one run of slots (else -1: its S slots are ctx_slots[slots_at...]), slots_at, and
@@ -339,7 +341,8 @@ std::tuple<at::Tensor, at::Tensor> decoder_step(const at::Tensor& x_in, at::Tens
                                                 const at::Tensor& rope_sin, const at::Tensor& seqs_t,
                                                 const at::Tensor& ctx_slots_t, const at::Tensor& masks_t,
                                                 at::IntArrayRef dims, double eps_d, double scale_d,
-                                                at::IntArrayRef feature_layers) {
+                                                at::IntArrayRef feature_layers, at::TensorList lm_head,
+                                                int64_t vocab, const at::Tensor& rows_t) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat && x_in.dim() == 2,
               "decoder_step: x must be an fp32 CPU [T, D]");
   TORCH_CHECK(dims.size() == 4, "decoder_step: dims are [n_heads, n_kv_heads, head_dim, intermediate]");
@@ -466,7 +469,26 @@ std::tuple<at::Tensor, at::Tensor> decoder_step(const at::Tensor& x_in, at::Tens
       for (int64_t t = 0; t < T; ++t) std::memcpy(f + t * ldf, xp + t * D, D * sizeof(float));
     }
   }
-  return {x, feats};
+  if (lm_head.empty()) return {x, feats};
+  // the final norm and the LM head over the rows asked for
+  TORCH_CHECK(lm_head.size() == 3, "decoder_step: lm_head is [final norm, packed weight, scales or empty]");
+  check_long(rows_t, "rows");
+  const bool int8 = lm_head[1].scalar_type() == at::kChar;
+  const float* norm = floats_or_null(lm_head[0], D, "final norm", L);
+  const void* w = packed(lm_head[1], vocab, D, int8, "LM head", L);
+  const float* scales = floats_or_null(lm_head[2], vocab, "LM head scales", L);
+  TORCH_CHECK(norm && int8 == (scales != nullptr), "decoder_step: the LM head needs a norm, and scales iff int8");
+  const int64_t R = rows_t.numel() ? rows_t.numel() : T;
+  const int64_t* rows = rows_t.numel() ? rows_t.data_ptr<int64_t>() : nullptr;
+  at::Tensor hn = at::empty({R, D}, opt);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = rows ? rows[r] : r;
+    TORCH_CHECK(t >= 0 && t < T, "decoder_step: logits row ", t, " of ", T);
+    rms_norm_rows(xp + t * D, norm, hn.data_ptr<float>() + r * D, 1, D, eps);
+  }
+  at::Tensor logits = at::empty({R, vocab}, opt);
+  gemm(Args{hn.data_ptr<float>(), D, w, scales, nullptr, logits.data_ptr<float>(), vocab, R, vocab, D}, int8, isa);
+  return {logits, feats};
 }
 
 }  // namespace
@@ -476,6 +498,7 @@ TORCH_LIBRARY_FRAGMENT(SF_NS, m) {
   m.def(
       "decoder_step(Tensor x, Tensor[] weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor positions, "
       "Tensor slot_mapping, Tensor rope_cos, Tensor rope_sin, Tensor seqs, Tensor ctx_slots, Tensor masks, "
-      "int[] dims, float eps, float scale, int[] feature_layers) -> (Tensor, Tensor)",
+      "int[] dims, float eps, float scale, int[] feature_layers, Tensor[] lm_head, int vocab, Tensor rows) "
+      "-> (Tensor, Tensor)",
       &specfleet::decoder_step);
 }
