@@ -125,6 +125,9 @@ class BlockTable:
 
     def slots(self, start: int = 0, end: int | None = None) -> Tensor:
         end = self.num_tokens if end is None else end
+        first = self.contiguous_start()
+        if first is not None:  # one run of slots: one op, not six (a decoding step asks twice)
+            return torch.arange(first + start, first + end)
         pos = torch.arange(start, end)
         table = torch.tensor(self.blocks, dtype=torch.long)
         return table[pos // self.cache.block_size] * self.cache.block_size + pos % self.cache.block_size
