@@ -27,7 +27,12 @@ SHAPES = {
 
 
 def fused_model(shape: str = "gqa", weights: str = "fp32", seed: int = 3):
-    model = interleave_rope(tiny_model(seed=seed, scale=4.0, **SHAPES[shape]))
+    model = tiny_model(seed=seed, scale=4.0, **SHAPES[shape])
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():  # norms of their own (a mixed-up norm must show)
+        if name.endswith("norm.weight"):
+            p.copy_(0.5 + torch.rand(p.shape, generator=g))
+    model = interleave_rope(model)
     if weights == "int8":
         quantize_int8(model, backend="kernel")
     else:

@@ -653,8 +653,8 @@ class FusedStack:
                 if name != "wqkv" and bias is not None:
                     raise ValueError(f"{name} has a bias: the fused step takes one only on wqkv")
                 if name in ("wqkv", "w13"):  # each follows its norm
-                    norm = layer.attention_norm if name == "wqkv" else layer.ffn_norm
-                    self.weights.append(norm.weight.detach())
+                    before = layer.attention_norm if name == "wqkv" else layer.ffn_norm
+                    self.weights.append(before.weight.detach())
                 self.weights += [packed, _EMPTY if scales is None else scales]
                 if name == "wqkv":
                     self.weights.append(_EMPTY if bias is None else bias.detach())
