@@ -72,6 +72,9 @@
 //   SF_PF_AMD_F32    AVX-512 on an AMD CPU, fp32 weights: 0, the hardware prefetcher alone
 //                    streamed them 8-13% faster (1 and 5 rows, an EPYC with AVX-512, one thread;
 //                    int8 alike either way)
+//   SF_AMD_AVX2_ROWS AVX-512 on an AMD CPU: tiles of at most this many rows run the AVX2 code
+//                    (Zen 4 splits each 512-bit op in two): 1, 5% faster for one row, fp32 and
+//                    int8 alike; from 3 rows AVX-512's larger tiles win (1.5-2x fp32 at 5-8)
 //   SF_HINT          prefetch hint
 //   SF_KU1/SF_KU2    AVX-512: independent accumulator sets for 1- and 2-row tiles (FMA latency)
 //   SF_A2_KU1        AVX2: the same for 1-row tiles (2 sets of 4 accumulators = 8 FMA chains)
@@ -86,6 +89,9 @@
 #endif
 #ifndef SF_PF_AMD_F32
 #define SF_PF_AMD_F32 0
+#endif
+#ifndef SF_AMD_AVX2_ROWS
+#define SF_AMD_AVX2_ROWS 1
 #endif
 #ifndef SF_HINT
 #define SF_HINT _MM_HINT_T0
@@ -417,6 +423,9 @@ using TileFn = void (*)(const Args&, int64_t, int64_t);
 template <int MT, typename W>
 TileFn pick_tile(Isa isa) {
 #if SF_X86
+  if constexpr (MT <= SF_AMD_AVX2_ROWS) {
+    if (isa == kAvx512 && cpu_is_amd()) isa = kAvx2;  // see SF_AMD_AVX2_ROWS
+  }
   if (isa == kAvx512) {
     constexpr int KU = MT == 1 ? SF_KU1 : MT == 2 ? SF_KU2 : 1;
     if (sizeof(W) == 4 && cpu_is_amd()) return &tile_avx512<MT, KU, W, SF_PF_AMD_F32>;
