@@ -92,3 +92,35 @@ def test_int8_keeps_greedy_quality(smollm2):
         a, n = teacher_forced_agreement(int8, ids, out)
         agree, total = agree + a, total + n
     assert agree / total >= 0.9, f"int8 agrees with fp32 on {agree}/{total} greedy tokens"
+
+
+def test_the_fused_step_serves_smollm2_as_the_layers_do(smollm2):
+    """prepare_model gives SmolLM2 the fused decoder step (where the CPU kernel builds), and its
+    decode, chain and tree forwards give the layer-by-layer path's logits (SmolLM2's own norms,
+    tied LM head and GQA shape, beside the tiny models of test_fused_step.py)."""
+    from specfleet_engine.kernels import cpu_gemm
+    from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
+
+    model, tokenizer = smollm2
+    if cpu_gemm.int8_kernel() is None:
+        pytest.skip("the CPU kernel is not available here")
+    assert model.fused is not None and model.fused.lm_head, "prepare_model did not fuse SmolLM2's step"
+    prompt = tokenizer.encode("The capital of France is Paris. The capital of Italy is")
+    for new, tree in (([1], None), ([5, 6, 7, 8], None), ([5, 6, 7, 8], [-1, 0, 0, 1])):
+        out = []
+        for fused in (model.fused, None):
+            cache = PagedKVCache.for_model(model.args, 256, 16)
+            bt = BlockTable(cache)
+            saved, model.fused = model.fused, None
+            with torch.inference_mode():  # the prefill layer by layer, both times
+                tokens, meta, _ = batch_metadata([bt], [prompt])
+                model(tokens, meta, cache.layers)
+            model.fused = fused
+            try:
+                with torch.inference_mode():
+                    tokens, meta, _ = batch_metadata([bt], [new], [tree])
+                    out.append(model(tokens, meta, cache.layers))
+            finally:
+                model.fused = saved
+        torch.testing.assert_close(out[0], out[1], rtol=1e-4, atol=2e-3)
+        assert torch.equal(out[0].argmax(-1), out[1].argmax(-1))
