@@ -73,12 +73,13 @@ def ood_prompt(rng: random.Random) -> str:
     return "Translate Finnish to English: " + rng.choice(FINNISH).format(n=rng.randrange(2, 99))
 
 
-def spec(model: str, window_s: float, dwell_s: float, recover_s: float, probe_share: float) -> dict:
+def spec(model: str, window_s: float, dwell_s: float, recover_s: float, probe_share: float,
+         quantization: str = "none") -> dict:
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": NAME, "namespace": NAMESPACE},
             "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
                      "draft": {"method": "ngram"}, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3},
-                     "quantization": "int8", "replicas": 1,
+                     "quantization": quantization, "replicas": 1,
                      "slo": {"window": f"{int(window_s * 1000)}ms", "minDraftTokens": 50,
                              "fallback": {"probeShare": probe_share, "minDwell": f"{int(dwell_s * 1000)}ms",
                                           "recoverAfter": f"{int(recover_s * 1000)}ms",
@@ -165,7 +166,7 @@ class Episode:
         self.prompts = {t: by_type.get(t, [])[:24] for t in self.kinds}
         assert all(len(p) >= 4 for p in self.prompts.values()), {t: len(p) for t, p in by_type.items()}
         self.policy = SloPolicy.from_spec(spec(args.model, args.window, args.dwell, args.recover_after,
-                                               args.probe_share)["spec"])
+                                               args.probe_share, args.quantization)["spec"])
         self.loop_doc: dict = {}
         self.missing: str | None = None  # what the loop still lacked when a phase reached its limit
 
@@ -265,7 +266,7 @@ class Episode:
     def run(self) -> dict:
         a = self.args
         with tempfile.TemporaryDirectory(prefix="specfleet-collapse-") as tmp, local_fleet(
-                spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share), Path(tmp), loop_period=a.loop_period,
+                spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share, a.quantization), Path(tmp), loop_period=a.loop_period,
                 worker_threads=a.worker_threads, max_batch=a.max_batch, model=a.model, ready_timeout=a.ready_timeout,
                 name="collapse") as doc:
             self.t0 = time.monotonic()
@@ -568,6 +569,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m specfleet_bench.alpha_collapse", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2", help="smollm2 (default) or tiny-random")
+    p.add_argument("--quantization", default="none",
+                   help="the workers' weights: none (fp32, the default) or int8. With the fused decoder step an "
+                        "int8 step is cheap enough that n-gram drafts pay little at a few clients and the "
+                        "policy drafts rarely, so a healthy type's evidence gathers slowly")
     p.add_argument("--type", default="translation", help="the prompt type that collapses (default translation)")
     p.add_argument("--other", default="math", help="the prompt type that stays healthy (default math)")
     p.add_argument("--temperature", type=float, default=1.5, help="the collapsed traffic's temperature (default 1.5)")

@@ -7,9 +7,10 @@
 // paged cache -> attention over each sequence's context (causal, or a tree's mask) -> output GEMM
 // + residual -> RMSNorm -> gate/up GEMM -> SiLU * up -> down GEMM + residual. The GEMMs are the
 // library's few-row kernel (cpu_gemm.h: every weight byte read once for all rows, on the active
-// ISA path); the rest is plain loops the compiler vectorizes. Embedding, final norm and LM head
-// stay with the caller (model.py's `FusedStack`), which also decides when this runs: fp32
-// activations and caches, no sliding window, interleaved RoPE, fewer than 32 rows a sequence.
+// ISA path); the rest is plain loops and 16-float vectors the compiler lowers to the CPU's SIMD.
+// The final norm and LM head come along when the caller hands them over (`lm_head`); the
+// embedding stays with the caller (model.py's `FusedStack`), which also decides when this runs:
+// fp32 activations and caches, no sliding window, interleaved RoPE, fewer than 32 rows a sequence.
 //
 //   specfleet_int8::decoder_step(x[T, D], weights (11 a layer, see LayerW), k_caches, v_caches
 //       ([Hkv, slots, hd] each, written), positions[T], slot_mapping[T], rope_cos/sin[P, hd/2],
