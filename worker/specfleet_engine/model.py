@@ -643,7 +643,6 @@ class FusedStack:
         kernel; rope_cis: their interleaved RoPE table (`interleave_blocks`); norm and output:
         the final norm and LM head, taken into the call where the output layer is on the kernel
         too (then it returns logits, see `lm_head`)."""
-        a = args
         self.op = op
         self.weights: list[Tensor] = []
         for layer in blocks:
@@ -658,7 +657,7 @@ class FusedStack:
                 self.weights += [packed, _EMPTY if scales is None else scales]
                 if name == "wqkv":
                     self.weights.append(_EMPTY if bias is None else bias.detach())
-        self.dims = [a.n_heads, a.n_kv_heads, a.head_dim, a.intermediate_size]
+        self.dims = [args.n_heads, args.n_kv_heads, args.head_dim, args.intermediate_size]
         self.eps = blocks[0].attention_norm.eps
         self.scale = blocks[0].attention.scale
         self.rope_cos = rope_cis.real.contiguous()
