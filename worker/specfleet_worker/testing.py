@@ -54,9 +54,10 @@ class SlowProposer(NgramProposer):
         return super().propose(seqs, ks)
 
 
-def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.01):
+def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.01, seen=None):
     """Polls condition() until it returns something true, and returns that; fails the calling
-    test (pytest.fail) after timeout_s."""
+    test (pytest.fail) after timeout_s. `seen()`, where given, says what was last observed: the
+    failure message carries it."""
     import pytest
 
     deadline = time.monotonic() + timeout_s
@@ -65,7 +66,8 @@ def wait_for(condition, timeout_s: float, what: str, poll_s: float = 0.01):
         if value:
             return value
         if time.monotonic() > deadline:
-            pytest.fail(f"timed out after {timeout_s}s waiting for {what}")
+            last = f"; last seen: {seen()}" if seen is not None else ""
+            pytest.fail(f"timed out after {timeout_s}s waiting for {what}{last}")
         time.sleep(poll_s)
 
 
