@@ -274,6 +274,7 @@ def test_the_optimizer_resumes_exactly_from_its_safetensors(tmp_path):
     (["--train-prompts", "0"], "--train-prompts must be >= 1"),
     (["--unroll", "0"], "--unroll must be >= 1"),
     (["--val-share", "1"], "--val-share must be in [0, 1), got 1.0"),
+    (["--train-share", "0"], "--train-share must be in (0, 1], got 0.0"),
     (["--method", "medusa", "--prompt-weight", "0.5"], "--prompt-weight 0.5: a weight >= 0, for EAGLE heads"),
 ])
 def test_train_draft_refuses_bad_arguments_naming_them(tmp_path, args, message):

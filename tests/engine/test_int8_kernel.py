@@ -5,7 +5,9 @@ reference; a path the CPU lacks is skipped, saying so. The first run compiles th
 into the cache; later runs load it."""
 
 import platform
+import subprocess
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -260,6 +262,35 @@ def test_build_failure_falls_back_with_one_warning(monkeypatch, tmp_path):
         Int8WeightOnlyLinear(nn.Linear(8, 8), backend="kernel")
 
 
+def test_a_build_is_announced_as_a_json_line_in_a_worker_and_plainly_elsewhere(monkeypatch, tmp_path, capsys):
+    import io
+    import json
+    import logging
+
+    from specfleet_worker import logs
+
+    def fake_compiler(cmd, **kw):  # writes the library it was asked for; no 30 s compile
+        Path(cmd[cmd.index("-o") + 1]).write_bytes(b"")
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(cpu_gemm.subprocess, "run", fake_compiler)
+    logger = logging.getLogger("specfleet")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    try:
+        logger.handlers[:] = []
+        cpu_gemm._build(tmp_path / "a" / "lib.so")
+        assert "compiling the CPU kernels" in capsys.readouterr().err
+        buf = io.StringIO()
+        logs.configure(stream=buf)
+        cpu_gemm._build(tmp_path / "b" / "lib.so")
+        assert capsys.readouterr().err == ""
+        [line] = buf.getvalue().splitlines()
+        assert "compiling the CPU kernels" in json.loads(line)["msg"]
+    finally:
+        logger.handlers[:], logger.level, logger.propagate = saved
+    assert (tmp_path / "a" / "lib.so").exists() and (tmp_path / "b" / "lib.so").exists()
+
+
 def test_library_name_tracks_cpu_and_source(monkeypatch):
     path = cpu_gemm.kernel_library_path()
     monkeypatch.setattr(cpu_gemm, "_cpu_signature", lambda: "some other CPU")
@@ -319,7 +350,6 @@ def test_paths_chosen_at_run_time_not_by_march(ops, tmp_path):
     -march=native (compiles the kernel once more, ~40 s)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("x86-64 only: -march=x86-64 is not a target here")
-    import subprocess
 
     so = tmp_path / "generic.so"
     cmd = [("-march=x86-64" if a == "-march=native" else a) for a in cpu_gemm._build_command(cpu_gemm._SOURCES, so)]

@@ -69,6 +69,7 @@ class TrainArgs:
     train_batch: int = 8  # sequences an optimizer step
     prompt_weight: float = 0.0  # EAGLE: of a prompt row's loss against an answer row's (0: answers only)
     val_share: float = 0.02  # of the distilled answers, held out of training: the teacher-forced check
+    train_share: float = 1.0  # of the rest, trained on (less: how the head scales with its data)
     top_k_labels: int = 8
     seed: int = 0
     threads: int = 0
@@ -426,6 +427,22 @@ def validation_split(n: int, share: float, seed: int) -> tuple[list[int], list[i
     return [r for r in range(n) if r not in out], held
 
 
+def training_rows(order: list[int], share: float, seed: int) -> list[int]:
+    """The `share` of the training rows a run learns from: a seeded draw, nested (a smaller share's
+    rows are among a larger one's), so runs at several shares measure how a head scales with data.
+
+    >>> training_rows(list(range(10)), 0.3, 0)
+    [6, 8, 9]
+    >>> set(training_rows(list(range(10)), 0.3, 0)) <= set(training_rows(list(range(10)), 0.6, 0))
+    True
+    """
+    if share >= 1:
+        return order
+    ranked = order[:]
+    random.Random(seed + 1).shuffle(ranked)
+    return sorted(ranked[:max(1, round(len(order) * share))])
+
+
 def common_prefix(seqs: list[list[int]]) -> int:
     """How many leading tokens every sequence shares (a chat template's system prompt and header).
 
@@ -460,6 +477,7 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
     data = load_file(str(feats_path))
     eos = list(getattr(tokenizer, "eos_token_ids", None) or model.args.eos_token_ids)
     order, held = validation_split(len(rows), a.val_share, a.seed)
+    order = training_rows(order, a.train_share, a.seed)
     prompt_from = common_prefix([r["prompt"] for r in rows])
     vocab = draft_vocabulary([rows[r] for r in order], config.draft_vocab_size, model.args.vocab_size, eos)
     config = dataclasses.replace(config, draft_vocab_size=len(vocab))
@@ -653,6 +671,7 @@ def run(a: TrainArgs) -> dict:
         "sampled_share": a.sampled_share, "temperature": a.temperature,
         "epochs": a.epochs, "draft_vocab": len(head.draft_vocab),
         **({"prompt_weight": a.prompt_weight} if a.prompt_weight else {}),
+        **({"train_share": a.train_share} if a.train_share < 1 else {}),
         "held_out": {k: curve[-1][k] for k in ("held_loss", "held_top1") if curve and k in curve[-1]},
         **({"heads": a.heads} if a.method == Method.MEDUSA else {"unroll": a.unroll}),
         "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
@@ -686,7 +705,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name in ("train_prompts", "eval_prompts", "max_prompt_tokens", "max_new_tokens", "batch", "draft_vocab",
                  "unroll", "heads", "train_batch", "top_k_labels", "seed", "threads", "eval_k"):
         p.add_argument("--" + name.replace("_", "-"), type=int, default=getattr(d, name))
-    for name in ("sampled_share", "temperature", "epochs", "lr", "prompt_weight", "val_share"):
+    for name in ("sampled_share", "temperature", "epochs", "lr", "prompt_weight", "val_share", "train_share"):
         p.add_argument("--" + name.replace("_", "-"), type=float, default=getattr(d, name))
     return p
 
@@ -708,6 +727,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if not 0 <= a.val_share < 1:
         print(f"specfleet train-draft: --val-share must be in [0, 1), got {a.val_share}", file=sys.stderr)
+        return 2
+    if not 0 < a.train_share <= 1:
+        print(f"specfleet train-draft: --train-share must be in (0, 1], got {a.train_share}", file=sys.stderr)
         return 2
     if a.prompt_weight < 0 or (a.prompt_weight and a.method != Method.EAGLE):
         print(f"specfleet train-draft: --prompt-weight {a.prompt_weight}: a weight >= 0, for EAGLE heads (Medusa "

@@ -21,6 +21,7 @@ run a named path, for tests and benchmarks.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -138,6 +139,15 @@ def kernel_library_path(cache_dir: Path | None = None) -> Path:
     return (cache_dir or _cache_dir()) / f"specfleet_int8_{h.hexdigest()[:20]}.so"
 
 
+def _announce(msg: str) -> None:
+    """A wait worth saying, where the process says things: through the `specfleet` loggers when it
+    set them up (the worker's JSON lines: a plain line would break them), else on stderr (the CLI)."""
+    if logging.getLogger("specfleet").handlers:
+        logging.getLogger("specfleet.kernels").info(msg)
+    else:
+        print(msg, file=sys.stderr, flush=True)
+
+
 def _build(so: Path) -> None:
     import fcntl  # POSIX only: elsewhere the ImportError becomes the fallback's warning
 
@@ -148,8 +158,7 @@ def _build(so: Path) -> None:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released if we die, unlike a lock file's existence
         if so.exists():  # another process built it while we waited
             return
-        print(f"specfleet: compiling the CPU kernels (once per CPU and torch version, ~30 s) into {so.parent}",
-              file=sys.stderr, flush=True)
+        _announce(f"specfleet: compiling the CPU kernels (once per CPU and torch version, ~30 s) into {so.parent}")
         tmp = so.with_name(f"{so.stem}.{os.getpid()}.tmp.so")
         try:
             r = subprocess.run(_build_command(_SOURCES, tmp), capture_output=True, text=True)
