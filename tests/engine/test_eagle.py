@@ -3,6 +3,7 @@
 test_lossless_greedy.py and test_lossless_sampling.py)."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ import torch
 from specfleet_engine.draft_head import EagleHead, HeadConfig, HeadMismatch, load_head, save_head
 from specfleet_engine.draft_training import (
     OPTIMIZER_FILE, TrainArgs, evaluate, float_embeddings, load_optimizer, load_target, main, read_prompts,
-    save_optimizer, sequence_loss, split_prompts, target_pass, unrolled_rows,
+    save_optimizer, sequence_loss, split_prompts, split_rows, target_pass, unrolled_rows,
 )
 from specfleet_engine.engine import Engine
 from specfleet_engine.kv_cache import BlockTable, PagedKVCache, batch_metadata
@@ -248,6 +249,26 @@ def test_train_draft_resumes_and_refuses_to_mix_runs(trained, capsys):
     assert (out / "work" / "distill.jsonl").read_text() == before
     # what a resume reads is safetensors and JSON: no pickle is written, so none is ever loaded
     assert (out / "work" / OPTIMIZER_FILE).exists() and not list((out / "work").glob("*.pt"))
+
+
+def test_a_share_of_the_data_trains_on_fewer_answers_with_the_same_held_out_set(trained, tmp_path, capsys):
+    argv, out, _ = trained
+    work = tmp_path / "half" / "work"
+    work.mkdir(parents=True)
+    for name in ("distill.jsonl", "features.safetensors", "method"):  # the stages before training, reused
+        shutil.copy(out / "work" / name, work / name)
+    flags = dict(zip(argv[::2], argv[1::2]))
+    flags.update({"--out": str(tmp_path / "half"), "--epochs": "1", "--train-share": "0.5"})
+    capsys.readouterr()
+    assert main([x for kv in flags.items() for x in kv] + ["--resume"]) == 0
+    record = json.loads((tmp_path / "half" / "train-draft.json").read_text())
+    full, half = (split_rows(40, TrainArgs("", "", "", val_share=0.1, train_share=s)) for s in (1.0, 0.5))
+    assert half[1] == full[1] and not set(half[0]) & set(half[1])  # the same held-out answers, never trained on
+    assert set(half[0]) <= set(full[0]) and len(half[0]) == round(len(full[0]) / 2)
+    assert f"[train] {len(half[0])} sequences, {len(half[1])} held out" in capsys.readouterr().out
+    rows = [json.loads(line) for line in (work / "distill.jsonl").read_text().splitlines()]
+    assert record["train_share"] == 0.5
+    assert record["trained_answer_tokens"] == sum(len(rows[r]["output"]) for r in half[0]) < record["answer_tokens"]
 
 
 def test_the_optimizer_resumes_exactly_from_its_safetensors(tmp_path):

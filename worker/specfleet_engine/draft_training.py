@@ -443,6 +443,12 @@ def training_rows(order: list[int], share: float, seed: int) -> list[int]:
     return sorted(ranked[:max(1, round(len(order) * share))])
 
 
+def split_rows(n: int, a: TrainArgs) -> tuple[list[int], list[int]]:
+    """(the rows trained on, the held-out rows) of n distilled answers, as `a` asks."""
+    order, held = validation_split(n, a.val_share, a.seed)
+    return training_rows(order, a.train_share, a.seed), held
+
+
 def common_prefix(seqs: list[list[int]]) -> int:
     """How many leading tokens every sequence shares (a chat template's system prompt and header).
 
@@ -476,8 +482,7 @@ def train(a: TrainArgs, work: Path, model, tokenizer, rows: list[dict], feats_pa
     torch.manual_seed(a.seed)
     data = load_file(str(feats_path))
     eos = list(getattr(tokenizer, "eos_token_ids", None) or model.args.eos_token_ids)
-    order, held = validation_split(len(rows), a.val_share, a.seed)
-    order = training_rows(order, a.train_share, a.seed)
+    order, held = split_rows(len(rows), a)
     prompt_from = common_prefix([r["prompt"] for r in rows])
     vocab = draft_vocabulary([rows[r] for r in order], config.draft_vocab_size, model.args.vocab_size, eos)
     config = dataclasses.replace(config, draft_vocab_size=len(vocab))
@@ -671,7 +676,9 @@ def run(a: TrainArgs) -> dict:
         "sampled_share": a.sampled_share, "temperature": a.temperature,
         "epochs": a.epochs, "draft_vocab": len(head.draft_vocab),
         **({"prompt_weight": a.prompt_weight} if a.prompt_weight else {}),
-        **({"train_share": a.train_share} if a.train_share < 1 else {}),
+        **({"train_share": a.train_share,
+            "trained_answer_tokens": sum(len(rows[r]["output"]) for r in split_rows(len(rows), a)[0])}
+           if a.train_share < 1 else {}),
         "held_out": {k: curve[-1][k] for k in ("held_loss", "held_top1") if curve and k in curve[-1]},
         **({"heads": a.heads} if a.method == Method.MEDUSA else {"unroll": a.unroll}),
         "minutes": {k: round(v / 60, 2) for k, v in timings.items()},
