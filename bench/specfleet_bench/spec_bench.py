@@ -301,6 +301,38 @@ def tree_vs_chain(table: dict, configs: list[tuple[str, str]]) -> dict:
     return out
 
 
+def method_per_type(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
+    """Per precision with two or more configurations: what routing each category to its fastest
+    one (a table chosen with hindsight) would give over the best single configuration, on a
+    workload with each category's tokens. It bounds what choosing the draft method per prompt
+    type can win on this model and machine at this load.
+
+    >>> runs = [Run(c, cat, 0, 100, t, 0, 0, 0, []) for c, cat, t in [
+    ...     ("fp32/none", "a", 1.0), ("fp32/ngram", "a", 2.0), ("fp32/none", "b", 3.0), ("fp32/ngram", "b", 1.0)]]
+    >>> method_per_type(runs, [("fp32", "none"), ("fp32", "ngram")])["fp32"]
+    {'best_single': 'fp32/ngram', 'per_type_over_best_single': 1.5, 'picks': {'a': 'fp32/none', 'b': 'fp32/ngram'}}
+    """
+    out = {}
+    cats = sorted({r.category for r in runs})
+    for prec in dict.fromkeys(p for p, _ in configs if p != "hf"):
+        names = [f"{p}/{m}" for p, m in configs if p == prec]
+        if len(names) < 2:
+            continue
+        per_token = {}  # seconds per token, per (config, category)
+        for n in names:
+            for c in cats:
+                rs = [r for r in runs if r.config == n and r.category == c]
+                per_token[n, c] = sum(r.seconds for r in rs) / max(sum(r.tokens for r in rs), 1)
+        weight = {c: sum(r.tokens for r in runs if r.config == names[0] and r.category == c) for c in cats}
+        single = {n: sum(weight[c] * per_token[n, c] for c in cats) for n in names}
+        best = min(names, key=single.get)
+        picks = {c: min(names, key=lambda n: per_token[n, c]) for c in cats}
+        routed = sum(weight[c] * per_token[picks[c], c] for c in cats)
+        out[prec] = {"best_single": best, "per_type_over_best_single": round(single[best] / max(routed, 1e-12), 3),
+                     "picks": picks}
+    return out
+
+
 def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
     from rich.table import Table
 
@@ -448,13 +480,18 @@ def run_bench(args) -> int:
     for prec, t in trees.items():
         console.print(f"{prec}: trees vs chains {t['speedup_tree_vs_chain']:.3f}x overall (tau {t['tau_chain']:.2f} -> "
                       f"{t['tau_tree']:.2f}); tau higher with trees in {t['categories_tau_up']}/{t['categories']} categories")
+    per_type = method_per_type(runs, configs)
+    for prec, m in per_type.items():
+        moved = ", ".join(f"{c}: {n.split('/', 1)[1]}" for c, n in m["picks"].items() if n != m["best_single"])
+        console.print(f"{prec}: each category on its fastest configuration would be {m['per_type_over_best_single']:.3f}x "
+                      f"the best single one ({m['best_single']}){'; it picks ' + moved if moved else ''}")
     result = {
         "questions": len(questions), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
         "cpu_kernel": cpu_kernel,
         "configs": [f"{p}/{m}" for p, m in configs], "table": table, "quality_agreement_vs_fp32": quality,
         "roofline": roofline, "memory_bandwidth_gb_s": round(bandwidth, 2),
         "spec_equals_plain": {n: len(questions) - mismatches[n] for n in spec_configs},
-        "trees_vs_chains": trees,
+        "trees_vs_chains": trees, "method_per_type": per_type,
         "runs": [r.__dict__ | {"output": None} for r in runs],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
