@@ -40,6 +40,8 @@ class FleetState:
     methods: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
     # the K ceiling the loop set per prompt type, below kMax (specfleet_control.kbounds)
     k_ceilings: dict[str, int] = dataclasses.field(default_factory=dict, hash=False)
+    # the draft method per prompt cluster the loop moved off its type's method
+    cluster_methods: dict[str, str] = dataclasses.field(default_factory=dict, hash=False)
 
 
 def leaves(obj: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], Any]:
@@ -418,4 +420,5 @@ def live_state(spec: dict[str, Any], state: FleetState, version: int = 0, update
                      drift_epoch=state.drift_epoch, explore_share=explore_share(spec, state),
                      candidates=served_methods(spec, "stable", state) if selects else (),
                      pinned=tuple(sorted(pins)) if selects else (),
-                     k_ceilings={t: kc for t, kc in sorted(state.k_ceilings.items()) if kc < k["stable"].k_max})
+                     k_ceilings={t: kc for t, kc in sorted(state.k_ceilings.items()) if kc < k["stable"].k_max},
+                     cluster_routes=dict(sorted(state.cluster_methods.items())) if selects else {})

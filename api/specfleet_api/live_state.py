@@ -90,6 +90,8 @@ class LiveState:
     pinned: tuple[str, ...] = ()  # prompt types routing.byPromptType pins: never explored
     # the stable arm's K ceiling per prompt type, below its kMax (specfleet_control.kbounds)
     k_ceilings: dict[str, int] = field(default_factory=dict)
+    # the stable arm's draft method per prompt cluster the loop moved off its type's method
+    cluster_routes: dict[str, str] = field(default_factory=dict)
 
     def method_for(self, prompt_type: str, arm: str = "stable") -> str:
         """The draft method a request of this prompt type runs with on this arm.
@@ -121,10 +123,17 @@ class LiveState:
         (('ngram', False), ('eagle', False), ('medusa', False))
         >>> s.route("math", draw=98.5)
         ('ngram', False)
+        >>> s = LiveState(routes={"qa": "eagle"}, cluster_routes={"r/3": "ngram"})   # a cluster moved off its type's
+        >>> s.route("qa", cluster="r/3"), s.route("qa", cluster="r/4"), s.route("qa", "canary", "r/3")
+        (('ngram', False), ('eagle', False), ('ngram', False))
         """
         own = self.arms.get(arm)
-        method = own.routes.get(prompt_type, own.default_method) if own is not None \
-            else self.routes.get(prompt_type, self.default_method)
+        if own is not None:
+            method = own.routes.get(prompt_type, own.default_method)
+        elif cluster is not None and cluster in self.cluster_routes and prompt_type not in self.pinned:
+            method = self.cluster_routes[cluster]
+        else:
+            method = self.routes.get(prompt_type, self.default_method)
         explored = None if own is not None else self.explored(prompt_type, method, draw)
         if not self.in_fallback(prompt_type, cluster):
             return explored or method, False
@@ -169,6 +178,9 @@ class LiveState:
                   + list(self.pinned)):
             if t not in PROMPT_TYPES:
                 out.append(f"prompt type {t!r} is not one of {', '.join(PROMPT_TYPES)}")
+        for c, m in self.cluster_routes.items():
+            if m not in METHODS or m == "none":
+                out.append(f"cluster_routes[{c!r}]: {m!r} is not a draft method that speculates")
         for t, k in self.k_ceilings.items():
             if t not in PROMPT_TYPES or not 1 <= k <= K_LIMIT:
                 out.append(f"k_ceilings[{t!r}]: need a prompt type and 1 <= kMax <= {K_LIMIT}, got {k}")
@@ -184,7 +196,7 @@ class LiveState:
         raw["candidates"], raw["pinned"] = list(self.candidates), list(self.pinned)
         for key, default in (("probe_share", 0.0), ("fallback_clusters", []), ("mirror_share", 0.0),
                              ("drift_epoch", ""), ("explore_share", 0.0), ("candidates", []), ("pinned", []),
-                             ("k_ceilings", {})):
+                             ("k_ceilings", {}), ("cluster_routes", {})):
             if raw[key] == default:
                 del raw[key]  # readers that predate the loop's fields see the same document
         raw["k"] = {arm: {"kMin": b.k_min, "kMax": b.k_max} for arm, b in self.k.items()}
@@ -214,7 +226,8 @@ class LiveState:
                         explore_share=float(raw.get("explore_share", 0.0)),
                         candidates=tuple(str(m) for m in raw.get("candidates") or ()),
                         pinned=tuple(str(t) for t in raw.get("pinned") or ()),
-                        k_ceilings={str(t): int(k) for t, k in (raw.get("k_ceilings") or {}).items()})
+                        k_ceilings={str(t): int(k) for t, k in (raw.get("k_ceilings") or {}).items()},
+                        cluster_routes={str(c): str(m) for c, m in (raw.get("cluster_routes") or {}).items()})
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"live state: not a state document ({type(e).__name__}: {e})") from None
         problems = state.problems()

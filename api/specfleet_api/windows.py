@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 
 from .live_state import ARMS, PREFIX, window_key
 
@@ -302,11 +303,40 @@ def cluster_key(namespace: str, name: str, router: str) -> str:
 
 
 @dataclasses.dataclass(frozen=True)
+class ClusterMethod:
+    """One draft method's speculating requests in a prompt cluster, on the stable arm: what the
+    loop compares the methods on per cluster (specfleet_control.methods). Seconds are each
+    request's speculating steps, plain-equivalent and actual (the worker's SpeculationStats)."""
+
+    requests: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    plain_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    speedups: int = 0  # requests with both seconds, whose log speedups are summed below
+    log_speedup_sum: float = 0.0
+    log_speedup_sq: float = 0.0
+
+    def plus_request(self, draft_tokens: int, accepted_tokens: int, plain_s: float, busy_s: float) -> ClusterMethod:
+        """This one with one more request counted.
+
+        >>> ClusterMethod().plus_request(8, 4, 2.0, 1.0).plus_request(4, 1, 1.0, 1.0).speedups
+        2
+        """
+        log = math.log(plain_s / busy_s) if plain_s > 0 and busy_s > 0 else None
+        return ClusterMethod(self.requests + 1, self.draft_tokens + draft_tokens, self.accepted_tokens + accepted_tokens,
+                             self.plain_seconds + plain_s, self.busy_seconds + busy_s,
+                             self.speedups + (log is not None), self.log_speedup_sum + (log or 0.0),
+                             self.log_speedup_sq + (log or 0.0) ** 2)
+
+
+@dataclasses.dataclass(frozen=True)
 class ClusterWindow:
     """What one prompt cluster's requests did over a router's last window. Cluster ids are the
     router's own (`<router>/<n>`: each router learns its clusters online), so a reader never sums
     two routers' clusters; the loop decides per cluster, the router routes its own. Counts come
-    from the speculation statistics on each response's last message."""
+    from the speculation statistics on each response's last message; `methods` splits the stable
+    arm's speculating requests by draft method."""
 
     prompt_type: str
     requests: int = 0
@@ -314,6 +344,7 @@ class ClusterWindow:
     draft_tokens: int = 0
     accepted_tokens: int = 0
     seconds: float = 0.0
+    methods: dict[str, ClusterMethod] = dataclasses.field(default_factory=dict)
 
     @property
     def alpha(self) -> float | None:
@@ -331,9 +362,13 @@ class ClusterWindow:
         """
         try:
             raw = json.loads(text)
+            methods = {str(m): ClusterMethod(**{f.name: (int if f.type == "int" else float)(c.get(f.name, 0))
+                                                for f in dataclasses.fields(ClusterMethod)})
+                       for m, c in (raw.get("methods") or {}).items()}
             return cls(prompt_type=str(raw["prompt_type"]), requests=int(raw.get("requests", 0)),
                        spec_requests=int(raw.get("spec_requests", 0)), draft_tokens=int(raw.get("draft_tokens", 0)),
-                       accepted_tokens=int(raw.get("accepted_tokens", 0)), seconds=float(raw.get("seconds", 0.0)))
+                       accepted_tokens=int(raw.get("accepted_tokens", 0)), seconds=float(raw.get("seconds", 0.0)),
+                       methods=methods)
         except (ValueError, TypeError, KeyError, AttributeError) as e:
             raise ValueError(f"not a cluster window ({type(e).__name__}: {e})") from None
 

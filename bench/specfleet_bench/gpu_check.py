@@ -1,4 +1,4 @@
-"""The GPU check: one run of under 5 minutes that needs torch, triton and this repository only (no
+"""The GPU check: one run of under 7 minutes that needs torch, triton and this repository only (no
 network, random weights, no file larger than a few MB), printing a table per part and writing JSON.
 
     bench/gpu_check.sh                                     # on a CUDA machine: docs/bench/gpu-check.json
@@ -10,7 +10,8 @@ torch reference, and SDPA with a dense bool mask over K/V gathered from the page
 with the kernel's achieved bandwidth (prefix K/V bytes / time) against the device's measured copy
 bandwidth; (c) the rejection-sampling kernel against its reference, when kernels/rejection.py is
 there; (d) speculative decoding smoke runs: a random SmolLM2-shaped model in fp32 (n-gram output must
-equal plain greedy output) and a 1B-class model in bf16, tokens/s of each. --cpu-smoke runs every part
+equal plain greedy output, with CUDA graphs the output without) and a 1B-class model in bf16, tokens/s
+of each, with the decode step's CUDA graphs off and on. --cpu-smoke runs every part
 but (a) at tiny shapes on the CPU, the kernels under TRITON_INTERPRET=1, so the script cannot rot.
 A part that fails records its error and the rest still run.
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import os
@@ -267,13 +269,22 @@ def decode_part(cfg: dict, device) -> dict:
 
     log(f"\n(d) speculative decoding smoke runs, greedy, n-gram k={cfg['k']}, "
         f"{cfg['max_tokens']} new tokens, prompt: {cfg['prompt_period']} tokens x {cfg['prompt_repeats']}")
-    log(f"{'model':>22} {'dtype':>8} {'seqs':>4} | {'plain tok/s':>11} {'ngram tok/s':>11} {'speedup':>7} "
-        f"{'accepted':>11} {'equal':>5}")
+    log(f"{'model':>22} {'dtype':>8} {'seqs':>4} {'graphs':>6} | {'plain tok/s':>11} {'ngram tok/s':>11} "
+        f"{'speedup':>7} {'accepted':>11} {'equal':>5}")
+    from specfleet_engine.graphs import GRAPHS_ENV
+    from specfleet_engine.kernels.tree_attention import KERNELS_ENV
+
     out = []
-    for name, arch, dtype_name, must_equal in cfg["models"]:
+    for (name, arch, dtype_name, must_equal), graphed in itertools.product(cfg["models"], (False, True)):
         model = random_model(arch, getattr(torch, dtype_name), device)
+        # graphs: captured on CUDA; in the smoke, the same padded step run eagerly, through the
+        # interpreted Triton attention it needs (graphs.py)
+        os.environ[GRAPHS_ENV] = ("eager" if device.type != "cuda" else "") if graphed else "0"
+        if graphed and device.type != "cuda":
+            os.environ[KERNELS_ENV] = "triton"
         engine = Engine(model, proposers={"ngram": NgramProposer()}, max_kv_tokens=16384, block_size=16,
                         k_policy="fixed")
+        os.environ.pop(GRAPHS_ENV)
         g = torch.Generator().manual_seed(1)
         prompts = [torch.randint(3, min(arch["vocab_size"], 1000), (cfg["prompt_period"],), generator=g).tolist()
                    * cfg["prompt_repeats"] for _ in range(cfg["batch_seqs"])]
@@ -294,19 +305,30 @@ def decode_part(cfg: dict, device) -> dict:
                                "accepted": sum(s.stats.num_accepted_tokens for s in seqs),
                                "drafted": sum(s.stats.num_draft_tokens for s in seqs)}
             equal = res["ngram"]["outputs"] == res["none"]["outputs"]
-            row = {"model": name, "dtype": dtype_name, "seqs": n_seqs, "equal": equal, "must_equal": must_equal,
-                   "plain_tok_s": res["none"]["tok_s"], "ngram_tok_s": res["ngram"]["tok_s"],
-                   "accepted": res["ngram"]["accepted"], "drafted": res["ngram"]["drafted"]}
+            ungraphed = next((r for r in out if (r["model"], r["seqs"], r["graphs"]) == (name, n_seqs, False)), None)
+            if ungraphed is not None:  # with graphs, the same tokens as without
+                equal = equal and res["none"]["outputs"] == ungraphed.pop("outputs")
+            row = {"model": name, "dtype": dtype_name, "seqs": n_seqs, "graphs": graphed, "equal": equal,
+                   "must_equal": must_equal, "plain_tok_s": res["none"]["tok_s"], "ngram_tok_s": res["ngram"]["tok_s"],
+                   "accepted": res["ngram"]["accepted"], "drafted": res["ngram"]["drafted"],
+                   "outputs": None if graphed else res["none"]["outputs"],
+                   "graph_stats": dict(engine.graphs.stats) if engine.graphs is not None else None}
+            if row["outputs"] is None:
+                del row["outputs"]
             row["anatomy"] = step_anatomy(engine, prompts[:n_seqs], cfg, device, weight_bytes)
             out.append(row)
             rate = row["accepted"] / max(1, row["drafted"])
-            log(f"{name:>22} {dtype_name:>8} {n_seqs:>4} | {row['plain_tok_s']:>11.1f} {row['ngram_tok_s']:>11.1f} "
+            log(f"{name:>22} {dtype_name:>8} {n_seqs:>4} {'on' if graphed else 'off':>6} | "
+                f"{row['plain_tok_s']:>11.1f} {row['ngram_tok_s']:>11.1f} "
                 f"{row['ngram_tok_s'] / row['plain_tok_s']:>6.2f}x {rate:>11.0%} {str(equal):>5}")
             an = row["anatomy"]
             log(f"{'':>22} plain step: {an['step_ms']:.2f} ms wall, {an['kernel_ms']:.2f} ms in {an['launches']:.0f} "
                 f"kernels (GPU busy {an['busy']:.0%}); weights streamed at {an['weight_gb_s']:.0f} GB/s")
             if must_equal and not equal:
-                raise AssertionError(f"{name}: n-gram speculation changed the greedy output ({dtype_name})")
+                raise AssertionError(f"{name}: n-gram speculation or graphs changed the greedy output ({dtype_name})")
+        if graphed and (engine.graphs is None or not engine.graphs.stats["replays"]):
+            raise AssertionError(f"{name}: the engine took no graphed step")
+        os.environ.pop(KERNELS_ENV, None)
         del engine, model
         if device.type == "cuda":
             torch.cuda.empty_cache()

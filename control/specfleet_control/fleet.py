@@ -22,4 +22,4 @@ def fleet_state(memory: Memory | None, cstate: canaries.CanaryState, spec: dict[
                       canary_phase=cstate.phase, fallback=memory.fallback_types(),
                       fallback_clusters=memory.fallback_clusters(), mirror_share=routing.mirror_share,
                       drift_epoch=routing.drift_epoch, promoted=cstate.promoted, methods=memory.chosen_methods(),
-                      k_ceilings=memory.k_ceilings())
+                      k_ceilings=memory.k_ceilings(), cluster_methods=memory.cluster_routes())

@@ -28,7 +28,7 @@ from typing import Any
 from specfleet_api.windows import ClusterWindow, Window, sum_windows
 
 from .kbounds import Ceiling, KTuning, tune
-from .methods import Choice, Selection, choose
+from .methods import Choice, Selection, choose, cluster_method_evidence
 from .observe import Observation
 from .slo import (FALLBACK, HEALTHY, MISSED, SPECULATIVE, UNKNOWN, Evidence, KeyState, Sample, SloPolicy, alpha_clear,
                   judge, mean_var, speedup_bounds, step, t95, wilson, window_evidence)
@@ -66,6 +66,8 @@ class Memory:
     early_at: float | None = None  # the last half-way check for misses
     methods: Mapping[str, Choice] = dataclasses.field(default_factory=dict)  # prompt type -> its draft method
     ceilings: Mapping[str, Ceiling] = dataclasses.field(default_factory=dict)  # prompt type -> its K ceiling
+    # prompt cluster (`<router>/<n>`) -> its draft method: one the loop moved runs it, not its type's
+    cluster_methods: Mapping[str, Choice] = dataclasses.field(default_factory=dict)
 
     @property
     def whole(self) -> bool:
@@ -83,6 +85,10 @@ class Memory:
         """The draft method the loop chose per (unpinned) prompt type."""
         return {t: c.method for t, c in sorted(self.methods.items())}
 
+    def cluster_routes(self) -> dict[str, str]:
+        """The draft method per prompt cluster the loop moved off its type's method."""
+        return {c: ch.method for c, ch in sorted(self.cluster_methods.items()) if ch.since is not None}
+
     def k_ceilings(self) -> dict[str, int]:
         """The K ceiling in force per prompt type, where the loop set one (below the kMax it
         judged against; the live state drops one a lower kMax has overtaken)."""
@@ -94,6 +100,8 @@ class Memory:
             out["methods"] = {t: c.to_status() for t, c in sorted(self.methods.items())}
         if self.ceilings:
             out["kCeilings"] = {t: c.to_status() for t, c in sorted(self.ceilings.items())}
+        if self.cluster_methods:
+            out["clusterMethods"] = {c: ch.to_status() for c, ch in sorted(self.cluster_methods.items())}
         if self.seen:
             out["seen"] = dict(sorted(self.seen.items()))
         if self.evidence:
@@ -112,7 +120,8 @@ class Memory:
                    {str(k): Evidence.from_status(v) for k, v in (raw.get("evidence") or {}).items()},
                    raw.get("judgedAt"), raw.get("earlyAt"),
                    {str(t): Choice.from_status(c) for t, c in (raw.get("methods") or {}).items()},
-                   {str(t): Ceiling.from_status(c) for t, c in (raw.get("kCeilings") or {}).items()})
+                   {str(t): Ceiling.from_status(c) for t, c in (raw.get("kCeilings") or {}).items()},
+                   {str(c): Choice.from_status(ch) for c, ch in (raw.get("clusterMethods") or {}).items()})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,5 +317,42 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
             del keys[key]
             seen.pop(key, None)
             evidence.pop(key, None)
+    # each cluster's method, judged after its SLO (a cluster that moves learns its baseline from the next
+    # window, its new method's); a choice lives as long as its cluster is remembered
+    cluster_chosen = {c: ch for c, ch in memory.cluster_methods.items() if cluster_key(c) in seen} \
+        if selection is not None and selection.candidates and policy.clusters else {}
+    if due and selection is not None and selection.candidates and policy.clusters:
+        cluster_chosen, moves = choose_for_clusters(obs.clusters, cluster_chosen, chosen, keys, selection, now)
+        for cluster, choice in cluster_chosen.items():
+            old = memory.cluster_methods.get(cluster)
+            if choice.since == now and (old is None or old.since != now):  # it moved now: a new baseline
+                key = cluster_key(cluster)
+                if key in keys:
+                    keys[key] = dataclasses.replace(keys[key], baseline=None, baseline_tokens=None)
+                evidence.pop(key, None)
+        events += moves
     return Tick(Memory(keys, seen, evidence, now if due else memory.judged_at, now if early else memory.early_at,
-                       chosen, ceilings), tuple(events))
+                       chosen, ceilings, cluster_chosen), tuple(events))
+
+
+def choose_for_clusters(clusters: Mapping[str, ClusterWindow], before: Mapping[str, Choice],
+                        type_choices: Mapping[str, Choice], keys: Mapping[str, KeyState], selection: Selection,
+                        now: float) -> tuple[dict[str, Choice], list[tuple[str, str]]]:
+    """The draft method of each prompt cluster a router reported now, by the rules a type's is
+    chosen by (`methods.choose`), on the routers' per-method counts of the cluster's stable
+    requests: a cluster runs its type's method until its own evidence clearly favours another
+    (a type's drafts can pay on most of its prompts and not on one kind of them). A cluster of a
+    pinned type is never moved; one the SLO loop has fallen back moves only to a method whose
+    own speedup is clearly above plain decoding's. The others keep their choice."""
+    of_type = {c: cw.prompt_type for c, cw in clusters.items()}
+    defaults = {c: type_choices[t].method if t in type_choices else selection.default for c, t in of_type.items()}
+    pins = {c: selection.pins[t] for c, t in of_type.items() if t in selection.pins}
+    plain = frozenset(c for c in clusters if keys.get(cluster_key(c), KeyState()).mode == FALLBACK)
+    chosen, moves = choose({c: cw.methods for c, cw in clusters.items()},
+                           {c: ch for c, ch in before.items() if c in clusters}, selection.policy, now,
+                           candidates=selection.candidates, default=selection.default, pins=pins, plain=plain,
+                           defaults=defaults, evidence_of=cluster_method_evidence,
+                           label=lambda c: f"prompt cluster {c} ({of_type[c]})")
+    out = {c: ch for c, ch in before.items() if c not in clusters and c not in pins}
+    out.update(chosen)
+    return out, moves

@@ -28,12 +28,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from specfleet_api import fleet_spec
 from specfleet_api.durations import parse_duration
-from specfleet_api.windows import Window
+from specfleet_api.windows import ClusterMethod
 
 from .slo import Evidence, speedup_bounds, welch_half_width, window_evidence
 
@@ -108,6 +108,16 @@ class Choice:
                     for m, e in (raw.get("evidence") or {}).items()})
 
 
+def cluster_method_evidence(c: ClusterMethod | None) -> Evidence | None:
+    """A prompt cluster's evidence on one method (a router's window, `ClusterWindow.methods`),
+    as `window_evidence` reads a worker's: its speculating requests."""
+    if c is None:
+        return None
+    return Evidence(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, requests=c.requests,
+                    plain_s=c.plain_seconds, busy_s=c.busy_seconds, seen=c.requests, windows=1, speedups=c.speedups,
+                    log_speedup=c.log_speedup_sum, log_speedup_sq=c.log_speedup_sq)
+
+
 def scaled(e: Evidence, by: float) -> Evidence:
     return Evidence(*(by * v for v in dataclasses.astuple(e)))
 
@@ -149,16 +159,21 @@ def log_ratio_bounds(a: Evidence, b: Evidence) -> tuple[float, float, float] | N
     return point, point - half, point + half
 
 
-def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Choice], policy: SelectPolicy,
+def choose(windows: Mapping[str, Mapping[str, Any]], choices: Mapping[str, Choice], policy: SelectPolicy,
            now: float, *, candidates: tuple[str, ...], default: str, pins: Mapping[str, str],
-           plain: frozenset[str] = frozenset()) -> tuple[dict[str, Choice], list[tuple[str, str]]]:
-    """One judgement: every unpinned type seen (now or before) with its evidence carried and this
-    window's added, moved where another candidate's speedup is clearly better. `windows`: the
-    stable arm's {type: {method: Window}}; `candidates`: the draft methods the deployment serves
-    (`fleet_spec.served_methods`); `default`: what an unchosen type runs; `plain`: the types the
-    SLO loop has fallen back to plain decoding (their method did not pay): each moves to another
-    method whose own speedup's interval is clearly above 1 (plain decoding's), so that it can
-    come back on that one. Returns the next choices and the events (reason, message)."""
+           plain: frozenset[str] = frozenset(), defaults: Mapping[str, str] | None = None,
+           evidence_of: Callable[[Any], Evidence | None] = window_evidence,
+           label: Callable[[str], str] = lambda key: f"prompt type {key}",
+           ) -> tuple[dict[str, Choice], list[tuple[str, str]]]:
+    """One judgement: every unpinned key (a prompt type, or a prompt cluster) seen now or before
+    with its evidence carried and this window's added, moved where another candidate's speedup is
+    clearly better. `windows`: the stable arm's {key: {method: Window}} (anything `evidence_of`
+    reads); `candidates`: the draft methods the deployment serves (`fleet_spec.served_methods`);
+    `default`: what an unchosen key runs, or `defaults[key]` where given (a cluster: its type's
+    method; a key the loop never moved follows it); `plain`: the keys the SLO loop has fallen back
+    to plain decoding (their method did not pay): each moves to another method whose own
+    speedup's interval is clearly above 1 (plain decoding's), so that it can come back on that
+    one. Returns the next choices and the events (reason, message)."""
     out: dict[str, Choice] = {}
     events: list[tuple[str, str]] = []
     if not policy.enabled or len(candidates) < 2:
@@ -166,13 +181,17 @@ def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Ch
     for prompt_type in sorted(set(windows) | set(choices)):
         if prompt_type in pins:
             continue
+        own = (defaults or {}).get(prompt_type, default)
+        own = own if own in candidates else candidates[0]
         before = choices.get(prompt_type)
         if before is None or before.method not in candidates:  # new, or the spec no longer serves it
-            before = Choice(default if default in candidates else candidates[0])
+            before = Choice(own)
+        elif before.since is None and before.method != own:  # never moved: it follows its default
+            before = Choice(own, None, before.evidence)
         observed = windows.get(prompt_type, {})
         evidence = {}
         for m in candidates:
-            e = carried(before.evidence.get(m), window_evidence(observed.get(m)), policy.evidence_requests)
+            e = carried(before.evidence.get(m), evidence_of(observed.get(m)), policy.evidence_requests)
             if e.windows > 0.01:  # forgotten after ~40 windows without a request
                 evidence[m] = e
         choice = Choice(before.method, before.since, evidence)
@@ -187,7 +206,7 @@ def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Ch
             if best is not None:
                 m, (low, high) = best
                 events.append((MOVED, (
-                    f"prompt type {prompt_type}: {choice.method} -> {m}: {choice.method} fell back to plain "
+                    f"{label(prompt_type)}: {choice.method} -> {m}: {choice.method} fell back to plain "
                     f"decoding, {m}'s speedup {evidence[m].speedup:.2f}x [{low:.2f}, {high:.2f}] over "
                     f"{evidence[m].speedups:.3g} requests (weighted)")))
                 choice = Choice(m, now, evidence)
@@ -203,7 +222,7 @@ def choose(windows: Mapping[str, Mapping[str, Window]], choices: Mapping[str, Ch
                 m, (point, low, high) = best
                 new, old = evidence[m], current
                 events.append((MOVED, (
-                    f"prompt type {prompt_type}: {choice.method} -> {m}: speedup {new.speedup:.2f}x against "
+                    f"{label(prompt_type)}: {choice.method} -> {m}: speedup {new.speedup:.2f}x against "
                     f"{old.speedup:.2f}x, ratio {math.exp(point):.2f} [{math.exp(low):.2f}, {math.exp(high):.2f}] "
                     f"over {new.speedups:.3g} and {old.speedups:.3g} requests (weighted)")))
                 choice = Choice(m, now, evidence)

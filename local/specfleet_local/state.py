@@ -129,6 +129,7 @@ class ControlLoop:
                                                                  "deployment": self.memory.whole},
                 "methods": self.memory.chosen_methods(),
                 "kCeilings": self.memory.k_ceilings(),
+                "clusterMethods": self.memory.cluster_routes(),
                 "canary": self.canary.to_status() if self.spec.get("canary") else None,
                 "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
 

@@ -116,6 +116,9 @@ def _status(observed: statuses.Observed, body: Any, memory: slo_loop.Memory) -> 
     out["methods"] = {**{t: None for t in prev.get("methods") or {} if t not in chosen}, **chosen} or None
     ceilings = memory.k_ceilings()
     out["kCeilings"] = {**{t: None for t in prev.get("kCeilings") or {} if t not in ceilings}, **ceilings} or None
+    clusters = memory.cluster_routes()
+    out["clusterMethods"] = {**{c: None for c in prev.get("clusterMethods") or {} if c not in clusters},
+                             **clusters} or None
     for key in ("fallbackSince", "notInSpec"):
         if key not in out and prev.get(key):
             out[key] = None  # merge patch: drop the key

@@ -52,7 +52,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., apply_chat_template: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., logprobs: _Optional[bool] = ..., ignore_eos: _Optional[bool] = ..., speculation_method: _Optional[str] = ..., prompt_type: _Optional[str] = ..., probe: _Optional[bool] = ...) -> None: ...
 
 class SpeculationStats(_message.Message):
-    __slots__ = ("method", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "draft_errors", "final_k", "num_draft_nodes")
+    __slots__ = ("method", "num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_position", "acceptance_rate", "mean_accepted_length", "draft_errors", "final_k", "num_draft_nodes", "spec_plain_seconds", "spec_busy_seconds")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     NUM_STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFTS_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class SpeculationStats(_message.Message):
     DRAFT_ERRORS_FIELD_NUMBER: _ClassVar[int]
     FINAL_K_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_NODES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_PLAIN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_BUSY_SECONDS_FIELD_NUMBER: _ClassVar[int]
     method: str
     num_steps: int
     num_drafts: int
@@ -75,7 +77,9 @@ class SpeculationStats(_message.Message):
     draft_errors: int
     final_k: int
     num_draft_nodes: int
-    def __init__(self, method: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_errors: _Optional[int] = ..., final_k: _Optional[int] = ..., num_draft_nodes: _Optional[int] = ...) -> None: ...
+    spec_plain_seconds: float
+    spec_busy_seconds: float
+    def __init__(self, method: _Optional[str] = ..., num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., accepted_per_position: _Optional[_Iterable[int]] = ..., acceptance_rate: _Optional[float] = ..., mean_accepted_length: _Optional[float] = ..., draft_errors: _Optional[int] = ..., final_k: _Optional[int] = ..., num_draft_nodes: _Optional[int] = ..., spec_plain_seconds: _Optional[float] = ..., spec_busy_seconds: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens")

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Callable
 
-from specfleet_api.windows import ClusterWindow
+from specfleet_api.windows import ClusterMethod, ClusterWindow
 
 DIMS = 256
 NGRAMS = (1, 2, 3)
@@ -137,8 +137,10 @@ class ClusterWindows:
     >>> w.record("r/0", "code", pb.SpeculationStats(method="ngram", num_draft_tokens=8, num_accepted_tokens=2))
     >>> now[0] = 30.0
     >>> w.record("r/0", "code", pb.SpeculationStats(method="none"))
-    >>> w.snapshot()["r/0"]
-    ClusterWindow(prompt_type='code', requests=2, spec_requests=1, draft_tokens=8, accepted_tokens=2, seconds=30.0)
+    >>> w.snapshot()["r/0"]   # doctest: +NORMALIZE_WHITESPACE
+    ClusterWindow(prompt_type='code', requests=2, spec_requests=1, draft_tokens=8, accepted_tokens=2, seconds=30.0,
+                  methods={'ngram': ClusterMethod(requests=1, draft_tokens=8, accepted_tokens=2, plain_seconds=0.0,
+                  busy_seconds=0.0, speedups=0, log_speedup_sum=0.0, log_speedup_sq=0.0)})
     >>> now[0] = 75.0
     >>> w.snapshot()["r/0"].requests, w.snapshot()["r/0"].seconds
     (1, 60.0)
@@ -148,15 +150,20 @@ class ClusterWindows:
         if window_s <= 0:
             raise ValueError(f"fleet window: need a positive number of seconds, got {window_s}")
         self.window_s, self.clock = window_s, clock
-        # cluster -> (prompt type, first seen, [(when, spec, draft tokens, accepted tokens)])
+        # cluster -> (prompt type, first seen, [(when, spec, draft tokens, accepted tokens, method or
+        # None, plain-equivalent and actual seconds)])
         self._events: dict[str, tuple[str, float, deque]] = {}
 
-    def record(self, cluster: str, prompt_type: str, speculation) -> None:
+    def record(self, cluster: str, prompt_type: str, speculation, arm: str = "stable") -> None:
+        """One answered request; its method's counts too where it speculated on the stable arm
+        (the arm whose methods the loop chooses)."""
         now = self.clock()
         if cluster not in self._events:
             self._events[cluster] = (prompt_type, now, deque())
         spec = speculation.method not in ("", "none")
-        self._events[cluster][2].append((now, spec, speculation.num_draft_tokens, speculation.num_accepted_tokens))
+        method = speculation.method if spec and arm == "stable" else None
+        self._events[cluster][2].append((now, spec, speculation.num_draft_tokens, speculation.num_accepted_tokens,
+                                         method, speculation.spec_plain_seconds, speculation.spec_busy_seconds))
 
     def snapshot(self) -> dict[str, ClusterWindow]:
         """{cluster id: its window now}; a cluster with no request in the window is left out (and
@@ -169,8 +176,13 @@ class ClusterWindows:
             if not events:
                 del self._events[cluster]
                 continue
+            methods: dict[str, ClusterMethod] = {}
+            for _, _, drafted, accepted, method, plain_s, busy_s in events:
+                if method is not None:
+                    methods[method] = methods.get(method, ClusterMethod()).plus_request(drafted, accepted, plain_s,
+                                                                                         busy_s)
             out[cluster] = ClusterWindow(prompt_type, requests=len(events), spec_requests=sum(e[1] for e in events),
                                          draft_tokens=sum(e[2] for e in events),
                                          accepted_tokens=sum(e[3] for e in events),
-                                         seconds=min(self.window_s, now - first))
+                                         seconds=min(self.window_s, now - first), methods=methods)
         return out

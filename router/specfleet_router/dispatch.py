@@ -319,7 +319,7 @@ class Router:
         """A request answered in full (any front): its cluster's window counts it, and the drift
         check may mirror it (in the background: nothing here waits)."""
         if self.windows is not None and route.cluster is not None:
-            self.windows.record(route.cluster, route.prompt_type, speculation)
+            self.windows.record(route.cluster, route.prompt_type, speculation, route.arm)
         if self.drift is not None:
             self.drift.offer(route, msg, list(token_ids), request_id)
 

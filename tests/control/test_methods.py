@@ -221,3 +221,83 @@ def test_a_type_that_fell_back_moves_to_another_method_that_clearly_pays_and_onl
     choices, events = choose(pays, {}, SelectPolicy(), 0.0, candidates=CANDIDATES, default="eagle",
                              pins={"chat": "eagle"}, plain=frozenset({"chat"}))
     assert choices == {} and events == []
+
+
+def cluster_window(rng: random.Random, prompt_type: str, speedups: dict[str, tuple[int, float]],
+                   alpha: float = 0.6):
+    """A router's window of one prompt cluster: per method, (requests, speedup) of its stable requests."""
+    from specfleet_api.windows import ClusterMethod, ClusterWindow
+
+    methods = {}
+    for m, (n, speedup) in speedups.items():
+        c = ClusterMethod()
+        for _ in range(n):
+            c = c.plus_request(40, int(40 * alpha), math.exp(rng.gauss(math.log(speedup), 0.15)), 1.0)
+        methods[m] = c
+    n = sum(c.requests for c in methods.values())
+    return ClusterWindow(prompt_type, requests=n, spec_requests=n, draft_tokens=40 * n,
+                         accepted_tokens=sum(c.accepted_tokens for c in methods.values()), seconds=WINDOW_S,
+                         methods=methods)
+
+
+def test_a_prompt_cluster_moves_off_its_types_method_and_only_it():
+    """A type whose drafts pay alike on the whole keeps its method; one of its clusters, where
+    another method is clearly faster, moves to it (one event, its SLO baseline learnt afresh);
+    the cluster of a pinned type and the type's other cluster stay; the status round-trips the
+    choice, the live state routes that cluster's requests to it (and still explores), and a
+    cluster no router reports for ten windows is forgotten, choice and all."""
+    from specfleet_api import fleet_spec
+    from specfleet_control import canary, loop
+    from specfleet_control.fleet import fleet_state
+    from specfleet_control.methods import Selection
+    from specfleet_control.observe import Observation
+    from specfleet_control.slo import KeyState, SloPolicy
+
+    spec = {"draft": {"method": "eagle", "uri": "x"}, "speculation": {"kMin": 0, "kMax": 6},
+            "routing": {"default": "ngram", "byPromptType": {"code": "ngram"}}}
+    rng = random.Random(12)
+    obs = Observation(
+        methods={"stable": {"chat": explored(rng, "ngram", 60, {"ngram": 1.3, "eagle": 1.3})}},
+        clusters={"r/1": cluster_window(rng, "chat", {"ngram": (20, 1.05), "eagle": (6, 1.9)}),
+                  "r/2": cluster_window(rng, "chat", {"ngram": (20, 1.4), "eagle": (6, 1.3)}),
+                  "r/3": cluster_window(rng, "code", {"ngram": (20, 1.0), "eagle": (6, 2.0)})})
+    memory = loop.Memory(keys={"cluster:r/1": KeyState(baseline=0.7, baseline_tokens=900)})
+    selection = Selection.from_spec(spec)
+    policy = SloPolicy(window_s=WINDOW_S)
+    t = loop.tick(obs, memory, policy, now=100.0, selection=selection)
+    assert t.memory.chosen_methods() == {"chat": "ngram"}
+    assert t.memory.cluster_routes() == {"r/1": "eagle"}
+    moves = [m for r, m in t.events if r == MOVED]
+    assert len(moves) == 1 and moves[0].startswith("prompt cluster r/1 (chat): ngram -> eagle: speedup 1.9"), moves
+    assert t.memory.keys["cluster:r/1"].baseline is None
+    assert "r/3" not in t.memory.cluster_methods  # code is pinned, and so are its clusters
+    back = loop.Memory.from_status(t.memory.to_status())
+    assert back.cluster_routes() == {"r/1": "eagle"} and back.cluster_methods["r/2"].method == "ngram"
+
+    state = fleet_spec.live_state(spec, fleet_state(back, canary.CanaryState(), spec))
+    assert state.cluster_routes == {"r/1": "eagle"}
+    assert fleet_spec.LiveState.from_json(state.to_json()) == state
+    draws = [i / 10 for i in range(1000)]
+    r1 = [state.route("chat", cluster="r/1", draw=d)[0] for d in draws]
+    assert r1.count("eagle") == 950 and r1.count("ngram") == 50  # the cluster explores n-gram
+    assert state.route("chat", cluster="r/2")[0] == "ngram" and state.route("chat")[0] == "ngram"
+
+    again = loop.tick(obs, t.memory, policy, now=160.0, selection=selection)
+    assert [r for r, _ in again.events if r == MOVED] == [] and again.memory.cluster_routes() == {"r/1": "eagle"}
+    quiet = Observation(methods=obs.methods)
+    later = loop.tick(quiet, again.memory, policy, now=160.0 + 11 * WINDOW_S, selection=selection)
+    assert later.memory.cluster_methods == {}
+
+
+def test_a_cluster_follows_its_type_until_it_moves_on_its_own():
+    """A cluster the loop never moved runs what its type runs, after the type moves too."""
+    rng = random.Random(13)
+    flat = {"r/1": {"ngram": cluster_window(rng, "chat", {"ngram": (20, 1.3), "eagle": (6, 1.3)}).methods["ngram"]}}
+    choices, events = choose(flat, {"r/1": Choice("ngram")}, SelectPolicy(), 0.0, candidates=CANDIDATES,
+                             default="ngram", pins={}, defaults={"r/1": "eagle"},
+                             evidence_of=methods.cluster_method_evidence)
+    assert choices["r/1"].method == "eagle" and choices["r/1"].since is None and events == []
+    moved = {"r/1": Choice("ngram", since=0.0)}
+    choices, _ = choose(flat, moved, SelectPolicy(), 10.0, candidates=CANDIDATES, default="ngram", pins={},
+                        defaults={"r/1": "eagle"}, evidence_of=methods.cluster_method_evidence)
+    assert choices["r/1"].method == "ngram"

@@ -132,3 +132,8 @@ def test_streamed_answers_count_in_their_clusters_window_from_the_last_message(h
     code = windows[f"{ROUTER}/0"]
     assert code.prompt_type == "code" and code.requests == 4 and code.spec_requests == 4
     assert code.draft_tokens >= sum(m.speculation.num_draft_tokens for m in lasts) > 0
+    # the stable arm's speculating requests, by method, with their own speedups (what the loop
+    # chooses a cluster's method on)
+    [(method, counts)] = code.methods.items()
+    assert method == lasts[0].speculation.method and counts.requests == 4 and counts.draft_tokens == code.draft_tokens
+    assert counts.speedups == 4 and counts.busy_seconds > 0 and counts.plain_seconds > 0

@@ -62,6 +62,7 @@ def test_the_gauge_reads_the_branching_verified_not_the_cap():
         # alpha counts positions (the depth), the nodes are counted apart: a tree's alpha reads like a chain's
         assert stats.num_draft_tokens == 3 * stats.num_drafts and stats.num_draft_nodes == 6 * stats.num_drafts
         assert spec.num_draft_tokens > 0  # the request's own stats are the engine's (tests/engine/test_stats.py)
+        assert spec.spec_plain_seconds > 0 and spec.spec_busy_seconds > 0  # its speculating steps' seconds
         shape.clear()  # the real engine's chains: the window moves toward 1 and remembers the trees
         drafts = r.stats().num_drafts
         serve()

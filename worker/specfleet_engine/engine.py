@@ -22,6 +22,7 @@ from specfleet_api.limits import MAX_DRAFT_NODES
 from torch import Tensor
 
 from .costs import StepCostModel
+from .graphs import step_graphs
 from .k_policies import KPolicy, make_policy
 from .kernels.rejection import TreeVerifyBatch, greedy_argmax, rejection_sample
 from .kv_cache import BlockTable, PagedKVCache, batch_metadata, move_slots
@@ -206,6 +207,7 @@ class Engine:
                 raise ValueError(f"proposer {method!r}: " + "; ".join(problems))
         self.device = getattr(model, "device", torch.device("cpu"))
         self.cache = PagedKVCache.for_model(model.args, max_kv_tokens, block_size, dtype=model.dtype, device=self.device)
+        self.graphs = step_graphs(model, self.cache)  # CUDA graphs of the decode and verify step (graphs.py)
         self.max_len = model.args.max_position_embeddings
         if eos_token_ids is None:
             eos_token_ids = tokenizer.eos_token_ids if tokenizer is not None else model.args.eos_token_ids
@@ -317,9 +319,13 @@ class Engine:
         layers = self._feature_layers(seqs)
         with torch.inference_mode():
             rows = last if logits_rows == "last" else None
+            if self.graphs is not None and self.graphs.takes(meta):
+                out = self.graphs(tokens, meta, rows, layers)
             # features only when asked: a model-like object need not know the argument
-            out = self.model(tokens, meta, self.cache.layers, rows, features=layers) if layers else \
-                self.model(tokens, meta, self.cache.layers, rows)
+            elif layers:
+                out = self.model(tokens, meta, self.cache.layers, rows, features=layers)
+            else:
+                out = self.model(tokens, meta, self.cache.layers, rows)
         if not layers:
             self._features = None
             return out

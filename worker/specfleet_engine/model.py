@@ -788,11 +788,19 @@ class Transformer(nn.Module):
                 out = linear(self.output, rms_norm(out, self.norm.weight, self.norm.eps))
             return out if not features else (out, feats)
         plan = plan_attention(meta, self.args, device, kv_caches[0][0].shape[1] if kv_caches else None)
-        meta = plan.meta
         if tokens.device != device:
             tokens = tokens.to(device, non_blocking=True)
         if logits_indices is not None and logits_indices.device != device:
             logits_indices = logits_indices.to(device, non_blocking=True)
+        return self.forward_planned(tokens, plan, kv_caches, logits_indices, features)
+
+    def forward_planned(self, tokens: Tensor, plan: AttentionPlan, kv_caches: list[tuple[Tensor, Tensor]],
+                        logits_indices: Tensor | None = None,
+                        features: tuple[int, ...] = ()) -> Tensor | tuple[Tensor, Tensor]:
+        """`forward`'s layers on a planned batch (`plan_attention`), every tensor already on the
+        model's device: no host work and no sync on the Triton path, so a CUDA graph can capture it
+        (graphs.py)."""
+        meta = plan.meta
         x = self.tok_embeddings(tokens)
         if self.rope_cis is not None:
             cos, sin = self.rope_cis.index_select(0, meta.positions), None

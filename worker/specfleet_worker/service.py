@@ -235,7 +235,8 @@ class Worker:
             num_accepted_tokens=s.num_accepted_tokens, accepted_per_position=s.accepted_per_position,
             acceptance_rate=s.acceptance_rate, mean_accepted_length=s.mean_accepted_length,
             draft_errors=s.draft_errors, final_k=seq.k if req.method != Method.NONE else 0,
-            num_draft_nodes=s.num_draft_nodes)
+            num_draft_nodes=s.num_draft_nodes, spec_plain_seconds=req.spec_seconds[0],
+            spec_busy_seconds=req.spec_seconds[1])
 
 
 class TextStream:
