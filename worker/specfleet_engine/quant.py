@@ -5,9 +5,12 @@ inside one fused matmul that reads int8 and never materialises a dequantized cop
 torch's dynamic quantization, activations are not rounded to int8, which is what keeps greedy
 outputs close to fp32.
 
-On the CPU the matmul is our own kernel (kernels/cpu_gemm.py): fp32 activations, fp32
-accumulation, every weight byte read once for all the rows of a step, through the best path the
-CPU runs (AVX-512, AVX2 + FMA, or portable C++; SPECFLEET_CPU_ISA caps it). Where it cannot be built
+On the CPU the matmul is our own kernel (kernels/cpu_gemm.py): every weight byte read once for
+all the rows of a step, through the best path the CPU runs (AVX-512, AVX2 + FMA, or portable C++;
+SPECFLEET_CPU_ISA caps it). AVX-512 and portable multiply fp32 activations in fp32; AVX2 rounds
+them to int16 per block of 64 features and sums integer products exactly (int8_linear.cpp: the
+int8 -> fp32 conversions cost more than the weights' streaming on CPUs that split 256-bit
+operations). Where it cannot be built
 (no compiler, or SPECFLEET_INT8_KERNEL=torch) the layer falls back, with one warning, to
 `torch._weight_int8pack_mm` on bf16 activations. On CUDA (a layer quantized there) the weight is
 dequantized to the activations' dtype for each F.linear: simple and correct, not fast.

@@ -1,6 +1,6 @@
 // y[M, N] = (x[M, K] @ Wq[N, K]^T) * scale[N] (+ bias[N]) for float activations and int8 weights,
 // tuned for decoding and draft verification (M = 1..16 rows): each weight byte is read once for
-// all the rows, converted to fp32 in registers, and accumulated in fp32.
+// all the rows, and multiplied in registers (as fp32; on the AVX2 path as int16, see below).
 //
 // Weight layout ("packed"): int8 [N_pad / 32, K, 32]. Block b holds output channels 32b..32b+31;
 // for each k its 32 weights are contiguous, so one 64-byte cache line feeds 2 k-steps of 32 lanes
@@ -15,9 +15,10 @@
 // whatever -march says, because each path's tiles carry their own target attribute:
 //   avx512    AVX-512F: a block's 32 channels are two __m512, tiles of up to 12 rows
 //   avx2      AVX2 + FMA: four __m256; tiles of 1-2 rows x 32 channels, or of 3-6 rows x 16
-//             channels (two passes over a block), fitting the 16 ymm registers; int8 -> fp32 by
-//             vpmovsxbd + vcvtdq2ps. Where -march allows AVX-512 too, the compiler may encode
-//             these as EVEX: the same operations.
+//             channels (two passes over a block), fitting the 16 ymm registers. fp32 weights:
+//             FMAs; int8 weights: integer dot products on x rounded to int16 (tile_avx2_int).
+//             Where -march allows AVX-512 too, the compiler may encode these as EVEX: the same
+//             operations.
 //   portable  plain loops the compiler vectorizes for -march=native (any CPU, any architecture)
 // `linear` / `linear_f32` run the active path: at load, the best the CPU has
 // (__builtin_cpu_supports: avx512 > avx2 > portable); set_isa caps it (cpu_gemm.py does, from
@@ -41,6 +42,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -135,6 +137,38 @@ constexpr int64_t NB = 32;  // output channels per block
 // registers; AVX2 2 * MT (half blocks) of 16; the portable loops keep their tile in L1.
 constexpr int max_tile_rows(Isa isa) { return isa == kAvx2 ? 6 : 12; }
 
+// The AVX2 int8 tiles' activations (tile_avx2_int): x quantized to int16, one scale per row and
+// block of KQ k-steps.
+constexpr int64_t KQ = 64;
+
+struct QuantX {
+  const int16_t* q;  // [M, K2]: K2 = K rounded up to even, the pad zero
+  int64_t ldq;
+  const float* s;    // [M, ceil(K / KQ)]
+  int64_t lds;
+};
+
+struct QArgs : Args {
+  QuantX xq;
+};
+
+// x [M, K] (row stride ldx) -> q [M, K2], s [M, ceil(K / KQ)]: the same for a row whatever M is.
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int16_t* q, int64_t ldq, float* s,
+                   int64_t lds) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * ldx;
+    int16_t* qr = q + m * ldq;
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += KQ, ++b) {
+      const int64_t k1 = std::min(K, k0 + KQ);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      s[m * lds + b] = amax / 32767.f;
+      for (int64_t k = k0; k < k1; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
+    }
+    for (int64_t k = K; k < ldq; ++k) qr[k] = 0;
+  }
+}
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: plain loops the compiler vectorizes (-O3 -march=native).
@@ -371,6 +405,95 @@ SF_TARGET_AVX2 void tile_avx2_halves(const Args& a, int64_t m0, int64_t blk) {
   }
   for (int h = 0; h < halves; ++h) store_avx2<MT, 2>(a, m0, n0 + 16 * h, std::min<int64_t>(16, nc - 16 * h), acc[h]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// AVX2 int8 tiles: integer dot products. Converting each int8 weight to fp32 (vpmovsxbd +
+// vcvtdq2ps) before its FMA costs more than the weights take to stream where a 256-bit op is two
+// 128-bit halves (Zen 1: int8 decoding ran at 0.80x llama.cpp's Q8_0). These tiles multiply the
+// weights as int16 instead: each row of x is quantized to int16 per block of KQ k-steps (scale =
+// the block's max |x| / 32767, round to nearest even; `quantize_rows`), two k-steps' weights are
+// interleaved in registers (punpck{l,h}bw of two 16-channel rows, no other layout) and widened
+// to int16, and vpmaddwd sums x[k] w[k] + x[k+1] w[k+1] per channel into int32, exactly; each
+// block's sums go to fp32 once, times its scale. A block of 64 k-steps stays far from int32's
+// range (64 x 32767 x 127 < 2^28). The error this adds, about 1e-5 of a block's largest |x|, is far
+// below the int8 weights' own; the integer sums make a row's result independent of how many rows
+// its tile holds.
+// f[m][g] += (sum over the block's k of x[m, k] w[k, 16 * H + 8 * g' + i]) * scale, for the
+// NH 16-channel halves from H (g = 2 * (h - H) + {0, 1}), over every block of K.
+template <int MT, int NH>
+SF_TARGET_AVX2 __attribute__((always_inline)) static inline void madd_avx2(const QArgs& a, int64_t m0, const int8_t* w,
+                                                                           int H, __m256 (&f)[MT][2 * NH]) {
+  const int64_t K = a.K;
+  const __m128i zero = _mm_setzero_si128();
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += KQ, ++b) {
+    const int64_t k1 = std::min(K, k0 + KQ);
+    __m256i acc[MT][2 * NH];
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m)
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * NH; ++j) acc[m][j] = _mm256_setzero_si256();
+    // two k-steps at a time; an odd K's last k-step pairs with zeros (x's pad is zero too)
+    for (int64_t k = k0; k < k1; k += 2) {
+      const int8_t* wk = w + k * NB + 16 * H;
+      __m256i wv[2 * NH];
+      if (k + 1 < k1) [[likely]] {
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; ++h) {
+          const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * h));
+          const __m128i w1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + NB + 16 * h));
+          wv[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(w0, w1));
+          wv[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(w0, w1));
+        }
+      } else {
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; ++h) {
+          const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * h));
+          wv[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(w0, zero));
+          wv[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(w0, zero));
+        }
+      }
+      const int16_t* xk = a.xq.q + m0 * a.xq.ldq + k;
+#pragma GCC unroll 8
+      for (int m = 0; m < MT; ++m) {
+        int32_t xx;  // x[m, k] and x[m, k + 1], broadcast as a pair
+        std::memcpy(&xx, xk + m * a.xq.ldq, sizeof(xx));
+        const __m256i xv = _mm256_set1_epi32(xx);
+#pragma GCC unroll 4
+        for (int j = 0; j < 2 * NH; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(wv[j], xv));
+      }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < MT; ++m) {
+      const __m256 sv = _mm256_set1_ps(a.xq.s[(m0 + m) * a.xq.lds + b]);
+#pragma GCC unroll 4
+      for (int j = 0; j < 2 * NH; ++j) f[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][j]), sv, f[m][j]);
+    }
+  }
+}
+
+// One tile: rows m0..m0+MT-1 x block blk's 32 channels, both halves in one pass (1-2 rows: 4
+// int32 accumulators a row) or one half a pass (3-6 rows: 2 a row, so they stay in registers).
+template <int MT>
+SF_TARGET_AVX2 void tile_avx2_int(const Args& a_, int64_t m0, int64_t blk) {
+  const QArgs& a = static_cast<const QArgs&>(a_);
+  const int8_t* w = static_cast<const int8_t*>(a.w) + blk * a.K * NB;
+  const int64_t n0 = blk * NB, nc = std::min<int64_t>(NB, a.N - n0);
+  if constexpr (MT <= 2) {
+    __m256 f[MT][4];
+    for (int m = 0; m < MT; ++m)
+      for (int j = 0; j < 4; ++j) f[m][j] = _mm256_setzero_ps();
+    madd_avx2<MT, 2>(a, m0, w, 0, f);
+    store_avx2<MT, 4>(a, m0, n0, nc, f);
+  } else {
+    const int halves = nc > 16 ? 2 : 1;
+    for (int h = 0; h < halves; ++h) {
+      __m256 f[MT][2];
+      for (int m = 0; m < MT; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+      madd_avx2<MT, 1>(a, m0, w, h, f);
+      store_avx2<MT, 2>(a, m0, n0 + 16 * h, std::min<int64_t>(16, nc - 16 * h), f);
+    }
+  }
+}
 #endif  // SF_X86
 
 // ---------------------------------------------------------------------------------------------
@@ -423,8 +546,9 @@ using TileFn = void (*)(const Args&, int64_t, int64_t);
 template <int MT, typename W>
 TileFn pick_tile(Isa isa) {
 #if SF_X86
+  bool from_avx512 = false;  // AVX-512's own fp32-arithmetic tile, in AVX2 code (see SF_AMD_AVX2_ROWS)
   if constexpr (MT <= SF_AMD_AVX2_ROWS) {
-    if (isa == kAvx512 && cpu_is_amd()) isa = kAvx2;  // see SF_AMD_AVX2_ROWS
+    if (isa == kAvx512 && cpu_is_amd()) isa = kAvx2, from_avx512 = true;
   }
   if (isa == kAvx512) {
     constexpr int KU = MT == 1 ? SF_KU1 : MT == 2 ? SF_KU2 : 1;
@@ -432,6 +556,7 @@ TileFn pick_tile(Isa isa) {
     return &tile_avx512<MT, KU, W>;
   }
   if constexpr (MT <= 6) {  // see max_tile_rows
+    if (isa == kAvx2 && sizeof(W) == 1 && !from_avx512) return &tile_avx2_int<MT>;  // int8: integer dots
     if (isa == kAvx2) {
       if constexpr (MT == 1) return &tile_avx2<1, SF_A2_KU1, W>;
       else if constexpr (MT == 2 || (MT == 3 && SF_A2_FULL3 && sizeof(W) == 4)) return &tile_avx2<MT, 1, W>;
@@ -479,12 +604,24 @@ void gemm(const Args& a, bool int8, Isa isa) {
                             : tile_for<float>(static_cast<int>(mt_small + 1), isa);
   const TileFn f_small = int8 ? tile_for<int8_t>(static_cast<int>(mt_small), isa)
                               : tile_for<float>(static_cast<int>(mt_small), isa);
+  QArgs qa{a, QuantX{}};
+#if SF_X86
+  if (int8 && isa == kAvx2) {  // the integer tiles read x quantized (tile_avx2_int)
+    thread_local std::vector<int16_t> q;
+    thread_local std::vector<float> s;
+    const int64_t ldq = (K + 1) / 2 * 2, lds = (K + KQ - 1) / KQ;
+    q.resize(static_cast<size_t>(M * ldq));
+    s.resize(static_cast<size_t>(M * lds));
+    quantize_rows(a.x, a.ldx, M, K, q.data(), ldq, s.data(), lds);
+    qa.xq = QuantX{q.data(), ldq, s.data(), lds};
+  }
+#endif
   at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;
       for (int64_t t = 0; t < n_mtiles; ++t) {
         const bool big = t < n_big;
-        (big ? f_big : f_small)(a, m0, b);
+        (big ? f_big : f_small)(qa, m0, b);
         m0 += big ? mt_small + 1 : mt_small;
       }
     }
