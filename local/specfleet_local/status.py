@@ -190,6 +190,8 @@ def document(obs: Observed) -> dict[str, Any]:
         "fallback": {"promptTypes": list(state.fallback) if state else [],
                      "clusters": list(state.fallback_clusters) if state else [],
                      "probeShare": state.probe_share if state else None},
+        # prompt clusters the loop moved to a draft method of their own (their type runs another)
+        "clusterMethods": dict(state.cluster_routes) if state else {},
         "loop": None if obs.loop is None else {"ticks": obs.loop.get("ticks"), "events": obs.loop.get("events", [])[-10:]},
         "kBounds": {a["name"]: {"kMin": a["kMin"], "kMax": a["kMax"]} for a in arms},
         "router": {
@@ -257,6 +259,9 @@ def table(doc: dict[str, Any]) -> str:
          _fmt(t["speedup"], ".2f"), str(t["requests"])] for t in doc["promptTypes"]]))
     window = max((t["windowSeconds"] or 0 for t in doc["promptTypes"]), default=0)
     out.append(f"(alpha, tau, speedup, requests: the workers' windows, last {window or 60:.0f} s)")
+    if doc.get("clusterMethods"):
+        out.append("prompt clusters on a method of their own: "
+                   + ", ".join(f"{c} {m}" for c, m in sorted(doc["clusterMethods"].items())))
     r, rt = doc["redis"], doc["router"]
     if r["connected"]:
         redis_line = (f"REDIS {r['url']}: connected, state version {_fmt(r['stateVersion'])}, written "

@@ -192,7 +192,8 @@ def test_windows_are_summed_over_the_pods_of_an_arm(redis_server):
 def test_the_status_document_from_what_was_observed():
     s = LiveState(version=3, canary_weight=12.5, routes={"chat": "none"}, fallback=("code",),
                   k={"stable": KBounds(0, 6), "canary": KBounds(1, 10)}, updated=100.0,
-                  arms={"canary": Routing("ngram", {"rag": "none"})}, k_ceilings={"math": 2})
+                  arms={"canary": Routing("ngram", {"rag": "none"})}, k_ceilings={"math": 2},
+                  cluster_routes={"r/2": "ngram"})
     w = windows.parse_window(json.dumps({"requests": 2, "steps": 4, "draft_tokens": 8, "accepted_tokens": 4}))
     metrics = {"specfleet_router_backend_ready": [({"arm": "stable", "backend": "a"}, 1.0),
                                                   ({"arm": "canary", "backend": "b"}, 0.0)],
@@ -224,6 +225,8 @@ def test_the_status_document_from_what_was_observed():
     assert re.search(r"^code +none +6 +fallback +- +- +- +0$", text, re.M), text
     assert re.search(r"^rag +ngram \(canary: none\) +6 +speculative", text, re.M), text
     assert types["math"]["kMax"] == 2 and re.search(r"^math +ngram +2 +speculative", text, re.M), text  # the loop's
+    assert doc["clusterMethods"] == {"r/2": "ngram"}
+    assert "prompt clusters on a method of their own: r/2 ngram" in text
     # nothing reachable: the document says so instead of guessing
     empty = status.document(status.Observed("default", "local", "redis://x", None, redis_error="refused"))
     assert empty["mode"] is None and empty["redis"]["connected"] is False and empty["arms"][0]["weight"] is None
