@@ -227,7 +227,8 @@ class Engine:
         # a static shape under the caps (paths of sibling ranks), or None: ValueError naming a bad path
         self.tree_shape = TreeShape.of(tree_choices, tree_branching, tree_depth)
 
-    def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5) -> dict[int, float]:
+    def calibrate(self, sizes: list[int] | None = None, context: int = 128, reps: int = 5,
+                  long_rows: int = 16, long_reps: int = 3) -> dict[int, float]:
         """Measures the target forward's cost by number of new-token rows and sets the cost curve.
 
         sizes: the row counts to time (default 1-12, 16, 24, 32); a server passes sizes up to its
@@ -236,13 +237,17 @@ class Engine:
         keeps it whenever it hit most rounds of one size (SmolLM2 int8, 2 threads, beside a busy
         process: medians priced 3 rows at 4.2x one row and 7 rows at 5.0x, where the fastest
         rounds gave 1.4x and 2.1x, as alone), and a steep shape prices drafts out for the
-        worker's life."""
+        worker's life. Steps of `long_rows` rows or more run long enough that a brief burst of a
+        neighbour moves them little, and they decide only at high load: they are timed in the first
+        `long_reps` rounds only (on a 2-core AVX2 machine this halved a worker's calibration)."""
         sizes = sorted(set(sizes or [*range(1, 13), 16, 24, 32]))
         seq = Sequence([0] * context, SamplingParams(max_tokens=1), NO_SPECULATION, 0, BlockTable(self.cache))
         self._forward([seq], [seq.tokens], "last")
         times: dict[int, list[float]] = {r: [] for r in sizes}
         for rnd in range(reps + 1):  # round 0 warms up
             for rows in (sizes if rnd % 2 else sizes[::-1]):
+                if rows >= long_rows and rnd > long_reps:
+                    continue
                 t = time.perf_counter()
                 self._forward([seq], [[0] * rows], "all")
                 if rnd:

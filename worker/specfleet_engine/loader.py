@@ -6,9 +6,13 @@ pickle checkpoints (*.bin, *.pt, *.pth, *.ckpt) is refused with an error that sa
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
+import logging
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +20,10 @@ import torch
 
 from specfleet_api.enums import Dtype, resolve_device, resolve_dtype
 
+from .gguf_file import GGUFFile
 from .model import ModelArgs, Transformer
+
+log = logging.getLogger(__name__)
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 DEFAULT_MODEL = "smollm2-135m"
@@ -167,12 +174,8 @@ def _unpermute(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
     """Dequantized HF-named weights, the model arguments and the raw metadata of a GGUF file."""
-    import gguf
-    import numpy as np
-
-    reader = gguf.GGUFReader(str(path))
-    args, meta = _gguf_args(reader, path)
-    names = {t.name for t in reader.tensors}
+    gg = GGUFFile(path)
+    args, meta = _gguf_args(gg)
     arch = args.architecture
     gg_to_hf = {
         "attn_norm.weight": "input_layernorm.weight", "ffn_norm.weight": "post_attention_layernorm.weight",
@@ -184,9 +187,10 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
         "ffn_down.weight": "mlp.down_proj.weight",
     }
     raw = {}
-    for t in reader.tensors:
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape([int(s) for s in reversed(t.shape)] if len(t.shape) > 1 else [int(t.shape[0])])
+    for t in gg.tensors:
+        if t.name.startswith("blk.") and t.name.split(".", 2)[2] not in gg_to_hf:
+            continue
+        w = torch.from_numpy(gg.dequantized(t))
         if t.name == "token_embd.weight":
             raw["model.embed_tokens.weight"] = w
         elif t.name == "output_norm.weight":
@@ -195,8 +199,6 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
             raw["lm_head.weight"] = w
         elif t.name.startswith("blk."):
             _, i, rest = t.name.split(".", 2)
-            if rest not in gg_to_hf:
-                continue
             if rest.startswith("attn_q") and arch == "llama":
                 w = _unpermute(w, args.n_heads)
             elif rest.startswith("attn_k") and arch == "llama":
@@ -205,16 +207,9 @@ def read_gguf(path: Path) -> tuple[ModelArgs, dict[str, torch.Tensor], dict]:
     return args, raw, meta
 
 
-def _gguf_args(reader, path: Path) -> tuple[ModelArgs, dict]:
+def _gguf_args(gg: GGUFFile) -> tuple[ModelArgs, dict]:
     """A GGUF file's model arguments and raw metadata (its header only: no tensor is read)."""
-    meta = {}
-    for key, f in reader.fields.items():
-        if key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type"):
-            continue
-        try:
-            meta[key] = f.contents()
-        except Exception:  # noqa: BLE001 - metadata we do not read may use types gguf cannot decode
-            pass
+    meta, path = gg.metadata, gg.path
     arch = meta.get("general.architecture", "llama")
     if arch not in ("llama", "qwen2", "mistral"):
         raise ModelFormatError(f"{path}: GGUF architecture {arch!r} is not supported (llama, qwen2, mistral)")
@@ -224,13 +219,13 @@ def _gguf_args(reader, path: Path) -> tuple[ModelArgs, dict]:
 
     n_heads = int(m("attention.head_count"))
     dim = int(m("embedding_length"))
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in gg.tensors}
     scaling = None
     if m("rope.scaling.type") not in (None, "none"):
         scaling = {"rope_type": m("rope.scaling.type"), "factor": float(m("rope.scaling.factor", 1.0)),
                    "original_max_position_embeddings": int(m("rope.scaling.original_context_length", m("context_length")))}
     args = ModelArgs(
-        vocab_size=int(m("vocab_size", 0)) or len(reader.fields["tokenizer.ggml.tokens"].data),
+        vocab_size=int(m("vocab_size", 0)) or gg.lengths.get("tokenizer.ggml.tokens", 0),
         dim=dim,
         n_layers=int(m("block_count")),
         n_heads=n_heads,
@@ -255,8 +250,7 @@ def read_model_args(name_or_path: str) -> ModelArgs:
     their metadata alone (no weights read)."""
     p = resolve_model_path(name_or_path)
     if p.suffix == ".gguf":
-        import gguf
-        return _gguf_args(gguf.GGUFReader(str(p)), p)[0]
+        return _gguf_args(GGUFFile(p))[0]
     folder = p if p.is_dir() else p.parent
     return ModelArgs.from_hf_config(json.loads((folder / "config.json").read_text()))
 
@@ -332,10 +326,46 @@ def load_tokenizer(name_or_path: str) -> Tokenizer:
     if p.is_dir():
         hf = AutoTokenizer.from_pretrained(str(p), local_files_only=True)
     else:
-        hf = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+        hf = _gguf_tokenizer(p)
     eos = [hf.eos_token_id] if hf.eos_token_id is not None else []
     for extra in ("<|im_end|>", "<|eot_id|>", "<|endoftext|>"):
         tid = hf.convert_tokens_to_ids(extra) if extra in hf.get_vocab() else None
         if tid is not None and tid not in eos:
             eos.append(tid)
     return Tokenizer(hf, eos)
+
+
+def _gguf_tokenizer(p: Path):
+    """The fast tokenizer transformers converts from a GGUF file's vocabulary, kept under the cache
+    folder as tokenizer.json (no pickle) once converted.
+
+    The conversion reads the whole file with gguf's reader and builds the BPE from its arrays:
+    10-20 s on a 2-core machine, paid by every worker start; loading the converted files takes
+    under a second. The entry is keyed by the file (path, size, mtime) and transformers' version,
+    written to a temporary folder and renamed into place, and a damaged entry is converted again."""
+    import transformers
+    from transformers import AutoTokenizer
+
+    from .kernels.cpu_gemm import cache_root
+
+    st = p.stat()
+    ident = f"{p.resolve()}|{st.st_size}|{st.st_mtime_ns}|{transformers.__version__}"
+    folder = cache_root() / "tokenizers" / hashlib.sha256(ident.encode()).hexdigest()[:20]
+    if (folder / "tokenizer.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 - a damaged entry is converted again below
+            log.warning(f"tokenizer cache {folder} unreadable ({type(e).__name__}: {e}); converting {p.name} again")
+    hf = AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name, local_files_only=True)
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-")
+        try:
+            hf.save_pretrained(tmp)
+            shutil.rmtree(folder, ignore_errors=True)
+            os.replace(tmp, folder)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    except OSError as e:  # a read-only cache: the next start converts again
+        log.info(f"tokenizer cache not written ({e}); {p.name} is converted again on the next start")
+    return hf
