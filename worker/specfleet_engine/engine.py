@@ -239,7 +239,7 @@ class Engine:
         rounds gave 1.4x and 2.1x, as alone), and a steep shape prices drafts out for the
         worker's life. Steps of `long_rows` rows or more run long enough that a brief burst of a
         neighbour moves them little, and they decide only at high load: they are timed in the first
-        `long_reps` rounds only (on a 2-core AVX2 machine this halved a worker's calibration)."""
+        `long_reps` rounds only."""
         sizes = sorted(set(sizes or [*range(1, 13), 16, 24, 32]))
         seq = Sequence([0] * context, SamplingParams(max_tokens=1), NO_SPECULATION, 0, BlockTable(self.cache))
         self._forward([seq], [seq.tokens], "last")

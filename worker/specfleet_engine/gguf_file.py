@@ -21,7 +21,7 @@ DEFAULT_ALIGNMENT = 32
 SKIPPED = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.token_type",
                      "tokenizer.ggml.scores"})
 
-# GGUF value types: their struct format (None: a string or an array)
+# GGUF value types with a fixed size: their struct format (8 is a string, 9 an array)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
 
@@ -52,7 +52,7 @@ class GGUFFile:
 
         def need(n: int) -> None:
             nonlocal buf, pos
-            if pos + n > len(buf):  # the header goes on past what was read: read the rest, doubling
+            if pos + n > len(buf):  # the header goes on past what was read: read as much again
                 more = f.read(max(n, len(buf)))
                 if pos + n > len(buf) + len(more):
                     raise ValueError(f"{self.path}: truncated GGUF header")
