@@ -13,6 +13,10 @@ for --seconds:
     ngram    draft.method ngram: n-gram drafts for every type
     table    routing.byPromptType from --table TYPE=METHOD,... (a per-type table fixed by hand)
 
+With --k-tuning every config also sets speculation.kTuning (the loop's K ceiling per prompt type,
+from the acceptance by draft position the workers publish); the ceilings over time and their
+KCeilingChanged events are in the result.
+
 It prints and writes (JSON, and a plot with --plot) each config's tokens/s over the whole run and
 over its second half (after the loop has had time to choose), the ratios of `self` to the others,
 the methods each type ran, the loop's moves with their evidence and times, and the errors (there
@@ -56,7 +60,8 @@ def spec(config: str, args) -> dict:
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": NAME, "namespace": NAMESPACE},
             "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
-                     "draft": draft, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3},
+                     "draft": draft, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3,
+                                                     "kTuning": {"enabled": bool(args.k_tuning)}},
                      "quantization": "int8", "replicas": 1, "routing": routing,
                      "slo": {"window": f"{int(args.window * 1000)}ms"}}}
 
@@ -97,6 +102,7 @@ class Run:
         self.calls: list[Call] = []
         self.loop_doc: dict = {}
         self.methods_over_time: list[tuple[float, dict]] = []
+        self.ceilings_over_time: list[tuple[float, dict]] = []
         self.stop = threading.Event()
         self.t0 = 0.0
 
@@ -132,8 +138,9 @@ class Run:
         while not self.stop.is_set():
             try:
                 self.loop_doc = json.loads(client.get(loop_key(NAMESPACE, NAME)) or "{}")
-                self.methods_over_time.append((round(time.monotonic() - self.t0, 1),
-                                               dict(self.loop_doc.get("methods") or {})))
+                now = round(time.monotonic() - self.t0, 1)
+                self.methods_over_time.append((now, dict(self.loop_doc.get("methods") or {})))
+                self.ceilings_over_time.append((now, dict(self.loop_doc.get("kCeilings") or {})))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap
                 print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
             self.stop.wait(2.0)
@@ -182,12 +189,15 @@ class Run:
                           "tokens_per_s_each": round(statistics.median(
                               c.tokens / (c.end - c.start) for c in mine if c.end > c.start), 2)}
         events = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "MethodChanged"]
+        ceilings = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "KCeilingChanged"]
         return {"config": self.config, "seconds": round(seconds, 1), "requests": len(done),
                 "tokens": sum(c.tokens for c in done), "tokens_per_s": tps(done, 0.0, seconds),
                 "tokens_per_s_second_half": tps(done, half, seconds),
                 "errors": [c.error for c in self.calls if c.error],
                 "types": by_type, "methods_chosen": self.current_methods(), "moves": events,
-                "methods_over_time": self.methods_over_time, "calls": [asdict(c) for c in self.calls]}
+                "k_ceilings": dict(self.loop_doc.get("kCeilings") or {}), "k_ceiling_changes": ceilings,
+                "methods_over_time": self.methods_over_time, "ceilings_over_time": self.ceilings_over_time,
+                "calls": [asdict(c) for c in self.calls]}
 
 
 def ratios(results: dict[str, list[dict]]) -> dict:
@@ -255,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dwell", type=float, default=60.0, help="routing.select.minDwell, seconds (default 60)")
     p.add_argument("--explore", type=float, default=5.0, help="routing.select.exploreShare, percent (default 5)")
     p.add_argument("--min-requests", type=int, default=4, help="routing.select.minRequests (default 4)")
+    p.add_argument("--k-tuning", action="store_true", help="speculation.kTuning on: the loop's K ceiling per type")
     p.add_argument("--until-moved", default=None,
                    help="end a run once the loop has moved this prompt type off eagle (a test's short episode)")
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
@@ -289,9 +300,10 @@ def main(argv: list[str] | None = None) -> int:
             runs[c].append(Run(c, args, questions).go())
     result = {"clients": args.clients, "max_tokens": args.max_tokens, "seconds": args.seconds,
               "sampled_share": args.sampled_share, "temperature": args.temperature, "window_s": args.window,
-              "explore_pct": args.explore, "ratios": ratios(runs), "runs": runs}
+              "explore_pct": args.explore, "k_tuning": args.k_tuning, "ratios": ratios(runs), "runs": runs}
     summary = {"ratios": result["ratios"], **{c: [{k: v for k, v in x.items()
-                                                   if k not in ("calls", "methods_over_time")} for x in rs]
+                                                   if k not in ("calls", "methods_over_time", "ceilings_over_time")}
+                                               for x in rs]
                                               for c, rs in runs.items()}}
     print(json.dumps(summary, indent=1))
     if args.out:

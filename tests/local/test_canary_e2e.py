@@ -14,11 +14,13 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import os
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -198,6 +200,92 @@ def test_a_canary_on_other_weights_is_aborted_by_the_drift_check_naming_the_firs
         assert "drift" in aborted and "request" in aborted, aborted
         state = json.loads(fleet.redis.get("specfleet:v1:default/drift:state"))
         assert state["canary_weight"] == 0
+        assert not fleet.errors, fleet.errors[:3]
+    finally:
+        fleet.close()
+
+
+# -- retrained heads: the acceptance gate on a real fleet (episodes: `./dev test -m episode`) --------
+
+SHIPPED_HEAD = "smollm2-135m-eagle"
+DRAFT_TRAIN = Path(__file__).resolve().parents[2].parent / "shared" / "data" / "draft_train" / "prompts.jsonl"
+
+
+@pytest.fixture(scope="module")
+def retrained_head(tmp_path_factory) -> str:
+    """A head retrained on too little: `specfleet train-draft` for SmolLM2 on 48 prompts' answers,
+    one epoch (the shipped head saw 3,198 prompts' for 5.5). A real head from the real pipeline,
+    one that drafts worse: what a retrain gone wrong ships."""
+    if not DRAFT_TRAIN.exists():
+        pytest.fail(f"the draft-training prompts are not at {DRAFT_TRAIN}")
+    out = tmp_path_factory.mktemp("heads") / "retrained-48"
+    done = subprocess.run(
+        [sys.executable, "-m", "specfleet_cli.main", "train-draft", "--target", "smollm2", "--prompts",
+         str(DRAFT_TRAIN), "--out", str(out), "--quantization", "int8", "--threads", "2", "--train-prompts", "48",
+         "--eval-prompts", "4", "--max-new-tokens", "48", "--batch", "16", "--epochs", "1"],
+        capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    print("retrained head:", json.loads((out / "config.json").read_text()).get("trained", {}).get("eval"))
+    return str(out)
+
+
+def head_canary(name: str, stable_uri: str, canary_uri: str, window_s: float, startup_s: float) -> dict:
+    """Stable drafts with one head, the canary with another: the same model, precision and fixed
+    chains of 3 drafts, so the acceptance by the head is what differs. Alpha and the speedup are
+    judged at their defaults (tolerance 0.1, by interval); latencies are left loose (a shared 2-core
+    machine), the drift check asks for exact greedy agreement (both arms are lossless)."""
+    doc = spec(name, {"draft": {"method": "eagle", "uri": canary_uri}}, model=SMOLLM2, window_s=window_s,
+               startup_s=startup_s)
+    doc["spec"].update({"draft": {"method": "eagle", "uri": stable_uri}, "quantization": "int8",
+                        "speculation": {"kMin": 3, "kMax": 3, "kInitial": 3, "kPolicy": "fixed"}})
+    analysis = doc["spec"]["canary"]["analysis"]
+    analysis["compare"].update({"alpha": 0.1, "speedup": 0.1})
+    analysis["drift"]["sampleShare"] = 20
+    return doc
+
+
+@pytest.mark.slow
+@pytest.mark.episode
+def test_a_retrained_head_that_drafts_worse_is_aborted_on_its_acceptance(tmp_path, retrained_head):
+    spt = seconds_per_token("int8")
+    window_s, startup_s = analysis_window_s(spt, max_tokens=32), startup_deadline_s(spt)
+    fleet = Fleet(tmp_path, head_canary("worse-head", SHIPPED_HEAD, retrained_head, window_s, startup_s),
+                  max_tokens=32)
+    try:
+        t0 = time.monotonic()
+        canary = fleet.wait_phase({"Promoted", "Aborted"}, 120 + (ANALYSIS["failureLimit"] + 3) * window_s)
+        events = fleet.loop()["events"]
+        assert canary["phase"] == "Aborted", (canary, events)
+        ready = next(e["time"] for e in events if e["reason"] == "CanaryReady")
+        aborted = next(e for e in events if e["reason"] == "CanaryAborted")
+        message, took = aborted["message"], aborted["time"] - ready
+        print(f"aborted {took:.1f} s after its workers were ready ({time.monotonic() - t0:.0f} s after serving; "
+              f"interval {window_s:g} s): {message}")
+        assert re.search(r"alpha [\d.]+ < stable [\d.]+ .*; the ratio [\d.]+, 95% interval", message), message
+        # within failureLimit intervals of analyses, the first of which may start part-way through
+        assert took <= (ANALYSIS["failureLimit"] + 1) * window_s, (took, events)
+        assert json.loads(fleet.redis.get("specfleet:v1:default/worse-head:state"))["canary_weight"] == 0
+        assert not fleet.errors, fleet.errors[:3]
+    finally:
+        fleet.close()
+
+
+@pytest.mark.slow
+@pytest.mark.episode
+def test_the_shipped_head_canaried_over_the_retrained_one_is_promoted_through_its_steps(tmp_path, retrained_head):
+    spt = seconds_per_token("int8")
+    window_s, startup_s = analysis_window_s(spt, max_tokens=32), startup_deadline_s(spt)
+    fleet = Fleet(tmp_path, head_canary("better-head", retrained_head, SHIPPED_HEAD, window_s, startup_s),
+                  max_tokens=32)
+    try:
+        t0 = time.monotonic()
+        canary = fleet.wait_phase({"Promoted", "Aborted"}, 120 + 8 * window_s)
+        events = fleet.loop()["events"]
+        assert canary["phase"] == "Promoted", (canary, events)
+        reasons = [e["reason"] for e in events]
+        assert "CanaryStepped" in reasons and reasons.index("CanaryStepped") < reasons.index("CanaryPromoted")
+        print(f"promoted {time.monotonic() - t0:.0f} s after serving (interval {window_s:g} s):",
+              [e["message"] for e in events if e["reason"].startswith("Canary")])
         assert not fleet.errors, fleet.errors[:3]
     finally:
         fleet.close()
