@@ -13,9 +13,10 @@ for --seconds:
     ngram    draft.method ngram: n-gram drafts for every type
     table    routing.byPromptType from --table TYPE=METHOD,... (a per-type table fixed by hand)
 
-With --k-tuning every config also sets speculation.kTuning (the loop's K ceiling per prompt type,
-from the acceptance by draft position the workers publish); the ceilings over time and their
-KCeilingChanged events are in the result.
+A config named with `+k` (`ngram+k`, `self+k`, ...) also turns on speculation.kTuning: the loop's
+K ceiling per prompt type, from the acceptance by draft position the workers publish. The ceilings
+over time and their KCeilingChanged events are in the result, and each `X+k` is compared with `X`
+where both ran.
 
 It prints and writes (JSON, and a plot with --plot) each config's tokens/s over the whole run and
 over its second half (after the loop has had time to choose), the ratios of `self` to the others,
@@ -51,7 +52,11 @@ FIXED = (Method.EAGLE.value, Method.NGRAM.value)  # every type on one method: th
 CONFIGS = ("self", *FIXED, "table")
 
 
+K_TUNED = "+k"  # a config's suffix: the same, with speculation.kTuning on
+
+
 def spec(config: str, args) -> dict:
+    config, k_tuned = config.removesuffix(K_TUNED), config.endswith(K_TUNED)
     draft = {"method": config} if config == Method.NGRAM else {"method": Method.EAGLE.value, "uri": BUNDLED_EAGLE_HEAD}
     routing: dict = {"select": {"enabled": config == "self", "exploreShare": args.explore,
                                 "minDwell": f"{int(args.dwell * 1000)}ms", "minRequests": args.min_requests}}
@@ -61,7 +66,7 @@ def spec(config: str, args) -> dict:
             "metadata": {"name": NAME, "namespace": NAMESPACE},
             "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
                      "draft": draft, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3,
-                                                     "kTuning": {"enabled": bool(args.k_tuning)}},
+                                                     "kTuning": {"enabled": k_tuned}},
                      "quantization": "int8", "replicas": 1, "routing": routing,
                      "slo": {"window": f"{int(args.window * 1000)}ms"}}}
 
@@ -201,17 +206,21 @@ class Run:
 
 
 def ratios(results: dict[str, list[dict]]) -> dict:
-    """`self`'s tokens/s over each other config's, whole run and second half (medians over rounds)."""
+    """Tokens/s of `self` over each other config's, and of each `X+k` over `X`, whole run and second
+    half (medians over rounds).
+
+    >>> ratios({"ngram": [{"tokens_per_s": 100.0, "tokens_per_s_second_half": 90.0}],
+    ...         "ngram+k": [{"tokens_per_s": 110.0, "tokens_per_s_second_half": 81.0}]})
+    {'ngram+k/ngram tokens_per_s': 1.1, 'ngram+k/ngram tokens_per_s_second_half': 0.9}
+    """
+    pairs = [("self", other) for other in results if "self" in results and other not in ("self", "self" + K_TUNED)]
+    pairs += [(c, c.removesuffix(K_TUNED)) for c in results if c.endswith(K_TUNED) and c.removesuffix(K_TUNED) in results]
     out = {}
-    if "self" not in results:
-        return out
-    for other in results:
-        if other == "self":
-            continue
+    for mine, other in pairs:
         for key in ("tokens_per_s", "tokens_per_s_second_half"):
-            rs = [s[key] / o[key] for s, o in zip(results["self"], results[other]) if s[key] and o[key]]
+            rs = [s[key] / o[key] for s, o in zip(results[mine], results[other]) if s[key] and o[key]]
             if rs:
-                out[f"self/{other} {key}"] = round(statistics.median(rs), 3)
+                out[f"{mine}/{other} {key}"] = round(statistics.median(rs), 3)
     return out
 
 
@@ -253,7 +262,7 @@ def plot(result: dict, path: Path) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet bench select", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--configs", default="self,eagle,ngram", help=f"comma-separated, of {', '.join(CONFIGS)}")
+    p.add_argument("--configs", default="self,eagle,ngram", help=f"comma-separated, of {', '.join(CONFIGS)}; each may end in {K_TUNED} (kTuning on)")
     p.add_argument("--table", default="", help="TYPE=METHOD,... for the table config")
     p.add_argument("--seconds", type=float, default=600.0, help="each config's run (default 600)")
     p.add_argument("--rounds", type=int, default=1, help="runs of every config, the order rotating (default 1)")
@@ -265,7 +274,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dwell", type=float, default=60.0, help="routing.select.minDwell, seconds (default 60)")
     p.add_argument("--explore", type=float, default=5.0, help="routing.select.exploreShare, percent (default 5)")
     p.add_argument("--min-requests", type=int, default=4, help="routing.select.minRequests (default 4)")
-    p.add_argument("--k-tuning", action="store_true", help="speculation.kTuning on: the loop's K ceiling per type")
     p.add_argument("--until-moved", default=None,
                    help="end a run once the loop has moved this prompt type off eagle (a test's short episode)")
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
@@ -282,11 +290,11 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
-    unknown = [c for c in configs if c not in CONFIGS]
+    unknown = [c for c in configs if c.removesuffix(K_TUNED) not in CONFIGS]
     if unknown:
         print(f"method_select: error: unknown config(s) {unknown}; have {', '.join(CONFIGS)}", file=sys.stderr)
         return 2
-    if "table" in configs and not args.table:
+    if any(c.removesuffix(K_TUNED) == "table" for c in configs) and not args.table:
         print("method_select: error: the table config needs --table TYPE=METHOD,...", file=sys.stderr)
         return 2
     questions = load_questions(Path(args.questions) if args.questions else default_questions())
@@ -300,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             runs[c].append(Run(c, args, questions).go())
     result = {"clients": args.clients, "max_tokens": args.max_tokens, "seconds": args.seconds,
               "sampled_share": args.sampled_share, "temperature": args.temperature, "window_s": args.window,
-              "explore_pct": args.explore, "k_tuning": args.k_tuning, "ratios": ratios(runs), "runs": runs}
+              "explore_pct": args.explore, "ratios": ratios(runs), "runs": runs}
     summary = {"ratios": result["ratios"], **{c: [{k: v for k, v in x.items()
                                                    if k not in ("calls", "methods_over_time", "ceilings_over_time")}
                                                for x in rs]
