@@ -10,18 +10,34 @@ TESTS = pathlib.Path(__file__).parent
 # the rest, one at a time, with the machine to themselves (see `run_tests` in ./dev).
 ALONE = ("local", "fault")
 
+# Files of costly, independent cases: `./dev test`'s parallel part spreads their tests over its
+# workers one by one; every other file's tests stay on one worker (its module fixtures, some of
+# them minutes of interpreted Triton, are built once).
+SPREAD = ("tests/engine/test_lossless_sampling.py", "tests/engine/test_lossless_greedy.py")
 
-@pytest.hookimpl(tryfirst=True)  # before -m selects by these marks
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by this mark
 def pytest_collection_modifyitems(config, items):
-    """Marks each test for ./dev test's two parts: `alone` (above), or the parallel part, where a
-    test file's tests share one xdist worker (its module fixtures are built once) unless the file
-    is marked `spread` (costly, independent cases: any worker may take any one)."""
+    """Marks the tests `./dev test` runs `alone` (above); the rest run in its parallel part."""
     for item in items:
         folder = pathlib.Path(item.path).relative_to(TESTS).parts[0]
         if folder in ALONE or item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.alone)
-        elif item.get_closest_marker("spread") is None:
-            item.add_marker(pytest.mark.xdist_group(item.path.name))
+
+
+@pytest.hookimpl(optionalhook=True)  # a hook of pytest-xdist's, called with -n
+def pytest_xdist_make_scheduler(config, log):
+    """--dist loadfile, but the SPREAD files' tests are scheduled one by one."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class Scheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            path = nodeid.split("::", 1)[0]
+            return nodeid if path in SPREAD else path
+
+    return Scheduling(config, log)
 
 
 @pytest.fixture(autouse=True)

@@ -23,7 +23,6 @@ from specfleet_engine.testing import (
     TINY_ARCHITECTURES, branching_prompts, repeating_prompts, tiny_draft, tiny_head, tiny_medusa_head, tiny_model,
 )
 
-pytestmark = pytest.mark.spread  # costly, independent cases: ./dev test spreads them over its workers
 METHODS = ("ngram", "draft-model", "eagle", "medusa")
 _HEADS: dict = {}  # one trained head per target and kind (a few seconds each)
 

@@ -40,7 +40,6 @@ VOCAB, DEPTH, BATCH = 4, 4, 1000
 # a known-wrong rule is seen with fewer samples than the real rule gets (its TV stays, the bound
 # grows as 1 / sqrt(n)): a check that sees it at N_MUTANT sees it at N
 N, N_MIXED = 5_000, 10_000  # mixed drafts: a wrong q shows a TV of 0.047 (see the mixed mutants)
-pytestmark = pytest.mark.spread  # costly, independent cases: ./dev test spreads them over its workers
 N_MUTANT = 4_000  # the closest call measured: TV 0.098 against a 0.064 bound
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
 BRANCHY = [0, 1, 2, 3, 0, 1, 3, 2, 0, 1]  # "0 1" went on with 2 and with 3: an n-gram tree branches at once
