@@ -229,28 +229,28 @@ def retrained_head(tmp_path_factory) -> str:
     return str(out)
 
 
-def head_canary(name: str, stable_uri: str, canary_uri: str, window_s: float, startup_s: float) -> dict:
-    """Stable drafts with one head, the canary with another: the same model, precision and fixed
-    chains of 3 drafts, so the acceptance by the head is what differs. Alpha and the speedup are
-    judged at their defaults (tolerance 0.1, by interval); latencies are left loose (a shared 2-core
-    machine), the drift check asks for exact greedy agreement (both arms are lossless)."""
+def head_canary(tmp_path, name: str, stable_uri: str, canary_uri: str) -> tuple[Fleet, float]:
+    """A fleet whose stable arm drafts with one head and whose canary drafts with another (the same
+    model, precision and fixed chains of 3 drafts, so the acceptance by the head is what differs),
+    serving; and its analysis interval, sized by this machine's measured speed. Alpha and the
+    speedup are judged at their defaults (tolerance 0.1, by interval); latencies are left loose (a
+    shared 2-core machine), the drift check asks for exact greedy agreement (both arms are lossless)."""
+    spt = seconds_per_token("int8")
+    window_s = analysis_window_s(spt, max_tokens=32)
     doc = spec(name, {"draft": {"method": "eagle", "uri": canary_uri}}, model=SMOLLM2, window_s=window_s,
-               startup_s=startup_s)
+               startup_s=startup_deadline_s(spt))
     doc["spec"].update({"draft": {"method": "eagle", "uri": stable_uri}, "quantization": "int8",
                         "speculation": {"kMin": 3, "kMax": 3, "kInitial": 3, "kPolicy": "fixed"}})
     analysis = doc["spec"]["canary"]["analysis"]
     analysis["compare"].update({"alpha": 0.1, "speedup": 0.1})
     analysis["drift"]["sampleShare"] = 20
-    return doc
+    return Fleet(tmp_path, doc, max_tokens=32), window_s
 
 
 @pytest.mark.slow
 @pytest.mark.episode
 def test_a_retrained_head_that_drafts_worse_is_aborted_on_its_acceptance(tmp_path, retrained_head):
-    spt = seconds_per_token("int8")
-    window_s, startup_s = analysis_window_s(spt, max_tokens=32), startup_deadline_s(spt)
-    fleet = Fleet(tmp_path, head_canary("worse-head", SHIPPED_HEAD, retrained_head, window_s, startup_s),
-                  max_tokens=32)
+    fleet, window_s = head_canary(tmp_path, "worse-head", SHIPPED_HEAD, retrained_head)
     try:
         t0 = time.monotonic()
         canary = fleet.wait_phase({"Promoted", "Aborted"}, 120 + (ANALYSIS["failureLimit"] + 3) * window_s)
@@ -273,10 +273,7 @@ def test_a_retrained_head_that_drafts_worse_is_aborted_on_its_acceptance(tmp_pat
 @pytest.mark.slow
 @pytest.mark.episode
 def test_the_shipped_head_canaried_over_the_retrained_one_is_promoted_through_its_steps(tmp_path, retrained_head):
-    spt = seconds_per_token("int8")
-    window_s, startup_s = analysis_window_s(spt, max_tokens=32), startup_deadline_s(spt)
-    fleet = Fleet(tmp_path, head_canary("better-head", retrained_head, SHIPPED_HEAD, window_s, startup_s),
-                  max_tokens=32)
+    fleet, window_s = head_canary(tmp_path, "better-head", retrained_head, SHIPPED_HEAD)
     try:
         t0 = time.monotonic()
         canary = fleet.wait_phase({"Promoted", "Aborted"}, 120 + 8 * window_s)
