@@ -230,9 +230,11 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(10, 7))
-    for config, runs in result["runs"].items():
-        calls = sorted((c for c in runs[0]["calls"] if not c["error"]), key=lambda c: c["end"])
+    runs = result["runs"].get("self")
+    fig, axes = plt.subplots(2 if runs else 1, 1, figsize=(10, 7 if runs else 4), squeeze=False)
+    ax1 = axes[0][0]
+    for config, config_runs in result["runs"].items():
+        calls = sorted((c for c in config_runs[0]["calls"] if not c["error"]), key=lambda c: c["end"])
         if not calls:
             continue
         span = 30.0
@@ -243,8 +245,8 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_xlabel("seconds")
     ax1.legend()
     ax1.set_title(f"the same requests, {result['clients']} clients, max {result['max_tokens']} tokens")
-    runs = result["runs"].get("self")
     if runs:
+        ax2 = axes[1][0]
         types = sorted({t for _, m in runs[0]["methods_over_time"] for t in m})
         for i, t in enumerate(types):
             xs = [x for x, m in runs[0]["methods_over_time"]]
@@ -255,6 +257,9 @@ def plot(result: dict, path: Path) -> None:
         ax2.set_xlabel("seconds")
         ax2.set_title("the method the loop chose per prompt type (self)")
         ax2.legend(fontsize=7, ncol=4)
+    tuned = [c for c in result["runs"] if c.endswith(K_TUNED)]
+    if tuned and not any(r["k_ceiling_changes"] for c in tuned for r in result["runs"][c]):
+        ax1.text(0.01, 0.02, f"{', '.join(tuned)}: no K ceiling moved", transform=ax1.transAxes, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
