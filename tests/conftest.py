@@ -20,8 +20,8 @@ SPREAD = ("tests/engine/test_lossless_sampling.py", "tests/engine/test_lossless_
 def pytest_collection_modifyitems(config, items):
     """Marks the tests `./dev test` runs `alone` (above); the rest run in its parallel part."""
     for item in items:
-        folder = pathlib.Path(item.path).relative_to(TESTS).parts[0]
-        if folder in ALONE or item.get_closest_marker("slow") is not None:
+        in_alone_folder = item.path.is_relative_to(TESTS) and item.path.relative_to(TESTS).parts[0] in ALONE
+        if in_alone_folder or item.get_closest_marker("slow") is not None:
             item.add_marker(pytest.mark.alone)
 
 
