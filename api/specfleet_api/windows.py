@@ -105,6 +105,11 @@ class TypeCounts:
     spec_speedups: int = 0
     spec_log_speedup_sum: float = 0.0
     spec_log_speedup_sq: float = 0.0
+    # one acceptance rate per speculating request that drafted, as sums: how sure a window's
+    # alpha is at the request level (a shift in a type's traffic shows in it first)
+    spec_alphas: int = 0
+    spec_alpha_sum: float = 0.0
+    spec_alpha_sq: float = 0.0
     ttft_hist: tuple[int, ...] = _zeros(TTFT_BUCKETS)  # counts per TTFT_BUCKETS bucket
     tpot_hist: tuple[int, ...] = _zeros(TPOT_BUCKETS)
     # per draft position p (0-based): the decoding steps whose draft reached it, and those whose
@@ -316,18 +321,24 @@ class ClusterMethod:
     speedups: int = 0  # requests with both seconds, whose log speedups are summed below
     log_speedup_sum: float = 0.0
     log_speedup_sq: float = 0.0
+    alphas: int = 0  # requests that drafted, whose acceptance rates are summed below
+    alpha_sum: float = 0.0
+    alpha_sq: float = 0.0
 
     def plus_request(self, draft_tokens: int, accepted_tokens: int, plain_s: float, busy_s: float) -> ClusterMethod:
         """This one with one more request counted.
 
-        >>> ClusterMethod().plus_request(8, 4, 2.0, 1.0).plus_request(4, 1, 1.0, 1.0).speedups
-        2
+        >>> c = ClusterMethod().plus_request(8, 4, 2.0, 1.0).plus_request(4, 1, 1.0, 1.0)
+        >>> c.speedups, c.alphas, c.alpha_sum
+        (2, 2, 0.75)
         """
         log = math.log(plain_s / busy_s) if plain_s > 0 and busy_s > 0 else None
+        alpha = accepted_tokens / draft_tokens if draft_tokens > 0 else None
         return ClusterMethod(self.requests + 1, self.draft_tokens + draft_tokens, self.accepted_tokens + accepted_tokens,
                              self.plain_seconds + plain_s, self.busy_seconds + busy_s,
                              self.speedups + (log is not None), self.log_speedup_sum + (log or 0.0),
-                             self.log_speedup_sq + (log or 0.0) ** 2)
+                             self.log_speedup_sq + (log or 0.0) ** 2, self.alphas + (alpha is not None),
+                             self.alpha_sum + (alpha or 0.0), self.alpha_sq + (alpha or 0.0) ** 2)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -13,6 +13,13 @@ each judgement this module compares the methods on each type:
   `evidenceRequests` of them (at most 0.9 of them a window). The method a type runs fills that in
   one window, so a shift in its traffic shows at the next judgement; one explored by a few
   requests a window adds them up over as many windows as it takes;
+- a shift in a type's traffic restarts its evidence: where one method's acceptance rate in the new
+  window differs from what its carried evidence holds by more than the 99% interval of the
+  difference (Student's t, over the requests' own rates), the older windows describe other traffic, and
+  every method's evidence on the type starts again from this window (`TrafficShifted`). Acceptance
+  moves first and plainest (n-gram drafts of copied text are accepted 0.8 of the time, of fresh
+  text 0.5), and an explored method's few requests a window show it, where their speedups would
+  take many windows to;
 - a type moves from its method c to another m when the 95% interval of speedup(m) / speedup(c)
   (around the ratio of their plain-over-busy seconds, as wide as their requests' log speedups
   spread, Welch) lies wholly above 1 + `margin` (the hysteresis), both have `minRequests`
@@ -35,10 +42,11 @@ from specfleet_api import fleet_spec
 from specfleet_api.durations import parse_duration
 from specfleet_api.windows import ClusterMethod
 
-from .slo import Evidence, speedup_bounds, welch_half_width, window_evidence
+from .slo import Evidence, mean_var, speedup_bounds, t99, welch_half_width, window_evidence
 
 MAX_CARRY = 0.9  # the most of a method's evidence a window carries on (a method no request runs is forgotten)
 MOVED = "MethodChanged"
+SHIFTED = "TrafficShifted"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,7 +123,8 @@ def cluster_method_evidence(c: ClusterMethod | None) -> Evidence | None:
         return None
     return Evidence(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, requests=c.requests,
                     plain_s=c.plain_seconds, busy_s=c.busy_seconds, seen=c.requests, windows=1, speedups=c.speedups,
-                    log_speedup=c.log_speedup_sum, log_speedup_sq=c.log_speedup_sq)
+                    log_speedup=c.log_speedup_sum, log_speedup_sq=c.log_speedup_sq, alphas=c.alphas,
+                    alpha_sum=c.alpha_sum, alpha_sq=c.alpha_sq)
 
 
 def scaled(e: Evidence, by: float) -> Evidence:
@@ -139,6 +148,29 @@ def carried(old: Evidence | None, new: Evidence | None, requests: int) -> Eviden
     room = max(0.0, requests - new.speedups)
     keep = MAX_CARRY if not old.speedups else min(MAX_CARRY, room / old.speedups)
     return scaled(old, keep).plus(new)
+
+
+def shift(old: Evidence | None, new: Evidence | None) -> tuple[float, float, float] | None:
+    """(carried, new, 99% half-width) of a method's mean acceptance rate over its requests where
+    this window's differs from the carried evidence's by more than the half-width of their
+    difference (Student's t, 99%, the two sides' variances pooled: a window's few explored
+    requests say little about the spread, the carried ones more); None where it does not, or
+    either side has under two rates.
+
+    >>> before = Evidence(alphas=16, alpha_sum=16 * 0.5, alpha_sq=16 * (0.25 + 0.04))   # 0.5, sd 0.2
+    >>> [round(x, 3) for x in shift(before, Evidence(alphas=4, alpha_sum=3.4, alpha_sq=4 * (0.7225 + 0.01)))]
+    [0.5, 0.85, 0.312]
+    >>> shift(before, Evidence(alphas=4, alpha_sum=2.4, alpha_sq=4 * (0.36 + 0.01))) is None      # 0.6: noise
+    True
+    """
+    if old is None or new is None or old.alphas < 2 or new.alphas < 2:
+        return None
+    (m_old, v_old), (m_new, v_new) = mean_var(old.alphas, old.alpha_sum, old.alpha_sq), \
+        mean_var(new.alphas, new.alpha_sum, new.alpha_sq)
+    df = old.alphas + new.alphas - 2
+    pooled = ((old.alphas - 1) * v_old + (new.alphas - 1) * v_new) / df
+    half = t99(max(1, int(df))) * math.sqrt(pooled * (1 / old.alphas + 1 / new.alphas))
+    return (m_old, m_new, half) if abs(m_new - m_old) > half else None
 
 
 def log_ratio_bounds(a: Evidence, b: Evidence) -> tuple[float, float, float] | None:
@@ -189,9 +221,21 @@ def choose(windows: Mapping[str, Mapping[str, Any]], choices: Mapping[str, Choic
         elif before.since is None and before.method != own:  # never moved: it follows its default
             before = Choice(own, None, before.evidence)
         observed = windows.get(prompt_type, {})
+        new = {m: evidence_of(observed.get(m)) for m in candidates}
+        old = before.evidence
+        for m in candidates:
+            moved = shift(old.get(m), new[m])
+            if moved is not None:
+                was, now_alpha, half = moved
+                events.append((SHIFTED, (
+                    f"{label(prompt_type)}: {m}'s acceptance {now_alpha:.2f} over {new[m].alphas} requests against "
+                    f"{was:.2f} over {old[m].alphas:.3g} before (99% of the difference: {half:.2f}); every "
+                    f"method's evidence on it restarts from this window")))
+                old = {}
+                break
         evidence = {}
         for m in candidates:
-            e = carried(before.evidence.get(m), evidence_of(observed.get(m)), policy.evidence_requests)
+            e = carried(old.get(m), new[m], policy.evidence_requests)
             if e.windows > 0.01:  # forgotten after ~40 windows without a request
                 evidence[m] = e
         choice = Choice(before.method, before.since, evidence)

@@ -104,6 +104,9 @@ class Evidence:
     speedups: int = 0  # requests with a speedup of their own, and the sums of its log
     log_speedup: float = 0.0
     log_speedup_sq: float = 0.0
+    alphas: int = 0  # requests that drafted, and the sums of their acceptance rates
+    alpha_sum: float = 0.0
+    alpha_sq: float = 0.0
 
     def plus(self, other: Evidence) -> Evidence:
         return Evidence(*(a + b for a, b in zip(dataclasses.astuple(self), dataclasses.astuple(other))))
@@ -133,13 +136,20 @@ def window_evidence(w: Window | None) -> Evidence | None:
     return Evidence(draft_tokens=c.draft_tokens, accepted_tokens=c.accepted_tokens, requests=c.spec_requests,
                     plain_s=c.spec_plain_seconds, busy_s=c.spec_busy_seconds, seen=c.requests, windows=1,
                     speedups=c.spec_speedups, log_speedup=c.spec_log_speedup_sum,
-                    log_speedup_sq=c.spec_log_speedup_sq)
+                    log_speedup_sq=c.spec_log_speedup_sq, alphas=c.spec_alphas, alpha_sum=c.spec_alpha_sum,
+                    alpha_sq=c.spec_alpha_sq)
 
 
 def t95(df: int) -> float:
     """Student's t, two-sided 95%, for `df` degrees of freedom (within 1% past the table)."""
     table = (12.71, 4.30, 3.18, 2.78, 2.57, 2.45, 2.36, 2.31, 2.26, 2.23)
     return table[df - 1] if df <= len(table) else 1.96 + 2.4 / df
+
+
+def t99(df: int) -> float:
+    """Student's t, two-sided 99%, for `df` degrees of freedom (within 1% past the table)."""
+    table = (63.66, 9.92, 5.84, 4.60, 4.03, 3.71, 3.50, 3.36, 3.25, 3.17)
+    return table[df - 1] if df <= len(table) else 2.576 + 5.4 / df
 
 
 def mean_var(n: float, total: float, squares: float) -> tuple[float, float]:

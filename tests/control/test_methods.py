@@ -17,25 +17,30 @@ CANDIDATES = ("ngram", "eagle")
 WINDOW_S = 60.0
 
 
-def window(rng: random.Random, n: int, speedup: float, spread: float = 0.15, alpha: float = 0.6) -> Window:
-    """n speculating requests of 1 busy second each whose speedups are log-normal around `speedup`."""
+def window(rng: random.Random, n: int, speedup: float, spread: float = 0.15, alpha: float = 0.6,
+           alpha_spread: float = 0.15) -> Window:
+    """n speculating requests of 1 busy second and 40 drafted tokens each whose speedups are
+    log-normal around `speedup` and acceptance rates normal around `alpha` (within [0, 1])."""
     logs = [rng.gauss(math.log(speedup), spread) for _ in range(n)]
-    drafted = 40 * n
+    draw = random.Random(repr(logs))  # its own stream: the speedups stay those `rng` gave before rates were drawn
+    alphas = [min(1.0, max(0.0, draw.gauss(alpha, alpha_spread))) for _ in range(n)]
     return Window(TypeCounts(requests=n, spec_requests=n, spec_busy_seconds=float(n),
                              spec_plain_seconds=sum(math.exp(x) for x in logs), spec_speedups=n,
                              spec_log_speedup_sum=sum(logs), spec_log_speedup_sq=sum(x * x for x in logs),
-                             draft_tokens=drafted, accepted_tokens=int(alpha * drafted)), pods=1, seconds=WINDOW_S)
+                             draft_tokens=40 * n, accepted_tokens=round(40 * sum(alphas)), spec_alphas=n,
+                             spec_alpha_sum=sum(alphas), spec_alpha_sq=sum(a * a for a in alphas)),
+                  pods=1, seconds=WINDOW_S)
 
 
 def run(windows_by_tick, policy=SelectPolicy(min_dwell_s=3 * WINDOW_S), pins=None, default="ngram", choices=None):
     """Judge a sequence of {type: {method: Window}}, one per window; returns the choices after each
-    and every event."""
+    and every move."""
     choices, history, events = choices or {}, [], []
     for i, windows in enumerate(windows_by_tick):
         choices, ev = choose(windows, choices, policy, now=i * WINDOW_S, candidates=CANDIDATES, default=default,
                              pins=pins or {})
         history.append({t: c.method for t, c in choices.items()})
-        events += [(i, reason, message) for reason, message in ev]
+        events += [(i, reason, message) for reason, message in ev if reason == MOVED]
     return choices, history, events
 
 
@@ -98,13 +103,94 @@ def test_a_traffic_shift_moves_only_the_shifted_type_once_within_three_windows()
         choices, ev = choose(windows, choices, SelectPolicy(min_dwell_s=3 * WINDOW_S), now=i * WINDOW_S,
                              candidates=CANDIDATES, default="ngram", pins={})
         current = {t: c.method for t, c in choices.items()}
-        events += [(i, m) for _, m in ev]
+        events += [(i, m) for reason, m in ev if reason == MOVED]
         ticks.append(current)
     assert all(t == {"code": "ngram", "chat": "ngram"} for t in ticks[:10])
     moved_at = [i for i, m in events]
     assert len(events) == 1 and events[0][1].startswith("prompt type code: ngram -> eagle")
     assert 10 <= moved_at[0] <= 12  # within 3 windows of the shift
     assert all(t == {"code": "eagle", "chat": "ngram"} for t in ticks[moved_at[0]:])
+
+
+def shifted_explored_method(seed: int) -> tuple[list[dict[str, str]], list[tuple[int, str, str]]]:
+    """Code runs the head; n-gram, explored by 8 of its 40 requests a window, pays like it (1.0x,
+    its drafts accepted half the time) until window 15, when code's prompts become edits of pasted
+    code: n-gram's drafts copy it (accepted 0.85 of the time, 1.25x) and the head's do not change.
+    Chat's traffic never changes. Returns the methods after each window and every event."""
+    rng = random.Random(seed)
+    calm = {"eagle": (1.0, 0.3), "ngram": (1.0, 0.5)}  # (speedup, alpha)
+    edits = {"eagle": (1.0, 0.3), "ngram": (1.25, 0.85)}
+    choices: dict[str, Choice] = {}
+    current = {"code": "eagle", "chat": "eagle"}
+    history, events = [], []
+    for i in range(22):
+        windows = {}
+        for t in ("code", "chat"):
+            speed = edits if t == "code" and i >= 15 else calm
+            other = next(m for m in CANDIDATES if m != current[t])
+            windows[t] = {current[t]: window(rng, 32, speed[current[t]][0], alpha=speed[current[t]][1]),
+                          other: window(rng, 8, speed[other][0], alpha=speed[other][1])}
+        choices, ev = choose(windows, choices, SelectPolicy(min_dwell_s=3 * WINDOW_S), now=i * WINDOW_S,
+                             candidates=CANDIDATES, default="eagle", pins={})
+        current = {t: c.method for t, c in choices.items()}
+        history.append(current)
+        events += [(i, reason, message) for reason, message in ev]
+    return history, events
+
+
+def test_a_shift_seen_only_by_an_explored_method_moves_its_type_within_three_windows():
+    """The explored method's older windows (other traffic) would hold it back for windows; its
+    acceptance tells the shift at once and restarts the type's evidence. Over 12 seeds: code
+    runs n-gram from the third window of the shift on, in 10 or more from the second (carrying
+    the old windows: 9); chat, whose traffic did not change, never moves; before the shift (equal
+    speedups) at most one seed's noise moves code."""
+    early, second = 0, 0
+    for seed in range(12):
+        history, events = shifted_explored_method(seed)
+        moves = [(i, m) for i, r, m in events if r == MOVED]
+        assert all(h["chat"] == "eagle" for h in history), (seed, moves)
+        assert all(h["code"] == "ngram" for h in history[17:]), (seed, moves)  # windows 15, 16, 17
+        assert len(moves) == 1 and moves[0][1].startswith("prompt type code: eagle -> ngram"), (seed, moves)
+        if moves[0][0] < 15:
+            early += 1
+            continue
+        second += moves[0][0] <= 16
+        shifts = [(i, m) for i, r, m in events if r == methods.SHIFTED]
+        assert any(i >= 15 and re.match(r"prompt type code: ngram's acceptance 0\.[789]", m) for i, m in shifts), shifts
+    assert early <= 1 and early + second >= 10, (early, second)
+
+
+def test_a_traffic_shift_restarts_every_method_s_evidence_and_says_why():
+    rng = random.Random(11)
+    calm = {"eagle": window(rng, 30, 1.0, alpha=0.3), "ngram": window(rng, 10, 1.0, alpha=0.5)}
+    choices, _ = choose({"code": calm}, {}, SelectPolicy(), now=0.0, candidates=CANDIDATES, default="eagle", pins={})
+    assert choices["code"].evidence["ngram"].speedups == 10
+    edits = {"eagle": window(rng, 30, 1.0, alpha=0.3), "ngram": window(rng, 6, 1.25, alpha=0.85)}
+    choices, events = choose({"code": edits}, choices, SelectPolicy(), now=60.0, candidates=CANDIDATES,
+                             default="eagle", pins={})
+    [(reason, message), (moved, _)] = events  # the shift, then the move it let the evidence show
+    assert (reason, moved) == (methods.SHIFTED, MOVED)
+    assert re.fullmatch(r"prompt type code: ngram's acceptance 0\.8\d over 6 requests against 0\.\d\d over 10 "
+                        r"before \(99% of the difference: 0\.\d\d\); every method's evidence on it restarts from "
+                        r"this window", message), message
+    e = choices["code"].evidence
+    assert (e["ngram"].speedups, e["eagle"].speedups, e["ngram"].windows) == (6, 30, 1)  # this window's alone
+
+
+def test_steady_traffic_rarely_looks_shifted():
+    """Noisy but unchanging traffic: the 99% test restarts a type's evidence in about 1% of
+    windows per method (each restart costs evidence, never a wrong move)."""
+    rng = random.Random(12)
+    choices: dict[str, Choice] = {}
+    shifts = 0
+    for i in range(1000):
+        windows = {"chat": {"ngram": window(rng, 30, 1.2, alpha=0.5, alpha_spread=0.25),
+                            "eagle": window(rng, 3, 1.1, alpha=0.3, alpha_spread=0.25)}}
+        choices, ev = choose(windows, choices, SelectPolicy(min_dwell_s=0.0), now=i * WINDOW_S,
+                             candidates=CANDIDATES, default="ngram", pins={})
+        shifts += sum(r == methods.SHIFTED for r, _ in ev)
+        assert all(r != MOVED for r, _ in ev)
+    assert shifts <= 30  # 3%: two tests a window at 1% each, and the weighted evidence's looser fit
 
 
 def test_a_type_does_not_move_back_before_its_dwell():
@@ -118,7 +204,7 @@ def test_a_type_does_not_move_back_before_its_dwell():
         choices, ev = choose({"chat": explored(rng, current, 60, speed)}, choices, policy, now=i * WINDOW_S,
                              candidates=CANDIDATES, default="ngram", pins={})
         current = choices["chat"].method
-        moves += [i for _ in ev]
+        moves += [i for reason, _ in ev if reason == MOVED]
     assert moves[0] == 0 and moves[1] == 5  # back to n-gram only once the dwell passed
     assert len(moves) == 2
 

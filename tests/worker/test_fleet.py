@@ -120,6 +120,11 @@ def test_a_types_requests_are_windowed_by_the_method_they_ran_and_readers_split_
     assert by["ngram"].counts.draft_tokens == sum(x.speculation.num_draft_tokens for x in ngram) > 0
     assert by["none"].counts.draft_tokens == 0 and by["none"].counts.spec_requests == 0
     assert by["ngram"].counts.spec_speedups == 2
+    # each request's own acceptance rate (what tells a shift in a type's traffic), as sums
+    rates = [x.speculation.acceptance_rate for x in ngram]
+    assert by["ngram"].counts.spec_alphas == 2 and by["none"].counts.spec_alphas == 0
+    assert by["ngram"].counts.spec_alpha_sum == pytest.approx(sum(rates), abs=1e-6)
+    assert by["ngram"].counts.spec_alpha_sq == pytest.approx(sum(a * a for a in rates), abs=1e-6)
     # acceptance by draft position: every drafting step reached the first, and each accepted token
     # is one step's accepted position
     c = by["ngram"].counts

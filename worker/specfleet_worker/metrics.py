@@ -183,11 +183,13 @@ class Metrics:
 
     def finished(self, prompt_type: str, finish_reason: str, output_tokens: int, e2e_s: float,
                  ttft_s: float | None, tpot_s: float | None, spec: bool = False,
-                 spec_seconds: tuple[float, float] = (0.0, 0.0), method: str | None = None) -> None:
+                 spec_seconds: tuple[float, float] = (0.0, 0.0), method: str | None = None,
+                 spec_alpha: float | None = None) -> None:
         """A request that ran to its end (stop, length or abort); TTFT is None when no token came,
         TPOT when fewer than two did; `spec`: speculation was in effect for it (in some step);
         `spec_seconds`: (plain-equivalent, actual) seconds of its speculating steps, whose ratio is
-        this request's own speedup (the spread of those is how sure a window's speedup is)."""
+        this request's own speedup (the spread of those is how sure a window's speedup is);
+        `spec_alpha`: its acceptance rate, where it drafted."""
         m = self.model
         self.requests.labels(m, finish_reason).inc()
         self.e2e.labels(m).observe(e2e_s)
@@ -197,11 +199,11 @@ class Metrics:
             self.tpot.labels(m).observe(tpot_s)
         with self._by_type_lock:
             for c in self._counts(prompt_type, method):
-                self._finished_into(c, output_tokens, ttft_s, tpot_s, spec, spec_seconds)
+                self._finished_into(c, output_tokens, ttft_s, tpot_s, spec, spec_seconds, spec_alpha)
 
     @staticmethod
     def _finished_into(c: TypeCounts, output_tokens: int, ttft_s: float | None, tpot_s: float | None, spec: bool,
-                       spec_seconds: tuple[float, float]) -> None:
+                       spec_seconds: tuple[float, float], spec_alpha: float | None) -> None:
         c.requests += 1
         c.spec_requests += spec
         plain_s, busy_s = spec_seconds
@@ -210,6 +212,10 @@ class Metrics:
             c.spec_speedups += 1
             c.spec_log_speedup_sum += log_speedup
             c.spec_log_speedup_sq += log_speedup * log_speedup
+        if spec and spec_alpha is not None:
+            c.spec_alphas += 1
+            c.spec_alpha_sum += spec_alpha
+            c.spec_alpha_sq += spec_alpha * spec_alpha
         c.output_tokens += output_tokens
         if ttft_s is not None:
             c.ttft_seconds_sum += ttft_s

@@ -408,7 +408,8 @@ class Scheduler:
                     tpot = (req.finished_at - req.first_token_at) / (len(seq.output) - 1)
             self.metrics.finished(req.prompt_type, seq.finish_reason, len(seq.output), req.finished_at - req.arrival,
                                   ttft, tpot, spec=req.speculated, spec_seconds=req.spec_seconds,
-                                  method=req.method)
+                                  method=req.method,
+                                  spec_alpha=seq.stats.acceptance_rate if seq.stats.num_draft_tokens else None)
         elif error.kind in FAILURES:
             self.metrics.error(req.prompt_type, req.method)
         self._hook(req, error)
