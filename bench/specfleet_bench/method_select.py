@@ -13,6 +13,12 @@ for --seconds:
     ngram    draft.method ngram: n-gram drafts for every type
     table    routing.byPromptType from --table TYPE=METHOD,... (a per-type table fixed by hand)
 
+With --shift CATEGORY@SECONDS a traffic shift comes into every run: from that second on, the
+category's requests are drawn from --shift-questions instead (by default the bundled
+code_edits.jsonl: pasted Python classes to edit, which the answer copies, so n-gram drafts them and
+the head does not), classified as the same prompt type. The result says which types the loop moved
+after the shift, and how many of its judgements (windows) after it each move came.
+
 A config named with `+k` (`ngram+k`, `self+k`, ...) also turns on speculation.kTuning: the loop's
 K ceiling per prompt type, from the acceptance by draft position the workers publish. The ceilings
 over time and their KCeilingChanged events are in the result, and each `X+k` is compared with `X`
@@ -48,6 +54,7 @@ from .local_fleet import local_fleet
 from .questions import default_questions, load_questions
 
 NAME, NAMESPACE = "select", "default"
+CODE_EDITS = Path(__file__).with_name("code_edits.jsonl")  # a shift's default prompts
 FIXED = (Method.EAGLE.value, Method.NGRAM.value)  # every type on one method: the head's, n-gram's
 CONFIGS = ("self", *FIXED, "table")
 
@@ -83,9 +90,19 @@ class Call:
     error: str = ""
 
 
-def request_stream(questions: list[dict], seed: int, sampled_share: float, temperature: float):
+def request_stream(questions: list[dict], seed: int, sampled_share: float, temperature: float,
+                   shift: tuple[str, list[str], threading.Event] | None = None):
     """An endless, seeded stream of (category, prompt, temperature, seed): every category in turn,
-    a question drawn from it, sampled at `temperature` with probability `sampled_share`."""
+    a question drawn from it, sampled at `temperature` with probability `sampled_share`. With
+    `shift` (category, prompts, event): once the event is set, that category's prompts are drawn
+    from `prompts` instead (the same draws, so the rest of the stream does not change).
+
+    >>> on = threading.Event()
+    >>> qs = [{"category": "a", "turns": ["a1"]}, {"category": "b", "turns": ["b1"]}]
+    >>> s = request_stream(qs, 1, 0.0, 0.7, ("b", ["edit"], on))
+    >>> [next(s)[1] for _ in range(2)], on.set(), [next(s)[1] for _ in range(2)]
+    (['a1', 'b1'], None, ['a1', 'edit'])
+    """
     rng = random.Random(seed)
     by_cat: dict[str, list[str]] = collections.defaultdict(list)
     for q in questions:
@@ -94,20 +111,26 @@ def request_stream(questions: list[dict], seed: int, sampled_share: float, tempe
     while True:
         for cat in cats:
             t = temperature if rng.random() < sampled_share else 0.0
-            yield cat, rng.choice(by_cat[cat]), t, rng.randrange(2**31)
+            pool = shift[1] if shift is not None and cat == shift[0] and shift[2].is_set() else by_cat[cat]
+            yield cat, pool[rng.randrange(len(pool))], t, rng.randrange(2**31)
 
 
 class Run:
     """One config: its fleet, its clients, what the loop did."""
 
-    def __init__(self, config: str, args, questions: list[dict]):
+    def __init__(self, config: str, args, questions: list[dict], shifted: list[str] | None = None):
         self.config, self.args = config, args
-        self.stream = request_stream(questions, args.seed, args.sampled_share, args.temperature)
+        self.shifted = threading.Event()
+        self.shift_at: float | None = None  # wall-clock time (the loop's clock) of the shift
+        self.shift = parse_shift(args.shift) if args.shift else None
+        self.stream = request_stream(questions, args.seed, args.sampled_share, args.temperature,
+                                     (self.shift[0], shifted or [], self.shifted) if self.shift else None)
         self.lock = threading.Lock()
         self.calls: list[Call] = []
         self.loop_doc: dict = {}
         self.methods_over_time: list[tuple[float, dict]] = []
         self.ceilings_over_time: list[tuple[float, dict]] = []
+        self.judged: set[float] = set()  # the loop's judgements seen (memory.judgedAt)
         self.stop = threading.Event()
         self.t0 = 0.0
 
@@ -146,6 +169,9 @@ class Run:
                 now = round(time.monotonic() - self.t0, 1)
                 self.methods_over_time.append((now, dict(self.loop_doc.get("methods") or {})))
                 self.ceilings_over_time.append((now, dict(self.loop_doc.get("kCeilings") or {})))
+                judged = (self.loop_doc.get("memory") or {}).get("judgedAt")
+                if judged is not None:
+                    self.judged.add(float(judged))
             except Exception as e:  # noqa: BLE001 - a missed sample is a gap
                 print(f"sampler: {type(e).__name__}: {e}", file=sys.stderr)
             self.stop.wait(2.0)
@@ -164,6 +190,11 @@ class Run:
             until, said = a.seconds, 0.0
             while time.monotonic() - self.t0 < until:
                 self.stop.wait(min(2.0, until - (time.monotonic() - self.t0)))
+                if self.shift and not self.shifted.is_set() and time.monotonic() - self.t0 >= self.shift[1]:
+                    self.shift_at = time.time()
+                    self.shifted.set()
+                    print(f"[{self.config} {time.monotonic() - self.t0:6.0f}s] shift: {self.shift[0]}'s prompts "
+                          f"change", flush=True)
                 if time.monotonic() - self.t0 - said >= 30.0:
                     said = time.monotonic() - self.t0
                     done = [c for c in self.calls if not c.error]
@@ -194,15 +225,41 @@ class Run:
                           "tokens_per_s_each": round(statistics.median(
                               c.tokens / (c.end - c.start) for c in mine if c.end > c.start), 2)}
         events = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "MethodChanged"]
+        shift = None
+        if self.shift_at is not None:
+            after = [t for t in sorted(self.judged) if t > self.shift_at]
+            shift = {"category": self.shift[0], "at_s": self.shift[1],
+                     "prompt_types": dict(collections.Counter(
+                         c.prompt_type for c in done if c.category == self.shift[0] and c.start >= self.shift[1])),
+                     "windows_judged_after": len(after),
+                     "moves_after": [{**e, "window": sum(t <= e["time"] for t in after)}
+                                     for e in events if e["time"] > self.shift_at],
+                     "restarts_after": [e for e in self.loop_doc.get("events", [])
+                                        if e.get("reason") == "TrafficShifted" and e["time"] > self.shift_at]}
         ceilings = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "KCeilingChanged"]
         return {"config": self.config, "seconds": round(seconds, 1), "requests": len(done),
                 "tokens": sum(c.tokens for c in done), "tokens_per_s": tps(done, 0.0, seconds),
                 "tokens_per_s_second_half": tps(done, half, seconds),
                 "errors": [c.error for c in self.calls if c.error],
-                "types": by_type, "methods_chosen": self.current_methods(), "moves": events,
+                "types": by_type, "methods_chosen": self.current_methods(), "moves": events, "shift": shift,
                 "k_ceilings": dict(self.loop_doc.get("kCeilings") or {}), "k_ceiling_changes": ceilings,
                 "methods_over_time": self.methods_over_time, "ceilings_over_time": self.ceilings_over_time,
                 "calls": [asdict(c) for c in self.calls]}
+
+
+def parse_shift(text: str) -> tuple[str, float]:
+    """--shift's CATEGORY@SECONDS; ValueError naming what is wrong.
+
+    >>> parse_shift("coding@240")
+    ('coding', 240.0)
+    """
+    category, at, seconds = text.partition("@")
+    try:
+        if not category or not at or float(seconds) < 0:
+            raise ValueError
+        return category, float(seconds)
+    except ValueError:
+        raise ValueError(f"--shift {text!r}: want CATEGORY@SECONDS, e.g. coding@240") from None
 
 
 def ratios(results: dict[str, list[dict]]) -> dict:
@@ -244,7 +301,8 @@ def plot(result: dict, path: Path) -> None:
     ax1.set_ylabel(f"tokens/s (last 30 s)")
     ax1.set_xlabel("seconds")
     ax1.legend()
-    ax1.set_title(f"the same requests, {result['clients']} clients, max {result['max_tokens']} tokens")
+    clients = result["clients"]
+    ax1.set_title(f"the same requests, {clients} client{'s' if clients != 1 else ''}, max {result['max_tokens']} tokens")
     if runs:
         ax2 = axes[1][0]
         types = sorted({t for _, m in runs[0]["methods_over_time"] for t in m})
@@ -257,6 +315,11 @@ def plot(result: dict, path: Path) -> None:
         ax2.set_xlabel("seconds")
         ax2.set_title("the method the loop chose per prompt type (self)")
         ax2.legend(fontsize=7, ncol=4)
+    if result.get("shift"):
+        category, at = parse_shift(result["shift"])
+        for row in axes:
+            row[0].axvline(at, color="grey", linestyle=":")
+        ax1.text(at, ax1.get_ylim()[1] * 0.95, f" {category}'s prompts change", fontsize=8, va="top")
     tuned = [c for c in result["runs"] if c.endswith(K_TUNED)]
     if tuned and not any(r["k_ceiling_changes"] for c in tuned for r in result["runs"][c]):
         ax1.text(0.01, 0.02, f"{', '.join(tuned)}: no K ceiling moved", transform=ax1.transAxes, fontsize=8)
@@ -282,6 +345,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--until-moved", default=None,
                    help="end a run once the loop has moved this prompt type off eagle (a test's short episode)")
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
+    p.add_argument("--shift", default=None, help="CATEGORY@SECONDS: from then on that category's prompts come "
+                                                 "from --shift-questions (a traffic shift)")
+    p.add_argument("--shift-questions", default=str(CODE_EDITS), help="the shifted prompts (default: bundled code edits)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--worker-threads", type=int, default=2)
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -306,14 +372,25 @@ def main(argv: list[str] | None = None) -> int:
     if args.categories:
         keep = set(args.categories.split(","))
         questions = [q for q in questions if q["category"] in keep]
+    shifted = None
+    if args.shift:
+        try:
+            category, _ = parse_shift(args.shift)
+            shifted = [q["turns"][0] for q in load_questions(Path(args.shift_questions))]
+        except (ValueError, FileNotFoundError) as e:
+            print(f"method_select: error: {e}", file=sys.stderr)
+            return 2
+        if category not in {q["category"] for q in questions}:
+            print(f"method_select: error: --shift {args.shift!r}: no {category} questions in this run", file=sys.stderr)
+            return 2
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     for r in range(args.rounds):
         for c in configs[r % len(configs):] + configs[:r % len(configs)]:
             print(f"== round {r + 1}/{args.rounds}: {c}", flush=True)
-            runs[c].append(Run(c, args, questions).go())
+            runs[c].append(Run(c, args, questions, shifted).go())
     result = {"clients": args.clients, "max_tokens": args.max_tokens, "seconds": args.seconds,
               "sampled_share": args.sampled_share, "temperature": args.temperature, "window_s": args.window,
-              "explore_pct": args.explore, "ratios": ratios(runs), "runs": runs}
+              "explore_pct": args.explore, "shift": args.shift, "ratios": ratios(runs), "runs": runs}
     summary = {"ratios": result["ratios"], **{c: [{k: v for k, v in x.items()
                                                    if k not in ("calls", "methods_over_time", "ceilings_over_time")}
                                                for x in rs]

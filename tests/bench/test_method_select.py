@@ -27,3 +27,41 @@ def test_an_unknown_config_exits_2_naming_it(capsys):
     assert main(["--configs", "ngram,fast+k"]) == 2
     assert "fast+k" in capsys.readouterr().err
     assert main(["--configs", "table+k"]) == 2  # the table needs --table
+
+
+def test_a_bad_shift_exits_2_naming_it(capsys, tmp_path):
+    assert main(["--shift", "coding", "--seconds", "1"]) == 2
+    assert "want CATEGORY@SECONDS" in capsys.readouterr().err
+    assert main(["--shift", "poetry@10", "--seconds", "1"]) == 2
+    assert "no poetry questions" in capsys.readouterr().err
+    assert main(["--shift", "coding@10", "--shift-questions", str(tmp_path / "none.jsonl"), "--seconds", "1"]) == 2
+    assert "none.jsonl not found" in capsys.readouterr().err
+
+
+def test_the_bundled_shift_prompts_are_code_edits_the_router_calls_code():
+    """The shift keeps its type: every bundled edit is classified as code, as Spec-Bench's coding
+    questions are, and each pastes code for the answer to copy."""
+    from specfleet_bench.questions import load_questions
+    from specfleet_router.classify import classify
+
+    edits = load_questions(method_select.CODE_EDITS)
+    assert len(edits) >= 8
+    assert {classify(q["turns"][0]).value for q in edits} == {"code"}
+    assert all(q["turns"][0].count("\n") >= 10 and "```python" in q["turns"][0] for q in edits)
+
+
+def test_a_shift_report_counts_the_loop_s_judgements_after_it():
+    args = build_parser().parse_args(["--shift", "coding@100"])
+    run = method_select.Run("self", args, [{"category": "coding", "turns": ["a"]}], ["edit"])
+    run.shift_at = 1000.0
+    run.judged = {940.0, 1000.0, 1060.0, 1120.0, 1180.0}
+    run.loop_doc = {"events": [
+        {"time": 970.0, "reason": "MethodChanged", "message": "prompt type chat: eagle -> ngram"},
+        {"time": 1060.0, "reason": "TrafficShifted", "message": "prompt type code: ngram's acceptance"},
+        {"time": 1120.0, "reason": "MethodChanged", "message": "prompt type code: eagle -> ngram"}]}
+    run.calls = [method_select.Call(120.0, 130.0, "coding", 0.0, "code", "ngram", 10)]
+    shift = run.report(200.0)["shift"]
+    assert shift["windows_judged_after"] == 3 and shift["prompt_types"] == {"code": 1}
+    [move] = shift["moves_after"]  # the move before the shift is not counted
+    assert move["window"] == 2 and move["message"].startswith("prompt type code")
+    assert [e["reason"] for e in shift["restarts_after"]] == ["TrafficShifted"]
