@@ -48,6 +48,7 @@ from pathlib import Path
 
 from specfleet_api.engine_config import BUNDLED_EAGLE_HEAD
 from specfleet_api.enums import Method
+from specfleet_control import kbounds, methods
 from specfleet_local.state import loop_key
 
 from .local_fleet import local_fleet
@@ -224,7 +225,7 @@ class Run:
                           "methods": dict(collections.Counter(c.method for c in mine)),
                           "tokens_per_s_each": round(statistics.median(
                               c.tokens / (c.end - c.start) for c in mine if c.end > c.start), 2)}
-        events = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "MethodChanged"]
+        events = [e for e in self.loop_doc.get("events", []) if e.get("reason") == methods.MOVED]
         shift = None
         if self.shift_at is not None:
             after = [t for t in sorted(self.judged) if t > self.shift_at]
@@ -235,8 +236,8 @@ class Run:
                      "moves_after": [{**e, "window": sum(t <= e["time"] for t in after)}
                                      for e in events if e["time"] > self.shift_at],
                      "restarts_after": [e for e in self.loop_doc.get("events", [])
-                                        if e.get("reason") == "TrafficShifted" and e["time"] > self.shift_at]}
-        ceilings = [e for e in self.loop_doc.get("events", []) if e.get("reason") == "KCeilingChanged"]
+                                        if e.get("reason") == methods.SHIFTED and e["time"] > self.shift_at]}
+        ceilings = [e for e in self.loop_doc.get("events", []) if e.get("reason") == kbounds.CHANGED]
         return {"config": self.config, "seconds": round(seconds, 1), "requests": len(done),
                 "tokens": sum(c.tokens for c in done), "tokens_per_s": tps(done, 0.0, seconds),
                 "tokens_per_s_second_half": tps(done, half, seconds),
