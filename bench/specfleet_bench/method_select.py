@@ -228,7 +228,8 @@ class Run:
         events = [e for e in self.loop_doc.get("events", []) if e.get("reason") == methods.MOVED]
         shift = None
         if self.shift_at is not None:
-            after = [t for t in sorted(self.judged) if t > self.shift_at]
+            # events carry their time to the millisecond, the memory its judgement's whole
+            after = sorted({round(t, 3) for t in self.judged if t > self.shift_at})
             shift = {"category": self.shift[0], "at_s": self.shift[1],
                      "prompt_types": dict(collections.Counter(
                          c.prompt_type for c in done if c.category == self.shift[0] and c.start >= self.shift[1])),

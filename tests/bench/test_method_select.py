@@ -54,7 +54,7 @@ def test_a_shift_report_counts_the_loop_s_judgements_after_it():
     args = build_parser().parse_args(["--shift", "coding@100"])
     run = method_select.Run("self", args, [{"category": "coding", "turns": ["a"]}], ["edit"])
     run.shift_at = 1000.0
-    run.judged = {940.0, 1000.0, 1060.0, 1120.0, 1180.0}
+    run.judged = {940.0, 1000.0, 1060.0, 1120.0004, 1180.0}  # the move's judgement, to the microsecond
     run.loop_doc = {"events": [
         {"time": 970.0, "reason": "MethodChanged", "message": "prompt type chat: eagle -> ngram"},
         {"time": 1060.0, "reason": "TrafficShifted", "message": "prompt type code: ngram's acceptance"},
