@@ -119,13 +119,13 @@ def request_stream(questions: list[dict], seed: int, sampled_share: float, tempe
 class Run:
     """One config: its fleet, its clients, what the loop did."""
 
-    def __init__(self, config: str, args, questions: list[dict], shifted: list[str] | None = None):
+    def __init__(self, config: str, args, questions: list[dict], shift_prompts: list[str] | None = None):
         self.config, self.args = config, args
         self.shifted = threading.Event()
         self.shift_at: float | None = None  # wall-clock time (the loop's clock) of the shift
         self.shift = parse_shift(args.shift) if args.shift else None
         self.stream = request_stream(questions, args.seed, args.sampled_share, args.temperature,
-                                     (self.shift[0], shifted or [], self.shifted) if self.shift else None)
+                                     (self.shift[0], shift_prompts or [], self.shifted) if self.shift else None)
         self.lock = threading.Lock()
         self.calls: list[Call] = []
         self.loop_doc: dict = {}
@@ -264,6 +264,11 @@ def parse_shift(text: str) -> tuple[str, float]:
         raise ValueError(f"--shift {text!r}: want CATEGORY@SECONDS, e.g. coding@240") from None
 
 
+def shift_prompts(args) -> list[str]:
+    """The prompts a shifted category's requests draw from (--shift-questions' first turns)."""
+    return [q["turns"][0] for q in load_questions(Path(args.shift_questions))]
+
+
 def ratios(results: dict[str, list[dict]]) -> dict:
     """Tokens/s of `self` over each other config's, and of each `X+k` over `X`, whole run and second
     half (medians over rounds).
@@ -374,11 +379,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.categories:
         keep = set(args.categories.split(","))
         questions = [q for q in questions if q["category"] in keep]
-    shifted = None
+    prompts = None
     if args.shift:
         try:
             category, _ = parse_shift(args.shift)
-            shifted = [q["turns"][0] for q in load_questions(Path(args.shift_questions))]
+            prompts = shift_prompts(args)
         except (ValueError, FileNotFoundError) as e:
             print(f"method_select: error: {e}", file=sys.stderr)
             return 2
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for c in configs[r % len(configs):] + configs[:r % len(configs)]:
             print(f"== round {r + 1}/{args.rounds}: {c}", flush=True)
-            runs[c].append(Run(c, args, questions, shifted).go())
+            runs[c].append(Run(c, args, questions, prompts).go())
     result = {"clients": args.clients, "max_tokens": args.max_tokens, "seconds": args.seconds,
               "sampled_share": args.sampled_share, "temperature": args.temperature, "window_s": args.window,
               "explore_pct": args.explore, "shift": args.shift, "ratios": ratios(runs), "runs": runs}

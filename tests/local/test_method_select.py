@@ -15,11 +15,10 @@ holds the loop to the shift's bar: that type moves within three windows, alone, 
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-from specfleet_bench.method_select import Run, build_parser
+from specfleet_bench.method_select import Run, build_parser, shift_prompts
 from specfleet_bench.questions import default_questions, load_questions
 
 LIMIT_S = 900  # the episode's own bound: on a 2-core AVX-512 machine the move comes within ~2 min
@@ -63,8 +62,7 @@ def test_after_a_traffic_shift_the_loop_moves_that_type_alone_within_three_windo
         "--window", str(WINDOW_S), "--dwell", "600", "--clients", "1", "--max-tokens", "64",
         "--seconds", str(limit), "--ready-timeout", "600"])
     questions = [q for q in load_questions(default_questions()) if q["category"] in ("coding", "qa")]
-    shifted = [q["turns"][0] for q in load_questions(Path(args.shift_questions))]
-    result = Run("self", args, questions, shifted).go()
+    result = Run("self", args, questions, shift_prompts(args)).go()
     assert result["errors"] == [], result["errors"][:5]
     shift = result["shift"]
     summary = {k: v for k, v in result.items() if k not in ("calls", "methods_over_time", "ceilings_over_time")}
