@@ -124,6 +124,19 @@ class Memory:
                    {str(c): Choice.from_status(ch) for c, ch in (raw.get("clusterMethods") or {}).items()})
 
 
+def event_scope(message: str) -> str:
+    """What a loop event's message says it decided for: one prompt type, one prompt cluster, or
+    the deployment (its messages name the key first; the canary's name none).
+
+    >>> event_scope("prompt type code (ngram): kMax 4 -> 2: ..."), event_scope("prompt cluster r/1 (code): ...")
+    ('prompt_type', 'cluster')
+    >>> event_scope("speculation off: alpha 0.12 ...")
+    'deployment'
+    """
+    return ("prompt_type" if message.startswith("prompt type") else
+            "cluster" if message.startswith("prompt cluster") else "deployment")
+
+
 @dataclasses.dataclass(frozen=True)
 class Tick:
     memory: Memory

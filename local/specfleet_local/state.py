@@ -75,7 +75,7 @@ class HoldSpec:
 class ControlLoop:
     """The operator's loop, run here: the same `specfleet_control` SLO loop and canary analysis on
     the same windows, their memory in this object (the SDD status in a cluster), their events
-    logged and kept (the last 100) for `specfleet status`. `readiness` says how many workers of
+    logged, kept (the last 100) and counted by reason for `specfleet status`. `readiness` says how many workers of
     each arm are ready (the operator reads the Deployments); `gate` is the manual canary gate (the
     annotation in a cluster), `clear_gate` removes it once promote or abort acted."""
 
@@ -86,6 +86,7 @@ class ControlLoop:
         self.memory = slo_loop.Memory()
         self.canary = canaries.CanaryState()
         self.events: collections.deque[dict[str, Any]] = collections.deque(maxlen=100)
+        self.decisions: collections.Counter[str] = collections.Counter()  # every event by reason (the operator's counter)
         self.decided = 0  # ticks that judged a complete observation
         self.skipped = 0  # ticks on missing data (nothing decided)
         self.clock, self.readiness, self.gate, self.clear_gate = clock, readiness, gate, clear_gate
@@ -96,6 +97,7 @@ class ControlLoop:
     def _event(self, now: float, reason: str, message: str) -> None:
         log.info("control loop: %s", message, extra={"reason": reason})
         self.events.append({"time": round(now, 3), "reason": reason, "message": message})
+        self.decisions[reason] += 1
 
     def tick(self, state: LiveState, obs: Observation, now: float) -> LiveState | None:
         if self.readiness is not None:
@@ -131,7 +133,8 @@ class ControlLoop:
                 "kCeilings": self.memory.k_ceilings(),
                 "clusterMethods": self.memory.cluster_routes(),
                 "canary": self.canary.to_status() if self.spec.get("canary") else None,
-                "events": list(self.events), "ticks": {"decided": self.decided, "skipped": self.skipped}}
+                "events": list(self.events), "decisions": dict(self.decisions),
+                "ticks": {"decided": self.decided, "skipped": self.skipped}}
 
 
 class StateWriter:

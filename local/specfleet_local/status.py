@@ -192,7 +192,8 @@ def document(obs: Observed) -> dict[str, Any]:
                      "probeShare": state.probe_share if state else None},
         # prompt clusters the loop moved to a draft method of their own (their type runs another)
         "clusterMethods": dict(state.cluster_routes) if state else {},
-        "loop": None if obs.loop is None else {"ticks": obs.loop.get("ticks"), "events": obs.loop.get("events", [])[-10:]},
+        "loop": None if obs.loop is None else {"ticks": obs.loop.get("ticks"), "decisions": obs.loop.get("decisions", {}),
+                                               "events": obs.loop.get("events", [])[-10:]},
         "kBounds": {a["name"]: {"kMin": a["kMin"], "kMax": a["kMax"]} for a in arms},
         "router": {
             "url": obs.router_url, "openai": f"{obs.router_url.rstrip('/')}/v1" if obs.router_url else None,
@@ -262,6 +263,10 @@ def table(doc: dict[str, Any]) -> str:
     if doc.get("clusterMethods"):
         out.append("prompt clusters on a method of their own: "
                    + ", ".join(f"{c} {m}" for c, m in sorted(doc["clusterMethods"].items())))
+    if doc.get("loop"):
+        loop = doc["loop"]
+        made = ", ".join(f"{reason} {n}" for reason, n in sorted(loop.get("decisions", {}).items())) or "none"
+        out.append(f"LOOP: {_fmt((loop.get('ticks') or {}).get('decided'))} ticks judged; decisions: {made}")
     r, rt = doc["redis"], doc["router"]
     if r["connected"]:
         redis_line = (f"REDIS {r['url']}: connected, state version {_fmt(r['stateVersion'])}, written "

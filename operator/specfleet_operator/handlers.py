@@ -558,7 +558,7 @@ async def tick(body: Any, memo: Any) -> None:
     decision = canaries.tick(spec, body.get("metadata"), prev.get("canary"), canaries.observation(obs, None), now)
     for reason, message in slo.events + decision.events:
         _event(body, reason, message)
-        metrics.record_transition(ns, name, reason, message)
+        metrics.record_decision(ns, name, reason, message)
     if decision.clear_gate:
         await kube.patch(API_VERSION, KIND, ns, name, {"metadata": {"annotations": {canaries.GATE_ANNOTATION: None}}})
     stable = obs.windows.get("stable")

@@ -2,8 +2,8 @@
 
 The control loop reads the fleet's windows in Redis (specfleet_control.observe), not these; they
 are for dashboards and alerts: which fleets are in fallback, whole or per prompt type, how many
-prompt clusters are, each transition, the canary's share, the Alertmanager receiver's posts, and
-the reconciles themselves (their seconds, errors and how many wait on a fleet's lock).
+prompt clusters are, each decision of the loop and the canary analysis (by reason and scope), the
+canary's share, the Alertmanager receiver's posts, and the reconciles themselves (their seconds, errors and how many wait on a fleet's lock).
 """
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge, Histogram
 
 from specfleet_api.enums import PROMPT_TYPES
+from specfleet_control.loop import event_scope
 
 # Per-fleet label names: not `namespace`, which Prometheus' own target label takes over (renaming
 # ours `exported_namespace`), so that rules, dashboards and the alert receiver all see these.
@@ -27,9 +28,10 @@ FALLBACK_PROMPT_TYPE = Gauge("specfleet_fallback_prompt_type_active",
                              [*SDD_LABELS, "prompt_type"])
 FALLBACK_CLUSTERS = Gauge("specfleet_fallback_clusters", "Prompt clusters of a fleet in fallback (clusters are "
                           "never labels: status.fallback.clusters names them)", SDD_LABELS)
-FALLBACK_TRANSITIONS = Counter("specfleet_fallback_transitions", "SLO loop transitions, by scope (deployment, "
-                               "prompt_type, cluster) and direction (enter, leave)",
-                               [*SDD_LABELS, "scope", "direction"])
+LOOP_DECISIONS = Counter("specfleet_loop_decisions", "The control loop's and the canary analysis' decisions (each "
+                         "an Event with its evidence), by reason (FallbackEntered, MethodChanged, TrafficShifted, "
+                         "KCeilingChanged, CanaryPromoted, ...) and scope (deployment, prompt_type, cluster)",
+                         [*SDD_LABELS, "reason", "scope"])
 
 RECONCILE_SECONDS = Histogram("specfleet_operator_reconcile_seconds", "Seconds one reconcile of a fleet took "
                               "(children applied, status written), the wait for its lock excluded",
@@ -40,14 +42,9 @@ RECONCILES_WAITING = Gauge("specfleet_operator_reconciles_waiting",
                            "Reconciles waiting on a fleet's lock (another reconcile of it runs)")
 
 
-def record_transition(namespace: str, name: str, reason: str, message: str) -> None:
-    """Count one FallbackEntered / FallbackLeft event (its message names the key's scope first)."""
-    direction = {"FallbackEntered": "enter", "FallbackLeft": "leave"}.get(reason)
-    if direction is None:
-        return
-    scope = ("prompt_type" if message.startswith("prompt type") else
-             "cluster" if message.startswith("prompt cluster") else "deployment")
-    FALLBACK_TRANSITIONS.labels(namespace, name, scope, direction).inc()
+def record_decision(namespace: str, name: str, reason: str, message: str) -> None:
+    """Count one event of the loop or the canary analysis (its message names the key's scope first)."""
+    LOOP_DECISIONS.labels(namespace, name, reason, event_scope(message)).inc()
 
 
 def export_state(namespace: str, name: str, status: dict[str, Any]) -> None:

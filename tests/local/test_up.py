@@ -190,10 +190,12 @@ def test_up_serves_reports_and_stops_everything_on_ctrl_c(tmp_path):
         assert status["redis"]["connected"] and status["redis"]["stateVersion"] >= 1
         assert status["loop"]["ticks"]["decided"] >= 1 and status["fallback"]["probeShare"] == 5.0
         assert "CanaryStarted" in [e["reason"] for e in status["loop"]["events"]]
+        assert status["loop"]["decisions"]["CanaryStarted"] == 1, status["loop"]
         assert status["redis"]["routerConnected"] and status["router"]["ready"]
         wide = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "status", "--run-file", str(run_file)],
                               capture_output=True, text=True, timeout=60)
         assert wide.returncode == 0 and "team-a/tiny" in wide.stdout and "PROMPT TYPE" in wide.stdout, wide.stderr
+        assert "decisions: " in wide.stdout and "CanaryStarted 1" in wide.stdout, wide.stdout
 
         # Ctrl-C with long streams in flight: each finishes whole, then everything exits
         results: list = []
