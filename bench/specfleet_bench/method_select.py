@@ -22,7 +22,10 @@ after the shift, and how many of its judgements (windows) after it each move cam
 A config named with `+k` (`ngram+k`, `self+k`, ...) also turns on speculation.kTuning: the loop's
 K ceiling per prompt type, from the acceptance by draft position the workers publish. The ceilings
 over time and their KCeilingChanged events are in the result, and each `X+k` is compared with `X`
-where both ran.
+where both ran. With --tpot-p99 SECONDS the ceilings also answer load (kTuning.tpotP99Seconds),
+and --burst N@START-END adds N clients from START to END seconds: the result then says, before,
+during and after the burst, the tokens/s, each request's seconds per output token (median, P99)
+and the ceilings' changes.
 
 It prints and writes (JSON, and a plot with --plot) each config's tokens/s over the whole run and
 over its second half (after the loop has had time to choose), the ratios of `self` to the others,
@@ -70,11 +73,14 @@ def spec(config: str, args) -> dict:
                                 "minDwell": f"{int(args.dwell * 1000)}ms", "minRequests": args.min_requests}}
     if config == "table":
         routing["byPromptType"] = dict(pair.split("=", 1) for pair in args.table.split(",") if pair)
+    k_tuning: dict = {"enabled": k_tuned}
+    if k_tuned and getattr(args, "tpot_p99", None):
+        k_tuning["tpotP99Seconds"] = args.tpot_p99
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": NAME, "namespace": NAMESPACE},
             "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
                      "draft": draft, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3,
-                                                     "kTuning": {"enabled": k_tuned}},
+                                                     "kTuning": k_tuning},
                      "quantization": "int8", "replicas": 1, "routing": routing,
                      "slo": {"window": f"{int(args.window * 1000)}ms"}}}
 
@@ -124,6 +130,7 @@ class Run:
         self.shifted = threading.Event()
         self.shift_at: float | None = None  # wall-clock time (the loop's clock) of the shift
         self.shift = parse_shift(args.shift) if args.shift else None
+        self.burst = parse_burst(args.burst) if getattr(args, "burst", None) else None
         self.stream = request_stream(questions, args.seed, args.sampled_share, args.temperature,
                                      (self.shift[0], shift_prompts or [], self.shifted) if self.shift else None)
         self.lock = threading.Lock()
@@ -135,11 +142,14 @@ class Run:
         self.stop = threading.Event()
         self.t0 = 0.0
 
-    def client(self, url: str) -> None:
+    def client(self, url: str, start: float = 0.0, end: float = float("inf")) -> None:
+        """Requests one after another, from `start` to `end` seconds into the run (a burst's window)."""
         import openai
 
         client = openai.OpenAI(base_url=url, api_key="none", timeout=300, max_retries=0)
-        while not self.stop.is_set():
+        if self.stop.wait(start):
+            return
+        while not self.stop.is_set() and time.monotonic() - self.t0 < end:
             with self.lock:
                 cat, prompt, temperature, seed = next(self.stream)
             call = Call(time.monotonic() - self.t0, 0.0, cat, temperature)
@@ -186,6 +196,10 @@ class Run:
             threads = [threading.Thread(target=self.sampler, args=(run,), daemon=True)]
             threads += [threading.Thread(target=self.client, args=(run["router"]["openai"],), daemon=True)
                         for _ in range(a.clients)]
+            if self.burst:
+                n, start, end = self.burst
+                threads += [threading.Thread(target=self.client, args=(run["router"]["openai"], start, end),
+                                             daemon=True) for _ in range(n)]
             for th in threads:
                 th.start()
             until, said = a.seconds, 0.0
@@ -239,12 +253,19 @@ class Run:
                      "restarts_after": [e for e in self.loop_doc.get("events", [])
                                         if e.get("reason") == methods.SHIFTED and e["time"] > self.shift_at]}
         ceilings = [e for e in self.loop_doc.get("events", []) if e.get("reason") == kbounds.CHANGED]
+        burst = None
+        if self.burst:
+            _, start, end = self.burst
+            zero = time.time() - (time.monotonic() - self.t0)  # the loop's clock at the run's second 0
+            burst = {name: phase_report(done, lo, hi, [e for e in ceilings if lo <= e["time"] - zero < hi])
+                     for name, lo, hi in (("before", 0.0, start), ("during", start, end), ("after", end, seconds))}
         return {"config": self.config, "seconds": round(seconds, 1), "requests": len(done),
                 "tokens": sum(c.tokens for c in done), "tokens_per_s": tps(done, 0.0, seconds),
                 "tokens_per_s_second_half": tps(done, half, seconds),
                 "errors": [c.error for c in self.calls if c.error],
                 "types": by_type, "methods_chosen": self.current_methods(), "moves": events, "shift": shift,
                 "k_ceilings": dict(self.loop_doc.get("kCeilings") or {}), "k_ceiling_changes": ceilings,
+                "burst": burst,
                 "methods_over_time": self.methods_over_time, "ceilings_over_time": self.ceilings_over_time,
                 "calls": [asdict(c) for c in self.calls]}
 
@@ -262,6 +283,42 @@ def parse_shift(text: str) -> tuple[str, float]:
         return category, float(seconds)
     except ValueError:
         raise ValueError(f"--shift {text!r}: want CATEGORY@SECONDS, e.g. coding@240") from None
+
+
+def parse_burst(text: str) -> tuple[int, float, float]:
+    """--burst's N@START-END (N more clients from START to END seconds); ValueError naming what is wrong.
+
+    >>> parse_burst("6@120-300")
+    (6, 120.0, 300.0)
+    """
+    n, at, span = text.partition("@")
+    start, dash, end = span.partition("-")
+    try:
+        if not at or not dash or int(n) < 1 or not 0 <= float(start) < float(end):
+            raise ValueError
+        return int(n), float(start), float(end)
+    except ValueError:
+        raise ValueError(f"--burst {text!r}: want CLIENTS@START-END (seconds), e.g. 6@120-300") from None
+
+
+def phase_report(calls: list[Call], lo: float, hi: float, ceiling_changes: list[dict]) -> dict:
+    """A stretch of a run (the calls that ended in [lo, hi)): tokens/s, each request's seconds per
+    output token (median, P99: what its client saw, the queue included) and the K ceilings' changes.
+
+    >>> calls = [Call(0.0, 1.0 + i, "qa", 0.0, tokens=10) for i in range(4)]
+    >>> phase_report(calls, 0.0, 10.0, [])
+    {'seconds': 10.0, 'requests': 4, 'tokens_per_s': 4.0, 'seconds_per_token_p50': 0.3, 'seconds_per_token_p99': 0.4, 'k_ceiling_changes': []}
+    """
+    mine = [c for c in calls if lo <= c.end < hi and c.tokens]
+    per_token = sorted((c.end - c.start) / c.tokens for c in mine)
+
+    def q(x: float) -> float | None:
+        return round(per_token[min(len(per_token) - 1, int(x * len(per_token)))], 4) if per_token else None
+
+    return {"seconds": round(hi - lo, 1), "requests": len(mine),
+            "tokens_per_s": round(sum(c.tokens for c in mine) / (hi - lo), 2) if hi > lo else None,
+            "seconds_per_token_p50": q(0.5), "seconds_per_token_p99": q(0.99),
+            "k_ceiling_changes": ceiling_changes}
 
 
 def shift_prompts(args) -> list[str]:
@@ -322,6 +379,11 @@ def plot(result: dict, path: Path) -> None:
         ax2.set_xlabel("seconds")
         ax2.set_title("the method the loop chose per prompt type (self)")
         ax2.legend(fontsize=7, ncol=4)
+    if result.get("burst"):
+        n, start, end = parse_burst(result["burst"])
+        for row in axes:
+            row[0].axvspan(start, end, color="orange", alpha=0.12)
+        ax1.text(start, ax1.get_ylim()[1] * 0.95, f" +{n} clients", fontsize=8, va="top")
     if result.get("shift"):
         category, at = parse_shift(result["shift"])
         for row in axes:
@@ -354,6 +416,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--categories", default=None, help="comma-separated Spec-Bench categories (default: all)")
     p.add_argument("--shift", default=None, help="CATEGORY@SECONDS: from then on that category's prompts come "
                                                  "from --shift-questions (a traffic shift)")
+    p.add_argument("--burst", default=None, help="N@START-END: N more clients from START to END seconds")
+    p.add_argument("--tpot-p99", type=float, default=None,
+                   help="kTuning.tpotP99Seconds of the +k configs: a type over it halves its K ceiling")
     p.add_argument("--shift-questions", default=str(CODE_EDITS), help="the shifted prompts (default: bundled code edits)")
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--worker-threads", type=int, default=2)
@@ -390,6 +455,15 @@ def main(argv: list[str] | None = None) -> int:
         if category not in {q["category"] for q in questions}:
             print(f"method_select: error: --shift {args.shift!r}: no {category} questions in this run", file=sys.stderr)
             return 2
+    if args.burst:
+        try:
+            _, _, end = parse_burst(args.burst)
+        except ValueError as e:
+            print(f"method_select: error: {e}", file=sys.stderr)
+            return 2
+        if end > args.seconds:
+            print(f"method_select: error: --burst {args.burst!r} ends after the run's {args.seconds:g} s", file=sys.stderr)
+            return 2
     runs: dict[str, list[dict]] = {c: [] for c in configs}
     for r in range(args.rounds):
         for c in configs[r % len(configs):] + configs[:r % len(configs)]:
@@ -397,7 +471,8 @@ def main(argv: list[str] | None = None) -> int:
             runs[c].append(Run(c, args, questions, prompts).go())
     result = {"clients": args.clients, "max_tokens": args.max_tokens, "seconds": args.seconds,
               "sampled_share": args.sampled_share, "temperature": args.temperature, "window_s": args.window,
-              "explore_pct": args.explore, "shift": args.shift, "ratios": ratios(runs), "runs": runs}
+              "explore_pct": args.explore, "shift": args.shift, "burst": args.burst,
+              "tpot_p99_s": args.tpot_p99, "ratios": ratios(runs), "runs": runs}
     summary = {"ratios": result["ratios"], **{c: [{k: v for k, v in x.items()
                                                    if k not in ("calls", "methods_over_time", "ceilings_over_time")}
                                                for x in rs]

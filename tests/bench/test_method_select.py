@@ -65,3 +65,30 @@ def test_a_shift_report_counts_the_loop_s_judgements_after_it():
     [move] = shift["moves_after"]  # the move before the shift is not counted
     assert move["window"] == 2 and move["message"].startswith("prompt type code")
     assert [e["reason"] for e in shift["restarts_after"]] == ["TrafficShifted"]
+
+
+def test_a_burst_adds_clients_in_its_window_and_the_tpot_slo_reaches_the_k_configs_only(capsys):
+    args = build_parser().parse_args(["--burst", "5@60-180", "--tpot-p99", "0.05"])
+    assert spec("ngram+k", args)["spec"]["speculation"]["kTuning"] == {"enabled": True, "tpotP99Seconds": 0.05}
+    assert spec("ngram", args)["spec"]["speculation"]["kTuning"] == {"enabled": False}
+    assert main(["--burst", "5@200-100", "--seconds", "300"]) == 2
+    assert "want CLIENTS@START-END" in capsys.readouterr().err
+    assert main(["--burst", "5@100-400", "--seconds", "300"]) == 2
+    assert "ends after the run's 300 s" in capsys.readouterr().err
+
+
+def test_a_burst_report_splits_the_run_and_its_ceiling_changes_by_phase():
+    import time
+
+    args = build_parser().parse_args(["--burst", "2@10-20"])
+    run = method_select.Run("ngram+k", args, [{"category": "qa", "turns": ["a"]}])
+    run.t0 = time.monotonic() - 30.0  # the run started 30 s ago
+    zero = time.time() - 30.0
+    run.calls = [method_select.Call(s, s + 2.0, "qa", 0.0, "chat", "ngram", 20) for s in (1.0, 12.0, 14.0, 25.0)]
+    run.loop_doc = {"events": [{"time": zero + 15.0, "reason": "KCeilingChanged", "message": "kMax 6 -> 3"},
+                               {"time": zero + 24.0, "reason": "KCeilingChanged", "message": "kMax 3 -> 4"}]}
+    burst = run.report(30.0)["burst"]
+    assert [burst[p]["requests"] for p in ("before", "during", "after")] == [1, 2, 1]
+    assert [e["message"] for e in burst["during"]["k_ceiling_changes"]] == ["kMax 6 -> 3"]
+    assert [e["message"] for e in burst["after"]["k_ceiling_changes"]] == ["kMax 3 -> 4"]
+    assert burst["during"]["tokens_per_s"] == 4.0 and burst["during"]["seconds_per_token_p50"] == 0.1
