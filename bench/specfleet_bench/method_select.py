@@ -352,7 +352,13 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     runs = result["runs"].get("self")
-    fig, axes = plt.subplots(2 if runs else 1, 1, figsize=(10, 7 if runs else 4), squeeze=False)
+    tuned = [c for c in result["runs"] if c.endswith(K_TUNED)]
+    # the +k run whose ceilings moved most: its kMax per type over time
+    moved = max(((c, i, r) for c in tuned for i, r in enumerate(result["runs"][c])),
+                key=lambda x: len(x[2]["k_ceiling_changes"]), default=None)
+    moved = moved if moved and moved[2]["k_ceiling_changes"] else None
+    panels = 1 + bool(runs) + bool(moved)
+    fig, axes = plt.subplots(panels, 1, figsize=(10, 4 + 3 * (panels - 1)), squeeze=False)
     ax1 = axes[0][0]
     for config, config_runs in result["runs"].items():
         calls = sorted((c for c in config_runs[0]["calls"] if not c["error"]), key=lambda c: c["end"])
@@ -379,6 +385,18 @@ def plot(result: dict, path: Path) -> None:
         ax2.set_xlabel("seconds")
         ax2.set_title("the method the loop chose per prompt type (self)")
         ax2.legend(fontsize=7, ncol=4)
+    if moved:
+        config, i, run = moved
+        ax3 = axes[-1][0]
+        k_max = 6  # spec(): speculation.kMax
+        for j, t in enumerate(sorted({t for _, c in run["ceilings_over_time"] for t in c})):
+            xs = [x for x, _ in run["ceilings_over_time"]]
+            ax3.step(xs, [c.get(t, k_max) + 0.05 * j for _, c in run["ceilings_over_time"]], where="post", label=t)
+        ax3.set_ylim(0, k_max + 0.5)
+        ax3.set_ylabel("kMax (6: no ceiling)")
+        ax3.set_xlabel("seconds")
+        ax3.set_title(f"the K ceiling the loop set per prompt type ({config}, round {i + 1})")
+        ax3.legend(fontsize=7)
     if result.get("burst"):
         n, start, end = parse_burst(result["burst"])
         for row in axes:
@@ -389,7 +407,6 @@ def plot(result: dict, path: Path) -> None:
         for row in axes:
             row[0].axvline(at, color="grey", linestyle=":")
         ax1.text(at, ax1.get_ylim()[1] * 0.95, f" {category}'s prompts change", fontsize=8, va="top")
-    tuned = [c for c in result["runs"] if c.endswith(K_TUNED)]
     if tuned and not any(r["k_ceiling_changes"] for c in tuned for r in result["runs"][c]):
         ax1.text(0.01, 0.02, f"{', '.join(tuned)}: no K ceiling moved", transform=ax1.transAxes, fontsize=8)
     fig.tight_layout()

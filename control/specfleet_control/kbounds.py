@@ -21,7 +21,13 @@ each judgement, for every prompt type, on the draft method it runs (`speculation
   judgement until the acceptance's ceiling is back.
 
 Changes move by at least one position and only when the new K's rate beats the current one's by
-`margin`. Pure: `tune` takes the stable arm's per-(type, method) windows and the ceilings so far
+`margin`. The acceptance's ceiling rises at most once a `minDwell` (5 min) after its last move: a
+ceiling keeps the positions past it from being measured, so a rise rests on their gain
+extrapolated from the ones before, and from one position alone that guess can say "lift" where
+the measurement, once lifted, says "cap" again (a real fleet's type flapped none -> 1 -> none -> 1
+in 90 s of 20 s windows). So a rise is a probe of deeper drafts, once a dwell; a cap rests on
+measured positions and acts at once. The load's ceiling is not held: it answers the TPOT each
+judgement. Pure: `tune` takes the stable arm's per-(type, method) windows and the ceilings so far
 (the loop's memory) and returns the next ones and an event per change.
 """
 
@@ -31,6 +37,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from specfleet_api.durations import parse_duration
 from specfleet_api.windows import POSITIONS, Window
 
 CHANGED = "KCeilingChanged"
@@ -47,6 +54,7 @@ class KTuning:
     margin: float = 0.02  # a ceiling moves when the new K's rate beats the current one's by this
     tpot_p99_s: float | None = None  # a type over this TPOT P99 halves its ceiling
     hysteresis: float = 0.1  # and raises it again below (1 - hysteresis) of it
+    min_dwell_s: float = 300.0  # from a move of a type's acceptance ceiling to its next rise
     k_min: int = 0  # the deployment's K bounds (speculation.kMin, kMax): ceilings stay within
     k_max: int = 8
 
@@ -56,8 +64,8 @@ class KTuning:
 
         >>> t = KTuning.from_spec({"draft": {"method": "ngram"}, "speculation": {"kMin": 1, "kMax": 6,
         ...                        "kTuning": {"enabled": True, "tpotP99Seconds": 0.2}}})
-        >>> t.enabled, t.tpot_p99_s, (t.k_min, t.k_max)
-        (True, 0.2, (1, 6))
+        >>> t.enabled, t.tpot_p99_s, (t.k_min, t.k_max), t.min_dwell_s
+        (True, 0.2, (1, 6), 300.0)
         """
         speculation = spec.get("speculation") or {}
         raw = speculation.get("kTuning") or {}
@@ -68,6 +76,7 @@ class KTuning:
                    min_steps=int(raw.get("minSteps", d.min_steps)), margin=float(raw.get("margin", d.margin)),
                    tpot_p99_s=float(tpot) if tpot is not None else None,
                    hysteresis=float(raw.get("hysteresis", d.hysteresis)),
+                   min_dwell_s=parse_duration(raw.get("minDwell", "5m")),
                    k_min=int(speculation.get("kMin", d.k_min)), k_max=int(speculation.get("kMax", d.k_max)))
 
 
@@ -177,7 +186,8 @@ class Ceiling:
     acceptance: int | None = None
     load: int | None = None
     evidence: Positions = dataclasses.field(default_factory=Positions)
-    since: float | None = None
+    since: float | None = None  # when the ceiling in force last changed
+    acceptance_since: float | None = None  # when the acceptance's ceiling last moved (its dwell)
 
     @property
     def in_force(self) -> int | None:
@@ -192,7 +202,8 @@ class Ceiling:
 
     def to_status(self) -> dict[str, Any]:
         out: dict[str, Any] = {"method": self.method, "evidence": self.evidence.to_status()}
-        for name, v in (("acceptance", self.acceptance), ("load", self.load), ("since", self.since)):
+        for name, v in (("acceptance", self.acceptance), ("load", self.load), ("since", self.since),
+                        ("acceptanceSince", self.acceptance_since)):
             if v is not None:
                 out[name] = v
         return out
@@ -200,7 +211,7 @@ class Ceiling:
     @classmethod
     def from_status(cls, raw: dict[str, Any]) -> Ceiling:
         return cls(str(raw["method"]), raw.get("acceptance"), raw.get("load"),
-                   Positions.from_status(raw.get("evidence") or {}), raw.get("since"))
+                   Positions.from_status(raw.get("evidence") or {}), raw.get("since"), raw.get("acceptanceSince"))
 
 
 def _k(v: int | None) -> str:
@@ -250,7 +261,8 @@ def tune(windows: Mapping[str, Mapping[str, Window]], type_windows: Mapping[str,
                 why.append(f"it runs {method} now, not {prev.method}")
         evidence = before.evidence.carried(Positions.of(windows.get(prompt_type, {}).get(method)))
         measured, cost = evidence.gains(tuning.min_steps), evidence.cost
-        acceptance = before.acceptance
+        acceptance, acceptance_since = before.acceptance, before.acceptance_since
+        dwelt = acceptance_since is None or now - acceptance_since >= tuning.min_dwell_s
         if measured and cost is not None:
             # one position past the measured ones, extrapolated: a ceiling in force keeps deeper
             # drafts from being measured, so whether one more would pay is estimated
@@ -259,8 +271,9 @@ def tune(windows: Mapping[str, Mapping[str, Window]], type_windows: Mapping[str,
             # what runs now: under a ceiling, its K's rate; without one, what the steps did
             current = rate(gains, min(before.acceptance, len(gains)), cost) if before.acceptance is not None \
                 else evidence.speedup
-            if k != before.acceptance and r > current * (1 + tuning.margin):
-                acceptance = k
+            rise = before.acceptance is not None and (k is None or k > before.acceptance)  # extrapolated
+            if k != before.acceptance and r > current * (1 + tuning.margin) and (dwelt or not rise):
+                acceptance, acceptance_since = k, now
                 shown = ", ".join(f"{g:.2f}" for g in measured[:len(measured) if k is None else k + 1])
                 why.append(f"acceptance by position {shown}, a drafted position costs {cost:.2f} of a plain step"
                            + (f": position {k + 1} adds less than it costs" if k is not None else ""))
@@ -277,7 +290,7 @@ def tune(windows: Mapping[str, Mapping[str, Window]], type_windows: Mapping[str,
                 why.append(f"TPOT P99 {p99:.3f}s back under its SLO {tuning.tpot_p99_s:g}s")
         elif tuning.tpot_p99_s is None:
             load = None
-        ceiling = Ceiling(method, acceptance, load, evidence, before.since)
+        ceiling = Ceiling(method, acceptance, load, evidence, before.since, acceptance_since)
         old, new = (prev.k_max(k_hi) if prev else None), ceiling.k_max(k_hi)
         if old != new:
             ceiling = dataclasses.replace(ceiling, since=now)

@@ -49,11 +49,11 @@ def drafts(rng: random.Random, steps: int, conditional: list[float], k: int, cos
 ON = KTuning(enabled=True)
 
 
-def run(ticks, tuning=ON, ceilings=None):
-    """Judge a sequence of {type: {method: Window}}, one per window; the ceilings in force after
-    each, and every event."""
+def run(ticks, tuning=ON, ceilings=None, start: int = 0):
+    """Judge a sequence of {type: {method: Window}}, one per window (the first the start-th); the
+    ceilings in force after each, and every event."""
     ceilings, history, events = ceilings or {}, [], []
-    for i, by_type in enumerate(ticks):
+    for i, by_type in enumerate(ticks, start):
         type_windows = {t: next(iter(ws.values())) for t, ws in by_type.items()}
         ceilings, ev = tune(by_type, type_windows, ceilings, tuning, now=i * WINDOW_S)
         history.append({t: c.k_max(tuning.k_max) for t, c in ceilings.items()})
@@ -98,10 +98,41 @@ def test_a_ceiling_in_force_lifts_when_the_drafts_improve_and_does_not_flap():
     assert history == [{"chat": 2}] * 3  # one change, then it holds
     # the traffic changes: drafts now hold; under the ceiling only two positions are measured,
     # the third is extrapolated, and the ceiling lifts
+    # (a rise waits out the dwell from the ceiling's move: 5 windows)
     better = [{"chat": drafts(rng, 600, [0.95], 2, cost=0.15)} for _ in range(4)]
-    _, history, events = run(better, ceilings=ceilings)
+    _, history, events = run(better, ceilings=ceilings, start=3)
     assert history[-1] == {"chat": None}
     assert len([e for e in events if e[1] == CHANGED]) == 1
+
+
+def test_a_rise_on_one_measured_position_is_a_probe_once_a_dwell_and_a_cap_acts_at_once():
+    """Under a ceiling of 1, position 2's gain is a guess from position 1's; where the guess is
+    too kind (a real fleet: n-gram's first draft accepted 0.82, the second 0.47 of the times the
+    first was), the ceiling rises, the measurement caps it again at once, and the next rise waits
+    out the dwell: a probe of deeper drafts once in minDwell, not a flap every other window."""
+    window_s, dwell = 20.0, 300.0
+    tuning = KTuning(enabled=True, k_max=6, min_dwell_s=dwell)
+    moves = 0
+    for seed in range(5):
+        rng = random.Random(seed)
+        ceilings: dict = {}
+        changes = []  # (time, old kMax, new kMax)
+        for i in range(45):  # 15 minutes
+            k = ceilings["translation"].k_max(6) if "translation" in ceilings else None
+            w = drafts(rng, 150, [0.82, 0.47, 0.5], k or 6, cost=0.56)
+            ceilings, events = tune({"translation": w}, {"translation": w["ngram"]}, ceilings, tuning, now=i * window_s)
+            new = ceilings["translation"].k_max(6)
+            if new != k:
+                changes.append((i * window_s, k, new))
+        assert changes[0][1:] == (None, 1), changes  # the cap, measured
+        for (t0, *_), (t1, old, new) in zip(changes, changes[1:]):
+            if new is None or (old is not None and new > old):  # a rise: a dwell after the last move
+                assert t1 - t0 >= dwell, f"seed {seed}: a rise {t1 - t0:.0f} s after the last move: {changes}"
+            else:  # a cap: the window after the rise measured deeper drafts
+                assert t1 - t0 <= 2 * window_s, f"seed {seed}: a rise held {t1 - t0:.0f} s: {changes}"
+        assert changes[-1][2] == 1 or changes[-1][0] >= 43 * window_s, changes  # capped again, or just probed
+        moves += len(changes)
+    assert moves <= 5 * 7, moves  # at most a probe and its cap per dwell after the first cap
 
 
 def test_load_halves_a_ceiling_and_it_rises_one_position_a_window_after():
@@ -142,7 +173,7 @@ def test_a_ceiling_round_trips_through_the_status():
     rng = random.Random(7)
     ceilings, _, _ = run([{"chat": drafts(rng, 600, FALLING, 8, cost=0.15)}])
     back = Ceiling.from_status(ceilings["chat"].to_status())
-    assert back.method == "ngram" and back.acceptance == 2 and back.since == 0.0
+    assert back.method == "ngram" and back.acceptance == 2 and back.since == 0.0 and back.acceptance_since == 0.0
     assert back.evidence.drafted == pytest.approx(ceilings["chat"].evidence.drafted, abs=0.01)
     assert Positions.from_status({}).drafted == (0.0,) * POSITIONS
 
