@@ -358,7 +358,7 @@ def plot(result: dict, path: Path) -> None:
                 key=lambda x: len(x[2]["k_ceiling_changes"]), default=None)
     moved = moved if moved and moved[2]["k_ceiling_changes"] else None
     panels = 1 + bool(runs) + bool(moved)
-    fig, axes = plt.subplots(panels, 1, figsize=(10, 4 + 3 * (panels - 1)), squeeze=False)
+    fig, axes = plt.subplots(panels, 1, figsize=(10, 4 + 3 * (panels - 1)), squeeze=False, sharex=True)
     ax1 = axes[0][0]
     for config, config_runs in result["runs"].items():
         calls = sorted((c for c in config_runs[0]["calls"] if not c["error"]), key=lambda c: c["end"])
