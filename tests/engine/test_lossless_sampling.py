@@ -42,6 +42,7 @@ VOCAB, DEPTH, BATCH = 4, 4, 1000
 N, N_MIXED = 5_000, 10_000  # mixed drafts: a wrong q shows a TV of 0.047 (see the mixed mutants)
 N_MUTANT = 4_000  # the closest call measured: TV 0.098 against a 0.064 bound
 PROMPT = [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+REDUCED = torch.tensor([2, 0, 3])  # a head's draft vocabulary: token 1 is never drafted
 BRANCHY = [0, 1, 2, 3, 0, 1, 3, 2, 0, 1]  # "0 1" went on with 2 and with 3: an n-gram tree branches at once
 
 
@@ -69,8 +70,11 @@ CASES = [
          choices=((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0))),
     # q from a head reading the target's features (a random one: any q must come out exact)
     Case("eagle head tree (2 children), T=0.8", "eagle", 3, dict(temperature=0.8), 2),
-    # Medusa heads: q of each depth from its own head, whatever the parent (random heads as well)
+    # Medusa heads: q of each depth from its own head, whatever the parent (random heads as well);
+    # they score 3 of the 4 tokens (a reduced draft vocabulary, its columns out of order)
     Case("medusa heads tree (2 children), T=0.8", "medusa", 3, dict(temperature=0.8), 2),
+    # a head scoring 3 of the 4 tokens, chains: its q rows mapped to the target's vocabulary
+    Case("eagle head, 3 of 4 tokens, chains, T=0.8", "eagle-reduced", 3, dict(temperature=0.8)),
     # thresholds that bite on a 4-token vocabulary: some nodes pruned, others verified
     Case("draft model, confidence", "draft-model", 3, dict(temperature=1.0), policy="confidence"),
     Case("eagle head tree (2 children), T=0.8, confidence", "eagle", 3, dict(temperature=0.8), 2,
@@ -120,16 +124,18 @@ def models():
 
 
 def make_models(device: str = "cpu") -> tuple:
-    """(target, draft model, EAGLE head, Medusa heads, a head whose q is uniform), made on the CPU
-    (their noise comes from CPU generators) and moved to `device` (test_cuda.py's runs)."""
+    """(target, draft model, EAGLE head, Medusa heads, a head whose q is uniform, an EAGLE head
+    over 3 of the 4 tokens), made on the CPU (their noise comes from CPU generators) and moved to
+    `device` (test_cuda.py's runs)."""
     target = tiny_model(seed=17, vocab_size=VOCAB, scale=2.0)
     draft = tiny_model(seed=12, vocab_size=VOCAB, scale=2.0)
     torch.manual_seed(5)
     head = EagleHead(HeadConfig.for_target(target, VOCAB), target.args).eval().requires_grad_(False)
     with torch.no_grad():  # sharper than its initialisation: its drafts are accepted and rejected
         head.output.weight.mul_(8.0)
-    medusa = MedusaHead(MedusaConfig.for_target(target, VOCAB, heads=3), target.args).eval().requires_grad_(False)
+    medusa = MedusaHead(MedusaConfig.for_target(target, VOCAB - 1, heads=3), target.args).eval().requires_grad_(False)
     with torch.no_grad():
+        medusa.draft_vocab.copy_(REDUCED)
         for out in medusa.outputs:
             out.weight.mul_(8.0)
     # a head whose q is uniform: its siblings after the n-gram's are drawn where g holds a quarter
@@ -137,7 +143,11 @@ def make_models(device: str = "cpu") -> tuple:
     uniform = EagleHead(HeadConfig.for_target(target, VOCAB), target.args).eval().requires_grad_(False)
     with torch.no_grad():
         uniform.output.weight.zero_()
-    return tuple(m.to(device) for m in (target, draft, head, medusa, uniform))
+    reduced = EagleHead(HeadConfig.for_target(target, VOCAB - 1), target.args).eval().requires_grad_(False)
+    with torch.no_grad():
+        reduced.draft_vocab.copy_(REDUCED)
+        reduced.output.weight.mul_(8.0)
+    return tuple(m.to(device) for m in (target, draft, head, medusa, uniform, reduced))
 
 
 def exact_distribution(model, params: SamplingParams, prompt: list[int]) -> torch.Tensor:
@@ -202,9 +212,9 @@ class Sampled(NamedTuple):
 
 def sample_speculatively(models, case: Case, n: int = N, k_policy=None) -> Sampled:
     """k_policy: None (the case's), or a function of the engine's step-cost model to the policy."""
-    target, draft, head, medusa, uniform = models
+    target, draft, head, medusa, uniform, reduced = models
     proposers = {"ngram": NgramProposer(), "draft-model": DraftModelProposer(draft), "eagle": EagleProposer(head, target),
-                 "medusa": MedusaProposer(medusa, target)}
+                 "medusa": MedusaProposer(medusa, target), "eagle-reduced": EagleProposer(reduced, target)}
     # matches of 3 tokens or more: on 4 tokens a shorter one is always there, and the head would never lead
     proposers |= {"eagle+ngram": MixedProposer(NgramProposer(min_n=3), EagleProposer(head, target)),
                   "eagle-uniform+ngram": MixedProposer(NgramProposer(min_n=3), EagleProposer(uniform, target))}

@@ -102,12 +102,10 @@ class Fixed(torch.nn.Module):
         self.logits = torch.tensor(logits, dtype=torch.float32)
         self.config = SimpleNamespace(heads=len(logits))
         self.device = torch.device("cpu")
+        self.draft_vocab = torch.arange(len(logits[0]))  # the target's whole vocabulary
 
     def forward(self, hidden, heads=None):
         return self.logits[:heads].expand(hidden.shape[0], -1, -1)
-
-    def to_target_logits(self, logits, vocab_size):
-        return logits
 
 
 def fixed_proposer(logits):

@@ -18,7 +18,7 @@ from specfleet_api.enums import Method
 
 from ..draft_head import EagleHead
 from ..model import Transformer
-from .base import Capabilities, SequenceView
+from .base import Capabilities, DraftVocab, SequenceView
 from .draft_model import DraftModelProposer
 
 
@@ -29,7 +29,7 @@ class EagleProposer(DraftModelProposer):
         super().__init__(head, max_kv_tokens, block_size)  # the head is the draft model: one layer, its cache
         self.head = head
         self.embeddings = target.tok_embeddings  # the target's, shared
-        self.vocab_size = target.args.vocab_size
+        self.vocab = DraftVocab(head.draft_vocab, target.args.vocab_size)  # the head scores its own columns
         # per sequence: (the position of the first row, the fused features [n, dim]) the head has
         # not read yet
         self.pending: dict[int, tuple[int, torch.Tensor]] = {}
@@ -76,7 +76,7 @@ class EagleProposer(DraftModelProposer):
         with torch.inference_mode():
             emb = self.embeddings(tokens.to(self.embeddings.weight.device))
             logits, hidden = self.head(emb, context, meta, self.cache.layers, rows)
-            return self.head.to_target_logits(logits, self.vocab_size), hidden
+            return logits, hidden
 
     # -- drafting ----------------------------------------------------------------------------
 

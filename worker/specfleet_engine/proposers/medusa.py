@@ -24,7 +24,7 @@ from specfleet_api.limits import MAX_DRAFT_NODES
 
 from ..medusa_head import MedusaHead
 from ..model import Transformer
-from .base import Capabilities, DraftStats, Proposal, SequenceView, TreeShape
+from .base import Capabilities, DraftStats, DraftVocab, Proposal, SequenceView, TreeShape
 from .draft_model import draft_children
 
 
@@ -33,7 +33,7 @@ class MedusaProposer:
 
     def __init__(self, head: MedusaHead, target: Transformer):
         self.head = head
-        self.vocab_size = target.args.vocab_size
+        self.vocab = DraftVocab(head.draft_vocab, target.args.vocab_size)  # the heads score their own columns
         self.features: dict[int, tuple[int, torch.Tensor]] = {}  # per sequence: (position, its final-norm input)
         # one head call whatever the draft's length: draft the most, then trim by acceptance
         self.capabilities = Capabilities(cheap=True, trees=True, shapes=True,
@@ -56,18 +56,18 @@ class MedusaProposer:
             return out
         hidden = torch.stack([self.features[seqs[i].seq_id][1] for i in active])
         with torch.inference_mode():  # [B, heads, V]: one call for every sequence and head
-            logits = self.head.to_target_logits(self.head(hidden.to(self.head.device), max(ks)), self.vocab_size)
+            logits = self.head(hidden.to(self.head.device), max(ks))  # over the draft vocabulary
         for row, i in zip(logits, active):
             width = branching[i] if branching is not None else 1
             tree = width > 1 or shape is not None
             budget = (len(shape.paths) if shape is not None else width + (ks[i] - 1) * width * width) if tree else ks[i]
             out[i] = self._expand(seqs[i], row, ks[i], width, shape if tree else None, min(budget, MAX_DRAFT_NODES),
-                                  tree)
+                                  tree, self.vocab)
         return out
 
     @staticmethod
     def _expand(seq: SequenceView, rows: torch.Tensor, depth: int, width: int, shape: TreeShape | None, budget: int,
-                tree: bool) -> Proposal:
+                tree: bool, vocab: DraftVocab) -> Proposal:
         """Nodes best first by path log-prob: each expanded node at depth d gets its children
         from head d (`rows[d]`), all at once, while the budget lasts. Siblings keep their drawing
         order; a node's children come after it."""
@@ -81,7 +81,7 @@ class MedusaProposer:
             neg, _, node, d, path = heapq.heappop(frontier)
             n = width if shape is None else shape.children(path)
             n = min(n, budget - len(tokens)) if d < depth else 0
-            for r, (tok, q, logq, st) in enumerate(draft_children(seq, rows[d], n) if n else []):
+            for r, (tok, q, logq, st) in enumerate(draft_children(seq, rows[d], n, vocab) if n else []):
                 tokens.append(tok)
                 parents.append(node)
                 qs.append(q)
