@@ -108,8 +108,9 @@ class DraftVocab:
     """A draft that scores a reduced vocabulary (an EAGLE or Medusa head's): the target's token id
     of each of its logit columns. Its nodes are chosen, and described (`node_stats`), over those
     columns, where the tokens off them have probability 0 (the same numbers as over the target's
-    vocabulary, at a twelfth of the cost on SmolLM2's 4,096 of 49,152); only the tokens and the q
-    rows that verification reads are mapped to the target's vocabulary.
+    vocabulary; a greedy node's choice and stats took 0.25 ms over SmolLM2's head's 4,096 columns
+    against 1.7 ms over 49,152, one thread of a 2-core EPYC); only the tokens and the q rows that
+    verification reads are mapped to the target's vocabulary.
 
     >>> v = DraftVocab(torch.tensor([5, 2, 7]), size=8)
     >>> v.token(2), v.expand(torch.tensor([0.5, 0.25, 0.25])).tolist()
