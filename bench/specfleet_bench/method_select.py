@@ -64,6 +64,7 @@ CONFIGS = ("self", *FIXED, "table")
 
 
 K_TUNED = "+k"  # a config's suffix: the same, with speculation.kTuning on
+K_MAX = 6  # every config's speculation.kMax
 
 
 def spec(config: str, args) -> dict:
@@ -74,12 +75,12 @@ def spec(config: str, args) -> dict:
     if config == "table":
         routing["byPromptType"] = dict(pair.split("=", 1) for pair in args.table.split(",") if pair)
     k_tuning: dict = {"enabled": k_tuned}
-    if k_tuned and getattr(args, "tpot_p99", None):
+    if k_tuned and args.tpot_p99:
         k_tuning["tpotP99Seconds"] = args.tpot_p99
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": NAME, "namespace": NAMESPACE},
             "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
-                     "draft": draft, "speculation": {"kMin": 0, "kMax": 6, "kInitial": 3,
+                     "draft": draft, "speculation": {"kMin": 0, "kMax": K_MAX, "kInitial": 3,
                                                      "kTuning": k_tuning},
                      "quantization": "int8", "replicas": 1, "routing": routing,
                      "slo": {"window": f"{int(args.window * 1000)}ms"}}}
@@ -130,7 +131,7 @@ class Run:
         self.shifted = threading.Event()
         self.shift_at: float | None = None  # wall-clock time (the loop's clock) of the shift
         self.shift = parse_shift(args.shift) if args.shift else None
-        self.burst = parse_burst(args.burst) if getattr(args, "burst", None) else None
+        self.burst = parse_burst(args.burst) if args.burst else None
         self.stream = request_stream(questions, args.seed, args.sampled_share, args.temperature,
                                      (self.shift[0], shift_prompts or [], self.shifted) if self.shift else None)
         self.lock = threading.Lock()
@@ -388,12 +389,11 @@ def plot(result: dict, path: Path) -> None:
     if moved:
         config, i, run = moved
         ax3 = axes[-1][0]
-        k_max = 6  # spec(): speculation.kMax
         for j, t in enumerate(sorted({t for _, c in run["ceilings_over_time"] for t in c})):
             xs = [x for x, _ in run["ceilings_over_time"]]
-            ax3.step(xs, [c.get(t, k_max) + 0.05 * j for _, c in run["ceilings_over_time"]], where="post", label=t)
-        ax3.set_ylim(0, k_max + 0.5)
-        ax3.set_ylabel("kMax (6: no ceiling)")
+            ax3.step(xs, [c.get(t, K_MAX) + 0.05 * j for _, c in run["ceilings_over_time"]], where="post", label=t)
+        ax3.set_ylim(0, K_MAX + 0.5)
+        ax3.set_ylabel(f"kMax ({K_MAX}: no ceiling)")
         ax3.set_xlabel("seconds")
         ax3.set_title(f"the K ceiling the loop set per prompt type ({config}, round {i + 1})")
         ax3.legend(fontsize=7)

@@ -3,7 +3,8 @@
 The control loop reads the fleet's windows in Redis (specfleet_control.observe), not these; they
 are for dashboards and alerts: which fleets are in fallback, whole or per prompt type, how many
 prompt clusters are, each decision of the loop and the canary analysis (by reason and scope), the
-canary's share, the Alertmanager receiver's posts, and the reconciles themselves (their seconds, errors and how many wait on a fleet's lock).
+canary's share, the Alertmanager receiver's posts, and the reconciles themselves (their seconds,
+errors and how many wait on a fleet's lock).
 """
 from __future__ import annotations
 

@@ -112,21 +112,28 @@ class DraftVocab:
     against 1.7 ms over 49,152, one thread of a 2-core EPYC); only the tokens and the q rows that
     verification reads are mapped to the target's vocabulary.
 
+    `ids` None: the draft scores the target's whole vocabulary (a draft model), nothing to map.
+
     >>> v = DraftVocab(torch.tensor([5, 2, 7]), size=8)
     >>> v.token(2), v.expand(torch.tensor([0.5, 0.25, 0.25])).tolist()
     (7, [0.0, 0.0, 0.25, 0.0, 0.0, 0.5, 0.0, 0.25])
+    >>> WHOLE_VOCAB.token(2), WHOLE_VOCAB.expand(torch.tensor([0.5, 0.5])).tolist()
+    (2, [0.5, 0.5])
     """
 
-    def __init__(self, ids: Tensor, size: int):
-        self.ids, self.size = ids.long(), size
-        self._tokens = self.ids.tolist()
+    def __init__(self, ids: Tensor | None, size: int = 0):
+        self.ids, self.size = (None if ids is None else ids.long()), size
+        self._tokens = None if ids is None else self.ids.tolist()
 
     def token(self, column: int) -> int:
-        return self._tokens[column]
+        return column if self._tokens is None else self._tokens[column]
 
     def expand(self, q: Tensor) -> Tensor:
         """A q row over the draft's columns [Vd] -> over the target's vocabulary [V]."""
-        return q.new_zeros(self.size).index_copy_(0, self.ids.to(q.device), q)
+        return q if self.ids is None else q.new_zeros(self.size).index_copy_(0, self.ids.to(q.device), q)
+
+
+WHOLE_VOCAB = DraftVocab(None)  # a draft over the target's own vocabulary
 
 
 @dataclass

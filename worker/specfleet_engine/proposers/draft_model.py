@@ -10,14 +10,14 @@ from specfleet_api.enums import Method
 from ..kv_cache import BlockTable, PagedKVCache, batch_metadata
 from ..model import Transformer
 from ..sampling import logits_to_probs, sample_from
-from .base import Capabilities, DraftStats, DraftVocab, Proposal, SequenceView, TreeShape, node_stats
+from .base import WHOLE_VOCAB, Capabilities, DraftStats, DraftVocab, Proposal, SequenceView, TreeShape, node_stats
 
 
 class TokenizerMismatch(ValueError):
     pass
 
 
-def draft_children(seq: SequenceView, row: torch.Tensor, width: int, vocab: DraftVocab | None = None
+def draft_children(seq: SequenceView, row: torch.Tensor, width: int, vocab: DraftVocab = WHOLE_VOCAB
                    ) -> list[tuple[int, torch.Tensor | None, float, tuple[float, float, float]]]:
     """A node's `width` children from its draft logits `row` [V] (over `vocab`'s columns where
     the draft scores a reduced vocabulary): (token, the q it was drawn from over the target's
@@ -25,12 +25,11 @@ def draft_children(seq: SequenceView, row: torch.Tensor, width: int, vocab: Draf
 
     Greedy: the top tokens. Sampled: draws without replacement (Gumbel top-k: the order is
     that of drawing one by one), each with q renormalised over what earlier siblings left."""
-    token = vocab.token if vocab is not None else int
     if seq.params.greedy:
         logp = torch.log_softmax(row, dim=-1)
         top = torch.topk(logp, width)
         probs = logp.exp()
-        return [(token(int(t)), None, float(v), node_stats(probs, int(t), r))
+        return [(vocab.token(int(t)), None, float(v), node_stats(probs, int(t), r))
                 for r, (v, t) in enumerate(zip(top.values, top.indices))]
     q = logits_to_probs(row[None], seq.params)[0]
     keys = q.log() - torch.empty_like(q).exponential_(generator=seq.generator).log()
@@ -38,7 +37,7 @@ def draft_children(seq: SequenceView, row: torch.Tensor, width: int, vocab: Draf
     out, left = [], q.clone()
     for r, t in enumerate(order):
         cond = left / left.sum()
-        out.append((token(t), cond if vocab is None else vocab.expand(cond), float(q[t].log()), node_stats(q, t, r)))
+        out.append((vocab.token(t), vocab.expand(cond), float(q[t].log()), node_stats(q, t, r)))
         left[t] = 0.0
     return out
 
@@ -56,7 +55,7 @@ class DraftModelProposer:
         self.tables: dict[int, BlockTable] = {}
         self.base: dict[int, int] = {}  # tokens in the draft's cache before this step's draft
         self.slots: dict[int, dict[int, int]] = {}  # a tree being drafted: node -> its position in the table
-        self.vocab: DraftVocab | None = None  # a reduced vocabulary `_run`'s logits are over (None: the target's)
+        self.vocab = WHOLE_VOCAB  # what the columns of `_run`'s logits are (a head: its reduced vocabulary)
 
     @staticmethod
     def check_tokenizers(target, draft) -> None:
@@ -71,7 +70,7 @@ class DraftModelProposer:
 
     def _run(self, tokens: torch.Tensor, meta, rows: torch.Tensor | None, context: torch.Tensor | None):
         """One draft forward: the logits of `rows` (all without) [R, V] over the target's vocabulary
-        (over `self.vocab`'s columns where it is set),
+        (over `self.vocab`'s columns),
         and what each input row hands its children besides its token ([T, ...], or None: nothing).
         `context`: what each input row reads besides its token (its parent's), or None."""
         with torch.inference_mode():
@@ -101,9 +100,9 @@ class DraftModelProposer:
             else:
                 q = logits_to_probs(row[None], seq.params)[0]
                 t = int(sample_from(q[None], seq.generator))
-                probs.append(q if v is None else v.expand(q))
+                probs.append(v.expand(q))
                 stats.append(node_stats(q, t))
-            tokens.append(t if v is None else v.token(t))
+            tokens.append(v.token(t))
         return tokens, probs, stats
 
     def propose(self, seqs: list[SequenceView], ks: list[int], branching: list[int] | None = None,
