@@ -140,7 +140,8 @@ class ClusterWindows:
     >>> w.snapshot()["r/0"]   # doctest: +NORMALIZE_WHITESPACE
     ClusterWindow(prompt_type='code', requests=2, spec_requests=1, draft_tokens=8, accepted_tokens=2, seconds=30.0,
                   methods={'ngram': ClusterMethod(requests=1, draft_tokens=8, accepted_tokens=2, plain_seconds=0.0,
-                  busy_seconds=0.0, speedups=0, log_speedup_sum=0.0, log_speedup_sq=0.0)})
+                  busy_seconds=0.0, speedups=0, log_speedup_sum=0.0, log_speedup_sq=0.0, alphas=1, alpha_sum=0.25,
+                  alpha_sq=0.0625)})
     >>> now[0] = 75.0
     >>> w.snapshot()["r/0"].requests, w.snapshot()["r/0"].seconds
     (1, 60.0)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import os
 import random
 import signal
@@ -13,6 +14,7 @@ import socket
 import time
 
 import pytest
+import redis
 
 from specfleet_api.live_state import LiveState, state_key
 from specfleet_local.redis_server import free_port
@@ -23,6 +25,50 @@ from specfleet_router.state import READ_TIMEOUT_S, RedisState
 
 KEY = state_key("team-a", "chat")
 PAUSE_S = 4.0  # outlasts the load, so that the router has noticed before the load after it
+UNREACHABLE = ("specfleet_router_state_errors_total", {"reason": "unreachable"})  # the router's failed reads
+
+
+class Pauses:
+    """CLIENT PAUSE on a server, paused again without ever waiting on it. A paused Redis postpones
+    every command until the pause ends, a CLIENT PAUSE or UNPAUSE too (and a new connection's
+    handshake): pausing it again through a client while a pause is in force waits on the server
+    it paused, and times out when the rest of the pause outlasts the client's timeout. So `pause`
+    first sleeps, by this process's clock, until the pause in force has surely ended: its end,
+    plus the server's cron, which lifts a pause at its next tick (two periods: a late tick)."""
+
+    def __init__(self, server):
+        self.server = server
+        self.cron_s = 2.0 / int(server.client().config_get("hz")["hz"])
+        self.ends_at = self.over_by = -math.inf
+
+    def pause(self, seconds: float) -> None:
+        self.wait_over()
+        started = time.monotonic()  # the pause starts no sooner ...
+        self.server.pause(seconds)
+        self.ends_at, self.over_by = started + seconds, time.monotonic() + seconds + self.cron_s  # ... nor later
+
+    def left(self) -> float:
+        """The least time the pause in force may still last (0: perhaps over)."""
+        return max(0.0, self.ends_at - time.monotonic())
+
+    def wait_over(self) -> None:
+        time.sleep(max(0.0, self.over_by - time.monotonic()))
+
+
+def test_the_harness_pauses_again_while_its_pause_is_in_force(redis_server):
+    """What the fault below does when its load outlives a pause, played at once: pause, and pause
+    again while the whole first pause is still to come, longer than the harness's client waits for
+    an answer (2 s). The second pause lands once the first is over, and the harness never waited on
+    the paused server."""
+    pauses, seconds = Pauses(redis_server), 2.5
+    pauses.pause(seconds)
+    first_ends = pauses.ends_at
+    pauses.pause(seconds)
+    assert time.monotonic() >= first_ends
+    with pytest.raises(redis.exceptions.TimeoutError):  # paused again
+        redis_server.client(socket_timeout=0.5, socket_connect_timeout=0.5).ping()
+    pauses.wait_over()
+    assert redis_server.client().ping()
 
 
 @pytest.mark.parametrize("fault", ["kill", "pause", "read_only"])
@@ -32,20 +78,20 @@ def test_a_redis_fault_mid_load_loses_nothing_and_resyncs_after(fault, h, arms, 
     with h.router_over([arms.stable], [arms.canary], redis_url=redis_server.url, namespace="team-a", name="chat",
                        redis_poll_s=0.1) as r:
         assert r.metric("specfleet_router_state_version") == state.version
-        paused_at = []
+        pauses = Pauses(redis_server)
 
         def inject():
+            pauses.wait_over()  # a pause again: the reads the last one failed are counted by now
+            failed = r.metric(*UNREACHABLE)
             if fault == "kill":
                 redis_server.kill()
             elif fault == "pause":
-                redis_server.pause(PAUSE_S)
-                paused_at.append(time.monotonic())
+                pauses.pause(PAUSE_S)
             else:
                 redis_server.read_only(True)
-            end = time.monotonic() + 5
-            while r.metric("specfleet_router_redis_connected") and fault != "read_only":
-                assert time.monotonic() < end, "the router did not notice that Redis is gone"
-                time.sleep(0.02)
+            if fault != "read_only":  # a read fails within its timeout (READ_TIMEOUT_S) after this outage began
+                wait_for(lambda: r.metric(*UNREACHABLE) > failed and not r.metric("specfleet_router_redis_connected"),
+                         5.0, "the router noticed that Redis is gone")
 
         report = run_load(r.base_url, model="chat", requests=200, clients=16, max_tokens=8, fault=inject,
                           timeout_s=20)
@@ -54,8 +100,8 @@ def test_a_redis_fault_mid_load_loses_nothing_and_resyncs_after(fault, h, arms, 
         assert {o.arm for o in report.outcomes} == {"canary"}, "served on another state than the last one"
         assert max(o.latency_s for o in report.outcomes) < 5.0, "a request waited on Redis"
         assert r.metric("specfleet_router_state_version") == state.version
-        if fault == "pause" and time.monotonic() > paused_at[-1] + PAUSE_S - 2 * READ_TIMEOUT_S:
-            inject()  # a load slower than the pause (a loaded machine) outlived it: what follows is in an outage
+        if fault == "pause" and pauses.left() < 2 * READ_TIMEOUT_S:
+            inject()  # a load slower than the pause (a loaded machine) nearly outlived it: what follows is in an outage
         # the load above may end before a paused read times out: more, now that the router has noticed
         assert fault == "read_only" or not r.metric("specfleet_router_redis_connected")
         during = run_load(r.base_url, model="chat", requests=32, clients=8, max_tokens=4)
@@ -64,7 +110,7 @@ def test_a_redis_fault_mid_load_loses_nothing_and_resyncs_after(fault, h, arms, 
         if fault == "kill":
             redis_server.start()  # the same port, empty: nothing to apply yet
         elif fault == "pause":
-            time.sleep(max(0.0, paused_at[-1] + PAUSE_S - time.monotonic()))
+            pauses.wait_over()
         else:
             with pytest.raises(Exception, match="(?i)replica"):
                 redis_server.client().set(KEY, state.next(canary_weight=0.0).to_json())

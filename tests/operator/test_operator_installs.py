@@ -3,10 +3,12 @@ the real kopf operator on the emulator: exactly one reconciles a fleet (the one 
 claim annotation carries), the other leaves it alone and says so once; removing the claim hands
 the fleet over."""
 import contextlib
+import copy
 import re
 
+import kopf
 import pytest
-from specfleet_operator import API_VERSION
+from specfleet_operator import API_VERSION, handlers
 from specfleet_operator.handlers import CLAIM_ANNOTATION, CLAIMED_ELSEWHERE
 from specfleet_operator.main import Options
 from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
@@ -97,3 +99,21 @@ def test_each_install_has_a_valid_annotation_prefix_of_its_own(name, namespace):
     others = {Options(lease_name=name + "x", lease_namespace=namespace).kopf_prefix,
               Options(lease_name=name, lease_namespace=namespace + "x").kopf_prefix}
     assert prefix not in others
+
+
+async def test_a_claim_from_a_stale_read_loses_to_the_claim_that_landed(cluster, kube, monkeypatch):
+    """Two installs read the unclaimed fleet; one claims it first. The other's claim, made from its
+    stale read, is refused by the API server (409: the resourceVersion it was conditional on has
+    moved) and retried, and the first install keeps the fleet: the race played in order, every time."""
+    said = []
+    monkeypatch.setattr(handlers, "_event", lambda body, reason, message: said.append(reason))
+    await kube.create(sdd_body("chat"))
+    read_by_both = await kube.get(API_VERSION, "SpecDecodeDeployment", "default", "chat")
+    first, second = (kopf.Memo(kube=kube, instance=f"default/team-{x}") for x in "ab")
+    assert await handlers.claim(first, copy.deepcopy(read_by_both))
+    with pytest.raises(kopf.TemporaryError, match="changed while being claimed"):
+        await handlers.claim(second, copy.deepcopy(read_by_both))
+    assert claimant(cluster) == "default/team-a" and said == ["Claimed"]
+    # its retry reads the fleet again and leaves it alone
+    assert not await handlers.claim(second, await kube.get(API_VERSION, "SpecDecodeDeployment", "default", "chat"))
+    assert claimant(cluster) == "default/team-a" and said == ["Claimed", CLAIMED_ELSEWHERE]
