@@ -35,6 +35,25 @@ COMMANDS = ("get", "hset", "hgetall", "expire", "pexpire", "del", "exists", "mul
             "select")  # select: a URL may name a database other than 0
 
 
+#: A Redis URL that carries a password (the CRD's CEL rule on spec.redis.url says the same; a test
+#: holds the rule to this regex): in the user info, where urllib and redis-py find one (a `:` before
+#: the last `@` of the authority: `redis://user:pass@host`, `redis://:pass@host`), or in the query
+#: (`?password=`, which redis-py reads too). A URL is logged, shown and a plain value in every pod
+#: template; a bare user name (`redis://user@host`, an ACL user without a password) holds no secret.
+URL_WITH_PASSWORD = r"^rediss?://[^/?#]*:[^/?#]*@|[?&]password="
+
+
+def url_has_password(url: Any) -> bool:
+    """Whether a Redis URL carries a password (URL_WITH_PASSWORD).
+
+    >>> [url_has_password(u) for u in ("redis://:s3cret@r:6379/0", "rediss://app:s3cret@r", "redis://r/0?password=s")]
+    [True, True, True]
+    >>> [url_has_password(u) for u in ("redis://r:6379/0", "redis://app@r:6379", "redis://[::1]:6379", None)]
+    [False, False, False, False]
+    """
+    return isinstance(url, str) and re.search(URL_WITH_PASSWORD, url) is not None
+
+
 def fleet_username(namespace: str, name: str) -> str:
     """The fleet's Redis user.
 
@@ -57,6 +76,25 @@ def fleet_password(master: str | bytes, namespace: str, name: str, uid: str) -> 
         raise ValueError("the master secret is empty")
     key = master.encode() if isinstance(master, str) else master
     return hmac.new(key, f"{namespace}/{name}/{uid}".encode(), hashlib.sha256).hexdigest()
+
+
+def credentials_digest(username: str, password: str) -> str:
+    """10 hex digits of the credentials, which name the fleet's Secret: only the master secret's
+    holder can name it before it exists, and new credentials get a new Secret (never an edit).
+
+    >>> len(credentials_digest("specfleet:default:chat", "p")), credentials_digest("u", "p") != credentials_digest("u", "q")
+    (10, True)
+    """
+    return hashlib.sha256(f"{username}\n{password}".encode()).hexdigest()[:10]
+
+
+def password_hash(password: str) -> str:
+    """The password as Redis' ACL keeps it (`ACL GETUSER`'s passwords, `#<hash>` in `ACL SETUSER`).
+
+    >>> password_hash("foo")[:12]
+    '2c26b46b68ff'
+    """
+    return hashlib.sha256(password.encode()).hexdigest()
 
 
 def _glob_escape(text: str) -> str:
@@ -83,10 +121,16 @@ def fleet_acl(namespace: str, name: str) -> list[str]:
             + [f"~{base}:{kind}:*" for kind in OWN_KEYS])
 
 
-def setuser_args(namespace: str, name: str, password: str) -> list[str]:
-    """`ACL SETUSER` arguments that make the user exactly this (reset first: nothing else stays)."""
+def setuser_args(namespace: str, name: str, password: str, keep: tuple[str, ...] = ()) -> list[str]:
+    """`ACL SETUSER` arguments that make the user exactly this (reset first: nothing else stays).
+    `keep`: password hashes (password_hash) that stay valid beside `password`: the credentials of
+    pods still rolling away from a rotated Secret.
+
+    >>> setuser_args("default", "chat", "p", keep=("ab12",))[3:7]
+    ['reset', 'on', '>p', '#ab12']
+    """
     return ["ACL", "SETUSER", fleet_username(namespace, name), "reset", "on", f">{password}",
-            *fleet_acl(namespace, name)]
+            *(f"#{h}" for h in keep), *fleet_acl(namespace, name)]
 
 
 def read_secret_file(path: str) -> str:

@@ -46,7 +46,7 @@ def desired_children(sdd: dict[str, Any], memo: Any) -> dict[tuple[str, str], di
     status = sdd["status"]
     fleet = handlers.fleet_state(handlers.canary_state(status), spec, handlers.memory_of(status))
     try:
-        desired = manifests.children(sdd, spec, memo.settings, fleet)
+        desired = manifests.children(sdd, spec, memo.settings, fleet, handlers.credentials_name(memo, sdd, spec))
     except (KeyError, TypeError, ValueError, AttributeError):
         return None  # reconcile reports it in the status
     kopf.adopt(desired, owner=sdd)
@@ -104,6 +104,8 @@ async def converge(memo: Any, namespace: str, name: str, only: tuple[str, str] |
                 raise
             if (what := drifted(kind, child, live, desired, uid)) is not None:
                 found.append(what)
+        if only is None and (why := memo.get("credentials_pending", {}).get((namespace, name))):
+            found.append(f"the fleet's Redis credentials are not in place ({why})")  # a Secret is never watched
         if found:
             logger.info("%s/%s drifted: %s", namespace, name, "; ".join(found))
             kopf.event(sdd, type="Normal", reason="Converged", message="; ".join(found))

@@ -133,17 +133,23 @@ def _event(body: Any, reason: str, message: str) -> None:
     kopf.event(body, type="Warning" if reason in WARNING_REASONS else "Normal", reason=reason, message=message)
 
 
-async def _apply_children(body: Any, spec: dict[str, Any], fleet: fleet_spec.FleetState, memo: Any
+async def _apply_children(body: Any, spec: dict[str, Any], fleet: fleet_spec.FleetState, memo: Any,
+                          taken: list[str] | None = None
                           ) -> tuple[dict[tuple[str, str], tuple[str, dict[str, Any]]], list[str]]:
+    """Apply every child; `taken`: what is already known to be held by another owner (the
+    credentials' handle or Secret), reported with what this finds."""
     kube: Kube = memo.kube
-    desired = manifests.children(body, spec, memo.settings, fleet)
+    desired = manifests.children(body, spec, memo.settings, fleet, credentials_name(memo, body, spec))
     kopf.adopt(desired, owner=body)
     results: dict[tuple[str, str], tuple[str, dict[str, Any]]] = {}
     errors: list[str] = []
-    taken: list[str] = []
+    taken = list(taken or [])
+    predecessors = manifests.legacy_predecessors(body["metadata"]["name"])
     for obj in desired:
         key = (obj["kind"], obj["metadata"]["name"])
         try:
+            if key in predecessors:  # its old-named twin goes first (manifests.RETIRED_FIRST says why)
+                await retire_legacy_children(memo, body, [predecessors[key]])
             results[key] = await kube.apply(obj)
         except OwnedByAnother as exc:
             taken.append(str(exc))
@@ -178,7 +184,8 @@ def _owned(obj: dict[str, Any], uid: str | None) -> bool:
 
 
 SHARED_MEMO = ("reconcile_locks", "status_locks", "applied_generations", "redis_secrets", "child_conflicts",
-               "legacy_retired", "claims_elsewhere")  # created at startup: see there
+               "legacy_retired", "claims_elsewhere", "applied_credentials", "credentials_pending",
+               "credentials_retired")  # created at startup: see there
 
 
 def instance(memo: Any) -> str:
@@ -261,19 +268,28 @@ async def reconcile(body: Any, memo: Any, cstate: canaries.CanaryState | None = 
     memory = memory or memory_of(prev)
     if not problems:
         try:
-            manifests.children(body, spec, memo.settings, fleet_state(cstate, spec, memory))
+            manifests.children(body, spec, memo.settings, fleet_state(cstate, spec, memory),
+                               credentials_name(memo, body, spec))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             problems = [specs.Problem("spec", f"cannot build the workers from this spec: {exc!r}")]
     if problems:  # no child is created: nothing a worker would refuse reaches a pod
         _event(body, specs.rejection_reason(problems), "; ".join(str(p) for p in problems))
         await write_status(memo, ns, name, problems=problems)
         return
-    secret_error = await _fleet_secret(body, spec, memo)
-    results, errors = await _apply_children(body, spec, fleet_state(cstate, spec, memory), memo)
-    errors = [secret_error, *errors] if secret_error else errors
+    refresh_default_redis(memo)
+    secret = await _fleet_credentials(body, spec, memo)
+    pending = memo.setdefault("credentials_pending", {})  # converge tries again while it is not in place
+    if secret.taken or secret.error:
+        pending[(ns, name)] = secret.taken or secret.error
+    else:
+        pending.pop((ns, name), None)
+    results, errors = await _apply_children(body, spec, fleet_state(cstate, spec, memory), memo,
+                                            [secret.taken] if secret.taken else [])
+    errors = [secret.error, *errors] if secret.error else errors
     if errors:
         metrics.RECONCILE_ERRORS.labels("apply").inc(len(errors))
     applied_generations(memo)[(ns, name)] = body.get("metadata", {}).get("generation")
+    memo.setdefault("applied_credentials", {})[(ns, name)] = credentials_name(memo, body, spec)
     created = [f"{kind} {n}" for (kind, n), (action, _) in results.items() if action == "created"]
     if created:
         _event(body, "Created", "created " + ", ".join(created))
@@ -294,24 +310,30 @@ def child_conflicts(memo: Any) -> dict[tuple[str, str], tuple[str, ...]]:
     return memo.setdefault("child_conflicts", {})
 
 
-async def retire_legacy_children(memo: Any, sdd: dict[str, Any]) -> None:
+async def retire_legacy_children(memo: Any, sdd: dict[str, Any],
+                                  refs: Sequence[tuple[str, str, str]] | None = None) -> None:
     """Delete the children this resource owns under the names of an older operator
     (manifests.legacy_child_refs), once per resource and operator process. Called when the
-    fleet is Ready under the current names, so the old workers and router serve until then."""
+    fleet is Ready under the current names, so the old workers and router serve until then;
+    `refs`: only these, now (a predecessor of manifests.RETIRED_FIRST, before its successor)."""
     meta = sdd["metadata"]
     key = (meta["namespace"], meta["name"], meta.get("uid"))
     done = memo.setdefault("legacy_retired", {})
     if done.get(key):
         return
     removed = []
-    for api_version, kind, child in manifests.legacy_child_refs(meta["name"]):
+    for api_version, kind, child in manifests.legacy_child_refs(meta["name"]) if refs is None else refs:
         live = await memo.kube.get(api_version, kind, meta["namespace"], child)
         if live and _owned(live, meta.get("uid")):
             await memo.kube.delete(api_version, kind, meta["namespace"], child)
             removed.append(f"{kind} {child}")
-    if removed:
+    if removed and refs is not None:
+        _event(sdd, "Removed", f"removed {', '.join(removed)} (an older operator's name) before its successor "
+               "over the same pods: Kubernetes evicts no pod that two PodDisruptionBudgets cover")
+    elif removed:
         _event(sdd, "Removed", "removed the children named as before the upgrade: " + ", ".join(removed))
-    done[key] = True
+    if refs is None:
+        done[key] = True
 
 
 async def refresh_status(memo: Any, namespace: str, name: str, **kwargs: Any) -> dict[str, Any] | None:
@@ -360,8 +382,9 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
             # before the status, inside the lock: writes reach Redis in the order of the states they
             # carry, and the status says what this write met (a Redis away costs its timeout here)
             health = await publish_live_state(memo, sdd, spec, fleet)
+            refused = await pods_refused(memo, sdd, spec)
             observed = _observed(sdd, spec, cstate, stable, canary, list(errors), window, router, memory)
-            new = _status(dataclasses.replace(observed, applied_generation=applied, redis=health,
+            new = _status(dataclasses.replace(observed, applied_generation=applied, redis=health, pods_auth=refused,
                                               conflicts=child_conflicts(memo).get((namespace, name), ())),
                           sdd, memory)
             _redis_event(sdd, prev, new)
@@ -373,7 +396,65 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
         ready = statuses.condition(new, "Ready")
         if fleet is not None and ready is not None and ready["status"] == "True":
             await retire_legacy_children(memo, sdd)
+            await retire_credentials(memo, sdd, spec, [d for d in (stable, canary, router) if d is not None])
         return new
+
+
+def _pods_use(deployment: dict[str, Any], secret: str) -> bool:
+    """Whether every pod of the Deployment runs a template that takes its Redis user from `secret`."""
+    template = (deployment.get("spec") or {}).get("template") or {}
+    containers = (template.get("spec") or {}).get("containers") or []
+    refs = {(env.get("valueFrom") or {}).get("secretKeyRef", {}).get("name")
+            for c in containers for env in c.get("env") or []}
+    status = deployment.get("status") or {}
+    return secret in refs and status.get("replicas", 0) <= status.get("updatedReplicas", 0)
+
+
+async def retire_credentials(memo: Any, sdd: dict[str, Any], spec: dict[str, Any],
+                             deployments: list[dict[str, Any]]) -> None:
+    """Once every pod of the fleet holds its current credentials: drop the user's other passwords
+    in Redis and delete the other credentials' handles (garbage collection takes their Secrets)."""
+    current = credentials_name(memo, sdd, spec)
+    key = (sdd["metadata"]["namespace"], sdd["metadata"]["name"])
+    done = memo.setdefault("credentials_retired", {})  # once per process and credentials
+    if current is None or done.get(key) == current:
+        return
+    if not deployments or not all(_pods_use(d, current) for d in deployments):
+        return
+    target, _ = await redis_target(memo, sdd, spec)
+    store = memo.get("live_state")
+    if target is not None and store is not None:
+        if await store.retire_passwords(target, *key) is None:
+            return  # Redis away: the next status write tries again
+    try:
+        gone = await redis_state.retire_credentials(memo.kube, sdd, current)
+    except ApiError as exc:
+        kopf.warn(sdd, reason="ApplyFailed", message=f"cannot remove the fleet's old Redis credentials: {exc}")
+        return
+    done[key] = current
+    if gone:
+        _event(sdd, "Removed", "removed the fleet's old Redis credentials (every pod holds the current ones): "
+               + ", ".join(f"ConfigMap {n} and its Secret" for n in gone))
+
+
+async def pods_refused(memo: Any, sdd: Any, spec: dict[str, Any]) -> str | None:
+    """What Redis says of the fleet's pods' logins, when it refused some lately (Degraded says it,
+    the metric counts them); None when none, or unknown (a fleet without its own user)."""
+    store = memo.get("live_state")
+    ns, name = sdd["metadata"]["namespace"], sdd["metadata"]["name"]
+    user = fleet_user(memo, sdd, spec)
+    if store is None or user is None:
+        metrics.export_auth_failures(ns, name, None)
+        return None
+    target, _ = await redis_target(memo, sdd, spec)
+    seen = await store.auth_failures(target) if target is not None else None
+    metrics.export_auth_failures(ns, name, seen.count if seen is not None else None)
+    if seen is None or not seen.count:
+        return None
+    return (f"Redis refused {seen.count} logins as the fleet's user {user[0]} in the last "
+            f"{store.auth_window_s:g}s (from {', '.join(seen.addresses)}): those pods hold "
+            f"credentials that are not the fleet's current ones (Secret {credentials_name(memo, sdd, spec)}); "
+            "they serve on their last state and publish no windows until they restart with it")
 
 
 async def redis_target(memo: Any, sdd: Any, spec: dict[str, Any]
@@ -383,14 +464,39 @@ async def redis_target(memo: Any, sdd: Any, spec: dict[str, Any]
     return await redis_state.resolve(memo.kube, memo.settings, memo.get("default_redis"), sdd, spec)
 
 
-async def _fleet_secret(body: Any, spec: dict[str, Any], memo: Any) -> str | None:
-    """Create the Secret with the fleet's own Redis user (default Redis only); an error to report."""
-    target, _ = await redis_target(memo, body, spec)
-    if target is None or target.fleet_user is None:
+def default_redis(memo: Any) -> redis_state.DefaultRedis | None:
+    """The install's default Redis, its admin password as last read (`refresh_default_redis`)."""
+    return memo.get("default_redis") if hasattr(memo, "get") else None
+
+
+def refresh_default_redis(memo: Any) -> bool:
+    """Read the default Redis' password file again (a rotated Secret); whether it changed."""
+    default = default_redis(memo)
+    return default is not None and default.refresh()
+
+
+def fleet_user(memo: Any, sdd: Any, spec: dict[str, Any]) -> tuple[str, str] | None:
+    """(username, password) of the fleet's own user in the default Redis; None for a fleet with
+    spec.redis, or without a default Redis with a password."""
+    default = default_redis(memo)
+    if spec.get("redis") or default is None or not memo.settings.default_redis_url:
         return None
-    secret = redis_state.fleet_secret(body, *target.fleet_user)
-    kopf.adopt(secret, owner=body)
-    return await redis_state.ensure_secret(memo.kube, secret, memo.setdefault("redis_secrets", {}))
+    meta = sdd["metadata"]
+    return redis_state.default_target(default, meta["namespace"], meta["name"], meta.get("uid", "")).fleet_user
+
+
+def credentials_name(memo: Any, sdd: Any, spec: dict[str, Any]) -> str | None:
+    """The Secret the fleet's pods take their Redis user from (None: they need none)."""
+    user = fleet_user(memo, sdd, spec)
+    return redis_state.credentials_name(sdd["metadata"]["name"], *user) if user else None
+
+
+async def _fleet_credentials(body: Any, spec: dict[str, Any], memo: Any) -> redis_state.CredentialsResult:
+    """Create the Secret with the fleet's own Redis user (default Redis only), as redis_state says."""
+    user = fleet_user(memo, body, spec)
+    if user is None:
+        return redis_state.CredentialsResult()
+    return await redis_state.ensure_credentials(memo.kube, body, *user, memo.setdefault("redis_secrets", {}))
 
 
 def _redis_event(sdd: Any, prev: dict[str, Any], new: dict[str, Any]) -> None:
@@ -563,7 +669,9 @@ async def tick(body: Any, memo: Any) -> None:
         await kube.patch(API_VERSION, KIND, ns, name, {"metadata": {"annotations": {canaries.GATE_ANNOTATION: None}}})
     stable = obs.windows.get("stable")
     window = sum_windows(list(stable.values())) if stable else None
-    if fleet_state(decision.state, spec, slo.memory) != fleet_state(before, spec, memory):
+    refresh_default_redis(memo)  # a rotated admin password: new credentials, so the pods roll
+    rotated = memo.setdefault("applied_credentials", {}).get((ns, name), "?") != credentials_name(memo, body, spec)
+    if rotated or fleet_state(decision.state, spec, slo.memory) != fleet_state(before, spec, memory):
         await reconcile(body, memo, decision.state, window, slo.memory)
     else:
         await refresh_status(memo, ns, name, cstate=decision.state, window=window, memory=slo.memory)

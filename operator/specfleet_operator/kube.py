@@ -40,6 +40,7 @@ PLURALS = {
     "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
     "SpecDecodeDeployment": "specdecodedeployments", "ServiceAccount": "serviceaccounts",
     "Role": "roles", "RoleBinding": "rolebindings", "EndpointSlice": "endpointslices",
+    "NetworkPolicy": "networkpolicies",
 }
 
 

@@ -1,9 +1,11 @@
 """Running the operator: `run(argv)` for the `specfleet operator` command, `operate()` to embed it.
 
-With leader election on (the default), a replica first acquires the Lease, then starts kopf;
-if it loses the Lease it stops kopf and exits non-zero so that Kubernetes restarts it as a
-standby. On a clean stop it releases the Lease so the standby takes over at once. Alertmanager's
-posts land in `Options.alerts`, which the control loop reads as `memo.alerts` (docs/alerts.md).
+First the installed CRD is checked against this operator's (crd_check): an older one and it does
+not start (`specfleet operator` exits 3). With leader election on (the default), a replica first
+acquires the Lease, then starts kopf; if it loses the Lease it stops kopf and exits non-zero so
+that Kubernetes restarts it as a standby. On a clean stop it releases the Lease so the standby
+takes over at once. Alertmanager's posts land in `Options.alerts`, which the control loop reads as
+`memo.alerts` (docs/alerts.md).
 """
 from __future__ import annotations
 
@@ -17,7 +19,6 @@ import re
 import signal
 import socket
 import threading
-import urllib.parse
 from typing import Any, Sequence
 
 import kopf
@@ -25,6 +26,7 @@ from specfleet_api import redis_auth
 
 from . import GROUP
 from . import converge, handlers  # noqa: F401  (registers the handlers with kopf)
+from . import crd_check
 from .alerts import DEFAULT_TTL_S, AlertInbox, BearerToken
 from .health import AlertReceiver, Heartbeat
 from .kube import Kube
@@ -86,7 +88,7 @@ class Options:
         if not self.redis_url:
             return None
         password = redis_auth.read_secret_file(self.redis_password_file) if self.redis_password_file else ""
-        return DefaultRedis(self.redis_url, password)
+        return DefaultRedis(self.redis_url, password, self.redis_password_file)
 
 
 def operator_settings(options: Options) -> kopf.OperatorSettings:
@@ -112,7 +114,8 @@ def operator_settings(options: Options) -> kopf.OperatorSettings:
 async def operate(options: Options, *, connection: Any = None, stop: asyncio.Event | threading.Event | None = None,
                   ready: threading.Event | asyncio.Event | None = None, memo: dict[str, Any] | None = None,
                   leading: threading.Event | None = None) -> int:
-    """Run until `stop` is set (0) or the Lease is lost (1). `connection`: a kopf.ConnectionInfo;
+    """Run until `stop` is set (0) or the Lease is lost (1); crd_check.OutdatedCRD before anything
+    starts, when the installed CRD is older than this operator. `connection`: a kopf.ConnectionInfo;
     None logs in as kopf does (in-cluster service account, else kubeconfig)."""
     settings = operator_settings(options)
     if connection is None:
@@ -130,6 +133,8 @@ async def operate(options: Options, *, connection: Any = None, stop: asyncio.Eve
     elector = LeaseElector(kube, options.lease_namespace, options.lease_name, options.identity,
                            duration_s=options.lease_duration_s, renew_s=options.renew_s, retry_s=options.retry_s)
     try:
+        # before the Lease: a standby refuses too, rather than take over against an older CRD later
+        await crd_check.check(kube)
         if options.leader_election:
             acquiring = asyncio.create_task(elector.acquire())
             stopping = asyncio.create_task(stop_event.wait())
@@ -193,8 +198,9 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--router-pull-policy", default=Settings.router_pull_policy,
                    choices=["Always", "IfNotPresent", "Never"])
     p.add_argument("--read-redis-secrets", action="store_true",
-                   help="read the Secret of spec.redis.secretRef to write the live state there (needs RBAC "
-                        "get on secrets); without it such fleets' routers take the state from flags")
+                   help="read the Secret of spec.redis.secretRef to write the live state there; the chart grants "
+                        "no read of any Secret, so each such Secret's namespace grants get on it by name "
+                        "(docs/redis.md); without this flag such fleets' routers take the state from flags")
     p.add_argument("--redis-url", default=env("SPECFLEET_REDIS_URL", ""),
                    help="the Redis the install provides, e.g. redis://specfleet-redis.specfleet-system.svc:6379/0 "
                         "(no password in it: see --redis-password-file)")
@@ -223,7 +229,7 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     p.add_argument("--workers", type=int, default=32, help="concurrent reconciles")
     p.add_argument("--log-level", default="INFO")
     a = p.parse_args(argv)
-    if urllib.parse.urlsplit(a.redis_url).password is not None:
+    if redis_auth.url_has_password(a.redis_url):
         p.error("--redis-url (SPECFLEET_REDIS_URL) holds a password: put it in a Secret, mount it, and "
                 "name the file with --redis-password-file (SPECFLEET_REDIS_PASSWORD_FILE)")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -255,7 +261,11 @@ def run(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        return await operate(options, stop=stop, leading=leading)
+        try:
+            return await operate(options, stop=stop, leading=leading)
+        except crd_check.OutdatedCRD as exc:  # not started: the pod restarts, and starts once it is upgraded
+            logger.error("%s", exc)
+            return crd_check.EXIT_CODE
 
     return asyncio.run(main())
 

@@ -211,17 +211,27 @@ def keeps_live_state(spec: dict[str, Any], settings: Settings) -> bool:
     return writes_live_state(spec, settings.read_redis_secrets, bool(settings.default_redis_url))
 
 
-def redis_secret_name(sdd_name: str) -> str:
-    """The Secret holding the fleet's own Redis user (created by the operator, never read by it)."""
-    return child_name(sdd_name, "redis")
+def redis_secret_name(sdd_name: str, digest: str) -> str:
+    """The Secret holding one set of the fleet's Redis credentials (`digest`:
+    redis_auth.credentials_digest), created by the operator and never read, edited or deleted by it
+    (redis_state.ensure_credentials).
+
+    >>> redis_secret_name("chat", "0123456789")
+    'chat--redis-0123456789'
+    """
+    return f"{child_name(sdd_name, 'redis')}-{digest}"
 
 
-def _redis_env(spec: dict[str, Any], sdd: dict[str, Any], settings: Settings) -> list[dict[str, Any]]:
+def _redis_env(spec: dict[str, Any], sdd: dict[str, Any], settings: Settings,
+               credentials: str | None = None) -> list[dict[str, Any]]:
     """Where the pods find the fleet's Redis: spec.redis as given, else the default Redis with the
-    fleet's own user, its credentials from the fleet's Secret (never a plain value here)."""
+    fleet's own user, its credentials from the fleet's Secret `credentials` (never a plain value
+    here; None: the default Redis has no password, and the URL alone reaches it)."""
     redis = spec.get("redis")
+    if not redis and settings.default_redis_url and not credentials:
+        return [{"name": redis_auth.URL_ENV, "value": settings.default_redis_url}]
     if not redis and settings.default_redis_url:
-        secret = redis_secret_name(sdd["metadata"]["name"])
+        secret = credentials
         return [{"name": redis_auth.URL_ENV, "value": settings.default_redis_url},
                 *({"name": env, "valueFrom": {"secretKeyRef": {"name": secret, "key": key}}}
                   for env, key in ((redis_auth.USERNAME_ENV, redis_auth.SECRET_USERNAME_KEY),
@@ -245,7 +255,8 @@ def _window_env(spec: dict[str, Any]) -> list[dict[str, Any]]:
     return [{"name": "SPECFLEET_FLEET_WINDOW_S", "value": f"{parse_duration(window):g}"}] if window else []
 
 
-def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str, settings: Settings) -> list[dict[str, Any]]:
+def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str, settings: Settings,
+         credentials: str | None = None) -> list[dict[str, Any]]:
     sdd_name = sdd["metadata"]["name"]
     env: list[dict[str, Any]] = [
         {"name": MODEL_CACHE_ENV, "value": MODEL_CACHE},
@@ -256,7 +267,7 @@ def _env(spec: dict[str, Any], sdd: dict[str, Any], role: str, settings: Setting
         {"name": "SPECFLEET_DEPLOYMENT", "value": f"{sdd['metadata']['namespace']}/{sdd_name}"},
         *_window_env(spec),
     ]
-    env += _redis_env(spec, sdd, settings)
+    env += _redis_env(spec, sdd, settings, credentials)
     endpoint = spec.get("observability", {}).get("otlpEndpoint")
     if endpoint:
         env.append({"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": endpoint})
@@ -276,8 +287,9 @@ def _container_security() -> dict[str, Any]:
 
 
 def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: Settings,
-               state: FleetState = FleetState()) -> dict[str, Any]:
-    """The worker Deployment for `role` (stable or canary); `spec` is already defaulted.
+               state: FleetState = FleetState(), credentials: str | None = None) -> dict[str, Any]:
+    """The worker Deployment for `role` (stable or canary); `spec` is already defaulted;
+    `credentials`: the Secret of the fleet's Redis user (_redis_env).
 
     The pod template carries the hash of everything that needs a restart (engine.json, env,
     image), so a spec change rolls the pods and an unchanged spec changes nothing.
@@ -286,7 +298,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     eff = effective_spec(spec, role, state)
     template = eff.get("template", {})
     image = template.get("image") or settings.worker_image
-    env = _env(eff, sdd, role, settings)
+    env = _env(eff, sdd, role, settings, credentials)
     engine = engine_config(spec, role, state)
     resources = worker_resources(template.get("resources"), eff["device"])
     weights = model_volume(eff["model"].get("source"))
@@ -525,14 +537,14 @@ def router_args(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
 
 
 def router_deployment(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
-                      state: FleetState = FleetState()) -> dict[str, Any]:
+                      state: FleetState = FleetState(), credentials: str | None = None) -> dict[str, Any]:
     """The router: torch-free, stateless, restricted PSS, its own ServiceAccount (it reads EndpointSlices)."""
     name = sdd["metadata"]["name"]
     router = spec.get("router") or {}
     env = [{"name": "HOME", "value": "/tmp"},
            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}, *_window_env(spec)]
     if keeps_live_state(spec, settings):
-        env += _redis_env(spec, sdd, settings)
+        env += _redis_env(spec, sdd, settings, credentials)
     http = {"port": "http", "scheme": "HTTP"}
     container = {
         "name": "router",
@@ -606,6 +618,31 @@ def metrics_service(sdd: dict[str, Any], role: str, settings: Settings) -> dict[
     }
 
 
+def worker_network_policy(sdd: dict[str, Any]) -> dict[str, Any]:
+    """Who may reach the fleet's workers (both arms): their gRPC port (generation) only the fleet's own
+    router pods, since the canary share, the routes and the fallback are the router's to apply and a
+    client calling a worker directly would skip them; their HTTP port (/metrics, /healthz, /readyz,
+    nothing that generates) any peer, for Prometheus wherever it runs. The kubelet's probes come from
+    the node, which NetworkPolicy never blocks; the Admin port listens on the pod's loopback.
+    Policies add up: another one that opens the gRPC port to more peers (the chart's over all workers
+    of a namespace) opens it for these pods too. Enforced only where the CNI implements NetworkPolicy."""
+    name = sdd["metadata"]["name"]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": child_name(name, "workers"), "namespace": sdd["metadata"]["namespace"],
+                     "labels": labels(name, component="network-policy")},
+        "spec": {
+            "podSelector": {"matchLabels": selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"from": [{"podSelector": {"matchLabels": selector(name, component="router")}}],
+                 "ports": [{"port": "grpc", "protocol": "TCP"}]},
+                {"ports": [{"port": "http", "protocol": "TCP"}]},
+            ],
+        },
+    }
+
+
 def pod_disruption_budget(sdd: dict[str, Any], component: str = "worker") -> dict[str, Any]:
     """The stable workers' (or the router's) budget."""
     name = sdd["metadata"]["name"]
@@ -661,6 +698,15 @@ ALERT_ALPHA = "SpecDecodeAlphaBelowSLO"
 ALERT_SPEEDUP = "SpecDecodeSpeedupBelowSLO"
 ALERT_DRAFT_ERRORS = "SpecDecodeDraftErrors"
 ALERT_FALLBACK = "SpecFleetFallbackActive"
+# A fleet's routers or workers without their live state from Redis, and Redis refusing the fleet's
+# credentials (the operator's specfleet_redis_auth_failures): the pods serve on, frozen; no loop action.
+ALERT_ROUTER_REDIS = "SpecFleetRouterRedisDown"
+ALERT_WORKER_REDIS = "SpecFleetWorkerRedisDown"
+ALERT_REDIS_AUTH = "SpecFleetRedisAuthFailing"
+#: Seconds since a router or worker last read its live state from Redis (each tries every 0.5 s)
+#: past which it counts as having lost Redis; its alert fires once that has held for REDIS_DOWN_FOR.
+REDIS_STALE_S = 60
+REDIS_DOWN_FOR = "2m"
 #: How far back the alpha alert looks for the baseline it compares the window with.
 BASELINE_RANGE = "1h"
 
@@ -677,9 +723,10 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5,
     `min_draft_tokens` drafted (less is missing data), alpha per prompt type below `alpha_floor` or
     below (1 - `alpha_drop`) x its baseline (the best window of the `baseline` range before this
     window, so the alert stays firing while alpha stays low), and the speedup (plain-equivalent
-    seconds over busy seconds) below `speedup_floor`. `selector` (PromQL matchers) narrows them to
-    one fleet, whose (namespace, name) `fleet` then labels them; without it the labels come from
-    the series."""
+    seconds over busy seconds) below `speedup_floor`; and, on both arms, a fleet's routers or workers
+    without their live state from Redis (REDIS_STALE_S, then REDIS_DOWN_FOR), and Redis refusing the
+    fleet's credentials. `selector` (PromQL matchers) narrows them to one fleet, whose (namespace,
+    name) `fleet` then labels them; without it the labels come from the series."""
     sel = "{" + ", ".join(filter(None, [selector, f'{PROM_LABEL_ROLE}!="canary"'])) + "}"
     by = f"namespace, {PROM_LABEL_SDD}"
     alpha = f"avg by ({by}, prompt_type) (avg_over_time(spec_decode_acceptance_rate{sel}[{window}]))"
@@ -687,12 +734,15 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5,
     drafted = f"sum by ({by}) (increase(spec_decode_num_draft_tokens_total{sel}[{window}])) >= {_num(min_draft_tokens)}"
     speedup = (f"sum by ({by}) (rate(spec_decode_plain_equivalent_seconds_total{sel}[{window}]))"
                f" / sum by ({by}) (rate(spec_decode_busy_seconds_total{sel}[{window}]))")
+    pods = "{" + selector + "}" if selector else ""  # both arms and the routers
     if fleet is None:
         where = {"sdd_namespace": "{{ $labels.namespace }}", "sdd_name": "{{ $labels.%s }}" % PROM_LABEL_SDD}
-        fallback = "max by (sdd_namespace, sdd_name) (specfleet_fallback_active) == 1"
+        op_sel = ""  # the operator's gauges name their fleet in sdd_namespace, sdd_name
     else:
         where = {"sdd_namespace": fleet[0], "sdd_name": fleet[1]}
-        fallback = f'max by (sdd_namespace, sdd_name) (specfleet_fallback_active{{sdd_namespace="{fleet[0]}", sdd_name="{fleet[1]}"}}) == 1'
+        op_sel = f'{{sdd_namespace="{fleet[0]}", sdd_name="{fleet[1]}"}}'
+    fallback = f"max by (sdd_namespace, sdd_name) (specfleet_fallback_active{op_sel}) == 1"
+    auth = f"max by (sdd_namespace, sdd_name) (specfleet_redis_auth_failures{op_sel}) > 0"
     fleet_name = f"{where['sdd_namespace']}/{where['sdd_name']}"  # annotations see the series' labels only
     return [
         {"alert": ALERT_ALPHA,
@@ -719,6 +769,28 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5,
          "for": "0m", "labels": {"severity": "info"},
          "annotations": {"summary": "The operator switched {{ $labels.sdd_namespace }}/{{ $labels.sdd_name }} "
                                     "to plain decoding (fallback)"}},
+        {"alert": ALERT_ROUTER_REDIS,
+         "expr": f"max by ({by}) (specfleet_router_redis_staleness_seconds{pods}) > {REDIS_STALE_S}",
+         "for": REDIS_DOWN_FOR, "labels": {"severity": "warning", **where},
+         "annotations": {"summary": f"Routers of {fleet_name} have not read their live state from Redis for over "
+                                    f"{REDIS_STALE_S}s",
+                         "description": "They route on the last state they read: the canary weight, the routes "
+                                        "and the fallback stay as they were until Redis answers (the fleet's "
+                                        "RedisReady condition says why, when the operator cannot reach it either)."}},
+        {"alert": ALERT_WORKER_REDIS,
+         "expr": f"max by ({by}) (spec_decode_live_state_staleness_seconds{pods}) > {REDIS_STALE_S}",
+         "for": REDIS_DOWN_FOR, "labels": {"severity": "warning", **where},
+         "annotations": {"summary": f"Workers of {fleet_name} have not confirmed their live state from Redis for "
+                                    f"over {REDIS_STALE_S}s",
+                         "description": "They serve on the last state they applied: speculation on or off and the "
+                                        "K bounds stay as they were until Redis answers (or, when it answers with a "
+                                        "document they cannot apply, until that is fixed: their log says which)."}},
+        {"alert": ALERT_REDIS_AUTH,
+         "expr": auth,
+         "for": "2m", "labels": {"severity": "warning"},
+         "annotations": {"summary": "Redis refuses the credentials of {{ $labels.sdd_namespace }}/{{ $labels.sdd_name }}'s "
+                                    "pods: they hold stale or wrong credentials (see the fleet's Degraded "
+                                    "condition)"}},
     ]
 
 
@@ -737,16 +809,18 @@ def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
 
 
 def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
-             state: FleetState = FleetState()) -> list[dict[str, Any]]:
+             state: FleetState = FleetState(), credentials: str | None = None) -> list[dict[str, Any]]:
     """Every child the SDD should have now, in apply order (config before the pods that mount it,
-    the workers before the router that waits for them)."""
-    out = [engine_configmap(sdd, spec, state), arm_service(sdd, "stable", settings),
-           metrics_service(sdd, "stable", settings), deployment(sdd, spec, "stable", settings, state),
+    the workers before the router that waits for them); `credentials`: the Secret of the fleet's
+    Redis user in the default Redis (redis_state.credentials_name), None without one."""
+    out = [engine_configmap(sdd, spec, state), worker_network_policy(sdd), arm_service(sdd, "stable", settings),
+           metrics_service(sdd, "stable", settings), deployment(sdd, spec, "stable", settings, state, credentials),
            pod_disruption_budget(sdd)]
     if spec.get("canary"):
         out += [arm_service(sdd, "canary", settings), metrics_service(sdd, "canary", settings),
-                deployment(sdd, spec, "canary", settings, state)]
-    out += [*router_rbac(sdd), router_service(sdd, settings), router_deployment(sdd, spec, settings, state),
+                deployment(sdd, spec, "canary", settings, state, credentials)]
+    out += [*router_rbac(sdd), router_service(sdd, settings),
+            router_deployment(sdd, spec, settings, state, credentials),
             pod_disruption_budget(sdd, "router")]
     if spec.get("scaling"):
         out.append(autoscaler(sdd, spec))
@@ -761,7 +835,9 @@ def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
 def child_refs(sdd_name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every child the operator may create for an SDD, wanted now or not:
     what a reconcile removes when the spec drops it, and what a delete cleans up."""
-    return _refs(sdd_name, child_name)
+    # the NetworkPolicy came after SEP: it never had a name of before (legacy_child_refs)
+    return [*_refs(sdd_name, child_name),
+            ("networking.k8s.io/v1", "NetworkPolicy", child_name(sdd_name, "workers"))]
 
 
 def _refs(sdd_name: str, name: Any) -> list[tuple[str, str, str]]:
@@ -807,6 +883,26 @@ def legacy_child_refs(sdd_name: str) -> list[tuple[str, str, str]]:
     """
     now = {(kind, name) for _, kind, name in child_refs(sdd_name)}
     return [ref for ref in _refs(sdd_name, _legacy_name) if (ref[1], ref[2]) not in now]
+
+
+#: Kinds whose old-named child goes before its successor is created, not once the fleet is Ready:
+#: Kubernetes evicts no pod that two PodDisruptionBudgets cover, so with the old budget and the new
+#: one over the same pods a drain stalls, and without spare capacity so does the rollout.
+RETIRED_FIRST = frozenset({"PodDisruptionBudget"})
+
+
+def legacy_predecessors(sdd_name: str) -> dict[tuple[str, str], tuple[str, str, str]]:
+    """(kind, name) of each current child of a kind in RETIRED_FIRST -> the legacy_child_refs
+    entry of the child an older operator made in its place (over the same pods).
+
+    >>> legacy_predecessors("llama")[("PodDisruptionBudget", "llama--stable")]
+    ('policy/v1', 'PodDisruptionBudget', 'llama-stable')
+    >>> sorted(name for _, name in legacy_predecessors("llama"))
+    ['llama--router', 'llama--stable']
+    """
+    legacy = set(legacy_child_refs(sdd_name))
+    return {(now[1], now[2]): old for now, old in zip(_refs(sdd_name, child_name), _refs(sdd_name, _legacy_name))
+            if now[1] in RETIRED_FIRST and old in legacy}
 
 
 def owner_reference(sdd: dict[str, Any]) -> dict[str, Any]:

@@ -34,6 +34,10 @@ LOOP_DECISIONS = Counter("specfleet_loop_decisions", "The control loop's and the
                          "KCeilingChanged, CanaryPromoted, ...) and scope (deployment, prompt_type, cluster)",
                          [*SDD_LABELS, "reason", "scope"])
 
+REDIS_AUTH_FAILURES = Gauge("specfleet_redis_auth_failures", "Failed Redis logins as a fleet's own user whose "
+                            "latest came in the last 2 minutes (the default Redis' ACL LOG): > 0 means pods of "
+                            "the fleet hold credentials Redis refuses", SDD_LABELS)
+
 RECONCILE_SECONDS = Histogram("specfleet_operator_reconcile_seconds", "Seconds one reconcile of a fleet took "
                               "(children applied, status written), the wait for its lock excluded",
                               buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
@@ -58,8 +62,19 @@ def export_state(namespace: str, name: str, status: dict[str, Any]) -> None:
     FALLBACK_CLUSTERS.labels(namespace, name).set(len(fallback.get("clusters") or ()))
 
 
+def export_auth_failures(namespace: str, name: str, count: int | None) -> None:
+    """The fleet's failed logins (None: unknown, or a fleet without its own user: no series)."""
+    if count is None:
+        try:
+            REDIS_AUTH_FAILURES.remove(namespace, name)
+        except KeyError:
+            pass
+    else:
+        REDIS_AUTH_FAILURES.labels(namespace, name).set(count)
+
+
 def forget(namespace: str, name: str) -> None:
-    for gauge in (FALLBACK_ACTIVE, CANARY_WEIGHT, FALLBACK_CLUSTERS):
+    for gauge in (FALLBACK_ACTIVE, CANARY_WEIGHT, FALLBACK_CLUSTERS, REDIS_AUTH_FAILURES):
         try:
             gauge.remove(namespace, name)
         except KeyError:

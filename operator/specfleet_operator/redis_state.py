@@ -14,7 +14,17 @@ What the last try of each fleet met is kept (`health`): the status' RedisReady c
 A fleet without spec.redis lives in the operator's default Redis (`DefaultRedis`), which the
 operator reaches as its admin and where each fleet has a user of its own that may only read its
 live state and write its own windows (specfleet_api.redis_auth); the operator creates that user
-before it writes, and the fleet's Secret its pods read it from (create, then patch: never a read).
+before it writes, and the Secret its pods read it from.
+
+The operator may only create Secrets: it never reads, patches or deletes one (docs/redis.md,
+"Credentials"). So a fleet's credentials are never edited in place: they live in an immutable Secret
+named after them (`credentials_name`: a name only the master secret's holder can know before it
+exists), owned by a ConfigMap of the same name (its handle, owned by the fleet). New credentials (the
+admin password rotated) make a new pair, the pods' secretKeyRefs move to it (so they roll), the
+Redis user accepts both passwords until the fleet is Ready again, and then the old handle is deleted,
+which garbage collection follows to the old Secret. An existing handle that is not the fleet's, or a
+Secret found where its handle had to be created, is left as it is and reported (ChildOwnedByAnother).
+Redis' ACL LOG tells which fleets' pods hold credentials it refuses (`LiveStateStore.auth_failures`).
 """
 from __future__ import annotations
 
@@ -27,8 +37,8 @@ from typing import Any, Callable
 from specfleet_api import redis_auth
 from specfleet_api.live_state import LiveState, state_key
 
-from . import manifests
-from .kube import ApiError
+from . import GROUP, manifests
+from .kube import ApiError, controller_of
 
 log = logging.getLogger("specfleet.operator.redis_state")
 
@@ -52,13 +62,45 @@ class Health:
     message: str = ""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass
 class DefaultRedis:
     """The fleets' default Redis: its URL (no password in it) and its admin password, also the
-    master secret each fleet's password is derived from (redis_auth.fleet_password)."""
+    master secret each fleet's password is derived from (redis_auth.fleet_password). With
+    `password_file` (a mounted Secret key, which the kubelet rewrites when the Secret changes) the
+    password is the file's as of the last `refresh`: a rotation reaches every fleet's credentials.
+    """
 
     url: str
     password: str = dataclasses.field(default="", repr=False)
+    password_file: str | None = None
+
+    def refresh(self) -> bool:
+        """Read the password file again; whether the password changed. A file that cannot be read
+        keeps the last password (logged): Redis still takes it, or the next status says so."""
+        if not self.password_file:
+            return False
+        try:
+            new = redis_auth.read_secret_file(self.password_file)
+        except (OSError, ValueError) as exc:
+            log.warning("cannot read the Redis password file, keeping the last password",
+                        extra={"file": self.password_file, "error": str(exc)})
+            return False
+        changed, self.password = new != self.password, new
+        if changed:
+            log.info("the Redis admin password changed: each fleet gets new credentials", extra={"url": self.url})
+        return changed
+
+
+AUTH_FAILURE_WINDOW_S = 120.0  # failed logins this recent mean a pod holds credentials Redis refuses now
+
+
+@dataclasses.dataclass(frozen=True)
+class AuthFailures:
+    """Failed logins as a fleet's user (Redis' ACL LOG): how many (as Redis counts them: a client's
+    retries each count) and from which addresses (the pods)."""
+
+    count: int = 0
+    addresses: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,8 +113,9 @@ class Target:
     password: str | None = dataclasses.field(default=None, repr=False)
     fleet_user: tuple[str, str] | None = dataclasses.field(default=None, repr=False)
 
-    def client_key(self) -> tuple[str, str | None]:
-        return self.url, self.username
+    def client_key(self) -> tuple[str, str | None, str | None]:
+        """One client per URL and login: a rotated password gets a client of its own."""
+        return self.url, self.username, redis_auth.password_hash(self.password) if self.password else None
 
     def credentials(self) -> dict[str, str]:
         return {k: v for k, v in (("username", self.username), ("password", self.password)) if v}
@@ -103,11 +146,18 @@ async def resolve(kube: Any, settings: manifests.Settings, default: DefaultRedis
     secret_name, key = ref["name"], ref.get("key", "url")
     if not settings.read_redis_secrets:
         return None, Health(False, "NoCredentials", f"spec.redis.secretRef names Secret {secret_name}, which "
-                            "this operator is not allowed to read (readRedisSecrets is off): the live state "
-                            "is not written and the router serves the spec's state from its flags")
+                            "this operator does not read (the chart's router.readRedisSecrets is off): the live "
+                            "state is not written and the router serves the spec's state from its flags; or "
+                            "drop spec.redis to use the install's Redis")
     try:
         secret = await kube.get("v1", "Secret", meta["namespace"], secret_name)
     except ApiError as exc:
+        if exc.status == 403:  # the chart grants no read of any Secret: the namespace's owner grants this one
+            return None, Health(False, "NoCredentials", f"the operator may not read Secret {secret_name} of "
+                                f"spec.redis.secretRef: grant it get on that one Secret, e.g. `kubectl -n "
+                                f"{meta['namespace']} create role specfleet-read-{secret_name} --verb=get "
+                                f"--resource=secrets --resource-name={secret_name}` and a RoleBinding of that "
+                                f"Role to the operator's ServiceAccount (docs/redis.md)")
         return None, Health(False, "NoCredentials", f"cannot read spec.redis.secretRef: {exc}")
     value = ((secret or {}).get("data") or {}).get(key)
     try:
@@ -120,36 +170,113 @@ async def resolve(kube: Any, settings: manifests.Settings, default: DefaultRedis
     return Target(url), None
 
 
-def fleet_secret(sdd: dict[str, Any], username: str, password: str) -> dict[str, Any]:
-    """The Secret the fleet's pods read their Redis user from (manifests._redis_env)."""
+CREDENTIALS_LABEL = f"{GROUP}/redis-credentials"  # the fleet's label value, on the handle and the Secret
+
+
+def credentials_name(sdd_name: str, username: str, password: str) -> str:
+    """The name of the fleet's credentials Secret and of its handle ConfigMap."""
+    return manifests.redis_secret_name(sdd_name, redis_auth.credentials_digest(username, password))
+
+
+def credentials_objects(sdd: dict[str, Any], username: str, password: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(handle ConfigMap owned by the fleet, immutable Secret to be owned by the handle): the pair
+    that holds one set of the fleet's credentials. The Secret's owner reference needs the handle's
+    uid, which `ensure_credentials` fills in."""
     meta = sdd["metadata"]
+    name = credentials_name(meta["name"], username, password)
+    labels = {**manifests.labels(meta["name"], component="redis", app="specfleet"),
+              CREDENTIALS_LABEL: manifests.label_value(meta["name"])}
     encode = lambda text: base64.b64encode(text.encode()).decode()  # noqa: E731
-    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-            "metadata": {"name": manifests.redis_secret_name(meta["name"]), "namespace": meta["namespace"],
-                         "labels": manifests.labels(meta["name"], component="redis", app="specfleet")},
-            "data": {redis_auth.SECRET_USERNAME_KEY: encode(username), redis_auth.SECRET_PASSWORD_KEY: encode(password)}}
+    handle = {"apiVersion": "v1", "kind": "ConfigMap",
+              "metadata": {"name": name, "namespace": meta["namespace"], "labels": labels,
+                           "ownerReferences": [manifests.owner_reference(sdd)]},
+              "data": {"secret": name, "purpose": "deleting this ConfigMap deletes the Secret of the same name "
+                       "(the fleet's Redis credentials) through garbage collection"}}
+    secret = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "immutable": True,
+              "metadata": {"name": name, "namespace": meta["namespace"], "labels": labels},
+              "data": {redis_auth.SECRET_USERNAME_KEY: encode(username), redis_auth.SECRET_PASSWORD_KEY: encode(password)}}
+    return handle, secret
 
 
-async def ensure_secret(kube: Any, secret: dict[str, Any], done: dict[tuple[str, ...], bool]) -> str | None:
-    """Make the fleet's Secret hold its credentials: create it, or patch it when it is there (so
-    the operator needs no `get` on Secrets); once per process and content (`done`). Returns an
-    error to report, or None."""
-    meta = secret["metadata"]
-    mark = (meta["namespace"], meta["name"], *sorted(secret["data"].values()))
+@dataclasses.dataclass(frozen=True)
+class CredentialsResult:
+    """What `ensure_credentials` met: `error` (an API error to report and retry) or `taken` (an
+    object in the way that is not the fleet's, left alone), or neither."""
+
+    error: str | None = None
+    taken: str | None = None
+
+
+FOREIGN_SECRET = f"{GROUP}/secret-not-ours"  # on a handle whose Secret was found made by someone else
+
+
+async def ensure_credentials(kube: Any, sdd: dict[str, Any], username: str, password: str,
+                             done: dict[tuple[str, ...], bool]) -> CredentialsResult:
+    """Make the fleet's credentials Secret exist: create its handle, then the Secret; never read,
+    patch or delete a Secret. Once per process and credentials (`done`).
+
+    The handle is created first, so a Secret already there when its handle was not is someone
+    else's: the handle is marked (FOREIGN_SECRET) and the Secret left alone until it is gone."""
+    meta = sdd["metadata"]
+    handle, secret = credentials_objects(sdd, username, password)
+    ns, name = meta["namespace"], handle["metadata"]["name"]
+    mark = (ns, name, meta.get("uid") or "")
     if mark in done:
-        return None
+        return CredentialsResult()
+    foreign = CredentialsResult(taken=f"Secret {name} exists, but not as this operator creates it (its handle "
+                                      f"ConfigMap did not exist): left as it is; delete it to let the operator "
+                                      "write the fleet's Redis credentials there")
     try:
+        try:
+            live = await kube.create(handle)
+            fresh = True
+        except ApiError as exc:
+            if exc.status != 409:
+                raise
+            live, fresh = await kube.get("v1", "ConfigMap", ns, name), False
+            if live is None:
+                return CredentialsResult(error=f"ConfigMap {name} vanished while being created: will retry")
+            owner = controller_of(live)
+            if owner is None or owner.get("uid") != meta.get("uid"):
+                who = f"{owner.get('kind')} {owner.get('name')} (uid {owner.get('uid')})" if owner else "no controller"
+                return CredentialsResult(taken=f"ConfigMap {name} (the handle of the fleet's Redis credentials) is "
+                                               f"controlled by {who}, not by this resource: left as it is")
+        marked = FOREIGN_SECRET in ((live.get("metadata") or {}).get("annotations") or {})
+        secret["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": name,
+                                                  "uid": live["metadata"]["uid"], "controller": True,
+                                                  "blockOwnerDeletion": False}]
         try:
             await kube.create(secret)
         except ApiError as exc:
             if exc.status != 409:
                 raise
-            await kube.patch("v1", "Secret", meta["namespace"], meta["name"],
-                             {"data": secret["data"], "metadata": {"ownerReferences": meta.get("ownerReferences")}})
+            if fresh:
+                await kube.patch("v1", "ConfigMap", ns, name, {"metadata": {"annotations": {FOREIGN_SECRET: "true"}}})
+            if fresh or marked:
+                return foreign
+        else:
+            if marked:  # the foreign Secret is gone and ours is in its place
+                await kube.patch("v1", "ConfigMap", ns, name, {"metadata": {"annotations": {FOREIGN_SECRET: None}}})
     except ApiError as exc:
-        return f"cannot write the fleet's Redis credentials: {exc}"
+        return CredentialsResult(error=f"cannot write the fleet's Redis credentials: {exc}")
     done[mark] = True
-    return None
+    return CredentialsResult()
+
+
+async def retire_credentials(kube: Any, sdd: dict[str, Any], current: str | None) -> list[str]:
+    """Delete the handles of the fleet's credentials other than `current` (garbage collection takes
+    their Secrets); the names deleted."""
+    meta = sdd["metadata"]
+    found = await kube.list("v1", "ConfigMap", meta["namespace"],
+                            label_selector=f"{CREDENTIALS_LABEL}={manifests.label_value(meta['name'])}")
+    gone = []
+    for cm in found:
+        name = cm["metadata"]["name"]
+        owner = controller_of(cm)
+        if name != current and owner is not None and owner.get("uid") == meta.get("uid"):
+            await kube.delete("v1", "ConfigMap", meta["namespace"], name)
+            gone.append(name)
+    return gone
 
 
 class LiveStateStore:
@@ -157,14 +284,16 @@ class LiveStateStore:
     `timeout_s` each)."""
 
     def __init__(self, timeout_s: float = 2.0, retry_after_s: float = 5.0, clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic):
+                 monotonic: Callable[[], float] = time.monotonic, auth_window_s: float = AUTH_FAILURE_WINDOW_S):
         self.timeout_s, self.retry_after_s, self.clock, self.monotonic = timeout_s, retry_after_s, clock, monotonic
-        self._clients: dict[tuple[str, str | None], Any] = {}
+        self.auth_window_s = auth_window_s  # failed logins this recent count (auth_failures)
+        self._clients: dict[tuple[str, str | None, str | None], Any] = {}
         self._failed_at: dict[str, float] = {}  # url -> when a call to it last failed
         self._url_health: dict[str, Health] = {}  # url -> what its last failed call met
         self._versions: dict[str, int] = {}  # key -> the last version this process wrote
         self._failing: set[str] = set()  # keys whose last write failed (log once per outage)
         self._users: set[tuple[str, str, str]] = set()  # (url, user, password) made to exist since the last failure
+        self._acl_logs: dict[str, tuple[float, list[dict[str, Any]]]] = {}  # url -> (when read, ACL LOG)
         self.written: dict[str, Health] = {}  # key -> what its last write met
         self.read: dict[str, Health] = {}  # key -> what the loop's last read of its windows met
 
@@ -202,15 +331,57 @@ class LiveStateStore:
 
     async def _ensure_user(self, client: Any, target: Target, namespace: str, name: str) -> None:
         """The fleet's own user exists with its password and rules: set once per process and outage
-        (a Redis that restarted lost it, and its first call failed, which forgets it here)."""
+        (a Redis that restarted lost it, and its first call failed, which forgets it here). New
+        credentials keep the user's other passwords valid (pods still rolling away from the old
+        Secret) until `retire_passwords`."""
         if target.fleet_user is None:
             return
         username, password = target.fleet_user
         mark = (target.url, username, password)
-        if mark in self._users and await client.execute_command("ACL", "GETUSER", username) is not None:
+        user = await client.acl_getuser(username)
+        if mark in self._users and user is not None:
             return
-        await client.execute_command(*redis_auth.setuser_args(namespace, name, password))
+        current = redis_auth.password_hash(password)
+        keep = tuple(h for h in (user or {}).get("passwords", []) if h != current)
+        await client.execute_command(*redis_auth.setuser_args(namespace, name, password, keep))
         self._users.add(mark)
+
+    async def retire_passwords(self, target: Target, namespace: str, name: str) -> bool | None:
+        """Leave the fleet's user only its current password (its pods all hold the current Secret);
+        whether a password was dropped, None when Redis could not be asked. Never raises."""
+        if target.fleet_user is None:
+            return False
+        username, password = target.fleet_user
+        try:
+            client = self._client(target)
+            user = await client.acl_getuser(username)
+            if user is None or set(user.get("passwords", [])) <= {redis_auth.password_hash(password)}:
+                return False
+            await client.execute_command(*redis_auth.setuser_args(namespace, name, password))
+        except Exception as exc:  # redis.RedisError, OSError, timeouts
+            log.warning("could not retire a fleet's old Redis password", extra={"user": username, "error": str(exc)})
+            return None
+        return True
+
+    async def auth_failures(self, target: Target) -> AuthFailures | None:
+        """Failed logins as the fleet's own user whose latest came within `auth_window_s` (Redis'
+        ACL LOG, read as the admin, at most once per `retry_after_s` per Redis); None when unknown."""
+        within_s = self.auth_window_s
+        if target.fleet_user is None:
+            return None
+        url = target.url
+        cached = self._acl_logs.get(url)
+        if cached is None or self.monotonic() - cached[0] >= self.retry_after_s:
+            try:
+                entries = await self._client(target).acl_log()
+            except Exception:  # the write's health says what is wrong with this Redis
+                return None
+            cached = self._acl_logs[url] = (self.monotonic(), entries)
+        username = target.fleet_user[0]
+        hits = [e for e in cached[1] if e.get("reason") == "auth" and e.get("username") == username
+                and float(e.get("age-seconds", 1e18)) <= within_s]
+        addrs = sorted({str((e.get("client-info") or {}).get("addr", "?")).rsplit(":", 1)[0] for e in hits})
+        return AuthFailures(sum(int(e.get("count", 1)) for e in hits), tuple(addrs))
 
     async def write(self, target: Target | str, namespace: str, name: str, wanted: LiveState) -> LiveState | None:
         """Make Redis hold `wanted` (its version and time are set here); returns the document Redis
@@ -294,7 +465,7 @@ class WindowSource:
 
     def __init__(self, timeout_s: float = 2.0):
         self.timeout_s = timeout_s
-        self._clients: dict[tuple[str, str | None], Any] = {}
+        self._clients: dict[tuple[str, str | None, str | None], Any] = {}
 
     def _client(self, target: Target) -> Any:
         if target.client_key() not in self._clients:

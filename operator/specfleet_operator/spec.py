@@ -14,6 +14,7 @@ from typing import Any
 
 import yaml
 
+from specfleet_api import redis_auth
 from specfleet_api.engine_config import (
     INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason, uri_path,
 )
@@ -24,7 +25,7 @@ from specfleet_api.fleet_spec import engine_config
 from . import manifests
 
 __all__ = ["INVALID", "UNSUPPORTED", "Problem", "crd", "is_percentage", "parse_duration", "problems",
-           "rejection_reason", "served_problems", "spec_schema", "with_defaults"]
+           "rejection_reason", "served_problems", "spec_schema", "url_has_password", "with_defaults"]
 
 
 
@@ -122,6 +123,8 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
     redis = spec.get("redis")
     if redis is not None and ("url" in redis) == ("secretRef" in redis):
         out.append(Problem("spec.redis", "set exactly one of redis.url and redis.secretRef"))
+    if redis is not None and url_has_password(redis.get("url")):
+        out.append(Problem("spec.redis.url", REDIS_URL_PASSWORD_MESSAGE))  # never the URL: it holds the password
     for field, text in _durations(spec):
         try:
             parse_duration(text)
@@ -165,6 +168,12 @@ def served_problems(spec: dict[str, Any]) -> list[Problem]:
             if problem not in out:
                 out.append(problem)
     return out
+
+
+REDIS_URL_WITH_PASSWORD, url_has_password = redis_auth.URL_WITH_PASSWORD, redis_auth.url_has_password
+REDIS_URL_PASSWORD_MESSAGE = ("redis.url holds a password, which would be a plain value in every pod template: put "
+                              "the URL in a Secret and use spec.redis.secretRef, or drop spec.redis to use the "
+                              "install's default Redis")
 
 
 def _has_path(obj: dict[str, Any], dotted: str) -> bool:

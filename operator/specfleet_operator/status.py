@@ -77,6 +77,8 @@ class Observed:
     # what the last try to reach the fleet's Redis met (redis_state.Health: ok, reason, message);
     # None: the fleet keeps no live state in Redis, and the status has no RedisReady
     redis: Any = None
+    # pods of the fleet that Redis refuses (redis_state.AuthFailures, in words); None: none seen
+    pods_auth: str | None = None
     # what the stable workers run that the spec does not say (fleet_spec.not_in_spec): field -> value
     not_in_spec: dict[str, Any] = dataclasses.field(default_factory=dict)
 
@@ -139,6 +141,8 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
         degraded = (True, f"Redis{o.redis.reason}", "the live state cannot be written to Redis: routers and "
                     "workers serve on the last state they read, and the loop decides nothing on missing windows "
                     "(see RedisReady)")
+    elif o.pods_auth and not invalid:  # they serve on their last state, and write no windows
+        degraded = (True, "PodsRedisAuthFailed", o.pods_auth)
     elif o.state.mode == "fallback":
         degraded = (True, "Fallback", "the alpha SLO was missed: workers decode without speculation")
     else:

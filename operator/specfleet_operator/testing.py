@@ -1,12 +1,14 @@
 """An in-process test cluster for the operator (like kopf.testing): kmock's KubernetesEmulator on
 loopback, made a little more like an API server (uids, generations, resourceVersions with
-optimistic concurrency), a stand-in for the Deployment controller that reports workers ready,
-and the real operator run in its own thread. Needs the dev extra (kmock); tests and
+optimistic concurrency, the OpenAPI v3 document of the CRD it declares, a record of the creates
+and deletes done), a stand-in for the Deployment controller that reports workers ready, and the
+real operator run in its own thread. Needs the dev extra (kmock); tests and
 operator/scripts/scale_test.py use it, the operator itself never imports it.
 """
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import datetime
 import json
@@ -17,6 +19,7 @@ import time
 import uuid
 from typing import Any, Callable
 
+import aiohttp.web
 import attrs
 import jsonpatch
 import kmock
@@ -25,7 +28,7 @@ from kmock._internal import enums
 
 from . import API_VERSION, KIND
 from .main import Options, operate
-from .spec import crd
+from .spec import crd as shipped_crd
 
 
 #: What becomes of each file in deploy/examples/ (by stem): "served" (workers run it; every role's
@@ -60,10 +63,17 @@ class Cluster(kmock.KubernetesEmulator):
     ready_delay: float = 0.05  # how long the "Deployment controller" takes to report pods ready
     # plural -> seconds a create of that kind waits before it is served (a slow admission webhook)
     create_delays: dict = attrs.field(factory=dict)
+    # the CRD installed: its names are declared (declare_resources), its schema published at
+    # /openapi/v3/apis/<group>/<version> as an API server publishes it; a test may install an older one
+    crd: dict = attrs.field(factory=lambda: copy.deepcopy(shipped_crd()))
+    openapi_v3: bool = True  # False: /openapi/v3 answers 404, as an API server without it does
     _rv: Any = attrs.field(factory=lambda: itertools.count(1), init=False)
     _controllers: set = attrs.field(factory=set, init=False)
     _in_flight: set = attrs.field(factory=set, init=False)  # ids of the requests being served
     log: list = attrs.field(factory=list, init=False)  # (METHOD, path) of every request served
+    # ("create" | "delete", plural, namespace, name, created object) of each create or delete answered
+    # 2xx, in order (a delete of an object with finalizers only marks it, as an API server does)
+    changes: list = attrs.field(factory=list, init=False)
 
     async def _handle(self, request: Any) -> Any:
         self._in_flight.add(id(request))
@@ -78,6 +88,8 @@ class Cluster(kmock.KubernetesEmulator):
         # one dropped while it waited was answered 500) and a light log for assertions instead.
         self._requests[:] = [r for r in self._requests if id(r) in self._in_flight]
         self.log.append((str(request.method).upper().rsplit(".", 1)[-1], request.url.path))
+        if request.url.path.startswith("/openapi/"):
+            return self._serve_openapi(request.url.path)
         if request.action == enums.action.CREATE and request.resource is not None:
             await asyncio.sleep(self.create_delays.get(request.resource.plural, 0.0))
         deployment_written = False
@@ -116,7 +128,21 @@ class Cluster(kmock.KubernetesEmulator):
             task = asyncio.create_task(self._report_ready(key))
             self._controllers.add(task)
             task.add_done_callback(self._controllers.discard)
+        if request.resource is not None and response.status < 300 and request.name is None \
+                and request.action == enums.action.CREATE:
+            meta = request.data["metadata"]
+            self.changes.append(("create", request.resource.plural, request.namespace or meta.get("namespace"),
+                                 meta["name"], copy.deepcopy(request.data)))
+        elif request.resource is not None and response.status < 300 and request.action == enums.action.DELETE:
+            self.changes.append(("delete", request.resource.plural, request.namespace, request.name, None))
         return response
+
+    def _serve_openapi(self, path: str) -> Any:
+        group, names = self.crd["spec"]["group"], self.crd["spec"]["names"]
+        versions = {f"/openapi/v3/apis/{group}/{v['name']}": v for v in self.crd["spec"]["versions"] if v["served"]}
+        if not self.openapi_v3 or path not in versions:
+            raise kmock.KubernetesError(status=404, reason="NotFound", message=f"{path} is not served")
+        return aiohttp.web.json_response(openapi_document(group, names["kind"], versions[path]))
 
     async def _report_ready(self, key: tuple) -> None:
         await asyncio.sleep(self.ready_delay)
@@ -151,13 +177,40 @@ class Cluster(kmock.KubernetesEmulator):
 
 def declare_resources(cluster: Cluster) -> None:
     cluster.resources.load_bundled()  # the built-in kinds of a recent k3s
-    names = crd()["spec"]["names"]
-    cluster.resources[f"{crd()['spec']['group']}/v1alpha1/{names['plural']}"] = kmock.ResourceInfo(
+    names = cluster.crd["spec"]["names"]
+    cluster.resources[f"{cluster.crd['spec']['group']}/v1alpha1/{names['plural']}"] = kmock.ResourceInfo(
         kind=names["kind"], singular=names["singular"], shortnames=set(names["shortNames"]), namespaced=True,
         verbs={"get", "list", "watch", "create", "update", "patch", "delete"}, subresources={"status"})
     for plural, kind in (("servicemonitors", "ServiceMonitor"), ("prometheusrules", "PrometheusRule")):
         cluster.resources[f"monitoring.coreos.com/v1/{plural}"] = kmock.ResourceInfo(
             kind=kind, namespaced=True, verbs={"get", "list", "watch", "create", "patch", "delete"})
+
+
+def openapi_document(group: str, kind: str, version: dict[str, Any]) -> dict[str, Any]:
+    """The OpenAPI v3 document an API server publishes for one served version of a CRD (the parts a
+    client reads): its schema under components.schemas, named by the reversed group, tagged with
+    x-kubernetes-group-version-kind, metadata a reference to ObjectMeta."""
+    schema = copy.deepcopy(version["schema"]["openAPIV3Schema"])
+    meta_ref = "io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"
+    schema.setdefault("properties", {})["metadata"] = {"allOf": [{"$ref": f"#/components/schemas/{meta_ref}"}]}
+    schema["x-kubernetes-group-version-kind"] = [{"group": group, "version": version["name"], "kind": kind}]
+    prefix = ".".join(reversed(group.split("."))) + "." + version["name"]
+    return {"openapi": "3.0.0", "info": {"title": "Kubernetes CRD Swagger", "version": "v0.1.0"}, "paths": {},
+            "components": {"schemas": {f"{prefix}.{kind}": schema, meta_ref: {"type": "object"}}}}
+
+
+def crd_without(*paths: str) -> dict[str, Any]:
+    """The shipped CRD less the properties at `paths` (e.g. "status.kCeilings") in every version:
+    what an older CRD lacks."""
+    out = copy.deepcopy(shipped_crd())
+    for version in out["spec"]["versions"]:
+        for path in paths:
+            *parents, leaf = path.split(".")
+            node = version["schema"]["openAPIV3Schema"]
+            for part in parents:
+                node = node["properties"][part]
+            del node["properties"][leaf]
+    return out
 
 
 def stored_live_state(client, namespace: str = "default", name: str = "chat"):

@@ -49,7 +49,7 @@ def test_cluster_fields_are_overridden_and_named():
     # a field the file leaves out is not reported (defaults are the cluster's too)
     p = make_plan(load_resource(EXAMPLES / "draft-model.yaml"), model="tiny-random")
     said = {o.field for o in p.overrides}
-    assert {"spec.scaling", "spec.redis", "spec.template.image", "spec.template.resources",
+    assert {"spec.scaling", "spec.template.image", "spec.template.resources",
             "spec.observability.otlpEndpoint", "spec.observability.serviceMonitor",
             "spec.observability.prometheusRule", "spec.model"} <= said, said
     assert all(a.engine["model"] == {"name": "tiny-random", "uri": "tiny-random", "tokenizer": None} for a in p.arms)

@@ -109,7 +109,49 @@ def cases(rules):
             for name in (alpha, speedup, manifests.ALERT_DRAFT_ERRORS)] + [
             (50, manifests.ALERT_FALLBACK, []),
             (150, manifests.ALERT_FALLBACK, [{"sdd_namespace": NS, "sdd_name": NAME, "severity": "info"}])]),
+        "redis": case(rules, redis_series(), redis_checks()),
     }
+
+
+def redis_series():
+    """A fleet's routers and workers losing Redis, one by one, and Redis refusing its credentials:
+    staleness is the seconds since the pod last read its live state (it polls every 0.5 s), growing
+    by 60 a minute while Redis is away. Beside it a fleet without Redis, whose routers say 0."""
+    router = f'namespace="{NS}", serving_specfleet_dev_deployment="{NAME}"'
+    plain = f'namespace="{NS}", serving_specfleet_dev_deployment="plain", pod="plain--router-a"'
+    return [
+        # one router of two loses Redis at minute 30 and has it back at 50
+        {"series": f'specfleet_router_redis_staleness_seconds{{{router}, pod="{NAME}--router-a"}}',
+         "values": "0.3x29 0+60x19 0.3x40"},
+        {"series": f'specfleet_router_redis_staleness_seconds{{{router}, pod="{NAME}--router-b"}}',
+         "values": "0.3x90"},
+        {"series": f"specfleet_router_redis_staleness_seconds{{{plain}}}", "values": "0x90"},
+        {"series": f"specfleet_router_redis_connected{{{plain}}}", "values": "0x90"},
+        # the stable worker misses three polls' worth of minutes (a blip: nothing fires); the canary
+        # worker loses Redis at minute 60 and has it back at 80
+        {"series": f"spec_decode_live_state_staleness_seconds{{{TARGET}}}", "values": "0x9 0+60x2 0x78"},
+        {"series": f'spec_decode_live_state_staleness_seconds{{{TARGET.replace("stable", "canary")}}}',
+         "values": "0x59 0+60x19 0x10"},
+        # the operator's gauge: failed logins as the fleet's user in the last 2 minutes, a blip at 20,
+        # then from 40 to 69; another fleet's stays 0
+        {"series": f'specfleet_redis_auth_failures{{namespace="specfleet-system", job="specfleet", '
+                   f'sdd_namespace="{NS}", sdd_name="{NAME}"}}', "values": "0x19 1x1 0x17 3x29 0x20"},
+        {"series": f'specfleet_redis_auth_failures{{namespace="specfleet-system", job="specfleet", '
+                   f'sdd_namespace="{NS}", sdd_name="plain"}}', "values": "0x90"},
+    ]
+
+
+def redis_checks():
+    """Each fires after REDIS_STALE_S of staleness has held for REDIS_DOWN_FOR (the auth alert: from
+    the first failed login, for 2m), stays firing while it lasts, resolves on return."""
+    router, worker, auth = manifests.ALERT_ROUTER_REDIS, manifests.ALERT_WORKER_REDIS, manifests.ALERT_REDIS_AUTH
+    fleet = [{**FLEET}]
+    return ([(t, router, []) for t in (10, 31, 33)] + [(t, router, fleet) for t in (34, 49)] + [(51, router, [])]
+            + [(t, worker, []) for t in (12, 14, 40, 63)] + [(t, worker, fleet) for t in (64, 79)]
+            + [(80, worker, [])]
+            + [(t, auth, []) for t in (21, 23, 41)]
+            + [(t, auth, [{"sdd_namespace": NS, "sdd_name": NAME, "severity": "warning"}]) for t in (42, 69)]
+            + [(71, auth, [])])
 
 
 def promtool(*args, cwd):
@@ -124,10 +166,12 @@ def test_rules_check_and_their_cases_pass_promtool(source, tmp_path):
     groups = SOURCES[source]()
     rules = groups[0]["rules"]
     assert {r["alert"] for r in rules} == {manifests.ALERT_ALPHA, manifests.ALERT_SPEEDUP,
-                                           manifests.ALERT_DRAFT_ERRORS, manifests.ALERT_FALLBACK}
+                                           manifests.ALERT_DRAFT_ERRORS, manifests.ALERT_FALLBACK,
+                                           manifests.ALERT_ROUTER_REDIS, manifests.ALERT_WORKER_REDIS,
+                                           manifests.ALERT_REDIS_AUTH}
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
     rc, out = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
-    assert rc == 0 and "SUCCESS: 4 rules found" in out, out
+    assert rc == 0 and "SUCCESS: 7 rules found" in out, out
     tests = cases(rules)
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
         {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": list(tests.values())}))

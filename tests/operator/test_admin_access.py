@@ -73,10 +73,10 @@ def test_the_workers_admin_port_admits_no_peer_by_default(values, namespaces):
     policies = worker_policies(render(values))
     assert [p["metadata"]["namespace"] for p in policies] == namespaces
     for p in policies:
-        # an Ingress policy whose only rule opens gRPC and HTTP: the Admin port is closed to all pods
+        # an Ingress policy whose only rule opens HTTP: the Admin port is closed to all pods, and gRPC
+        # is each fleet's own policy's (its router only: manifests.worker_network_policy)
         assert p["spec"]["policyTypes"] == ["Ingress"]
-        assert p["spec"]["ingress"] == [{"ports": [{"port": "grpc", "protocol": "TCP"},
-                                                   {"port": "http", "protocol": "TCP"}]}]
+        assert p["spec"]["ingress"] == [{"ports": [{"port": "http", "protocol": "TCP"}]}]
     assert Settings().admin_port == 50060 and Settings().grpc_port != 50060 and Settings().http_port != 50060
 
 

@@ -2,9 +2,12 @@
 password only ever in a Secret; and the rendered configuration started on a local redis-server."""
 import base64
 import contextlib
+import dataclasses
 import os
 import pathlib
+import re
 import shutil
+import signal
 import subprocess
 import time
 
@@ -28,10 +31,17 @@ MODES = {
                                         "key": "token"}}},
     "namespaced": {"watchNamespaces": ["team-a", "team-b"]},
 }
+# The local redis-server starts in milliseconds and stops in milliseconds: seconds leave room for a
+# machine many times slower.
+START_S = STOP_S = 10
+# The entrypoint compares the password file every ROTATE_S and sets a change with one redis-cli
+# call (milliseconds): 50 periods leave room for a machine many times slower.
+ROTATE_S = 0.2
+ROTATED_S = 50 * ROTATE_S
 
 
-def render(values):
-    out = helm.Chart.load(str(CHART)).render(values, name="specfleet", namespace=NS, is_install=True)
+def render(values, name="specfleet", chart=CHART):
+    out = helm.Chart.load(str(chart)).render(values, name=name, namespace=NS, is_install=True)
     return [d for path, text in out.items() if path.endswith(".yaml") for d in yaml.safe_load_all(text) if d]
 
 
@@ -88,7 +98,7 @@ def test_default_mode_runs_a_redis_with_a_generated_secret_and_gives_the_operato
     sts = r["StatefulSet"]
     pod = sts["spec"]["template"]["spec"]
     (c,) = pod["containers"]
-    assert c["image"] == "docker.io/library/redis:7.4.2-alpine"
+    assert c["image"] == "docker.io/library/redis:7.2.16-alpine"
     assert pod["securityContext"]["runAsUser"] == 999 and pod["automountServiceAccountToken"] is False
     assert {m["mountPath"] for m in c["volumeMounts"]} >= {"/data"}
     assert "volumeClaimTemplates" not in sts["spec"]
@@ -200,59 +210,255 @@ def test_the_network_policy_admits_only_the_operator_and_fleet_pods():
                 for f in fleets] == namespaces
 
 
-@contextlib.contextmanager
-def started(pod, tmp_path, password):
-    """Run the Redis container's own command line on the local redis-server, its mounts moved
-    under tmp_path (the official image's paths do not exist here)."""
-    (c,) = pod["containers"]
+@dataclasses.dataclass
+class Running:
+    port: int
+    mounts: dict[str, pathlib.Path]  # the container's mount paths -> where they are here
+    proc: subprocess.Popen
+    log_file: pathlib.Path
+
+    @property
+    def password_file(self) -> pathlib.Path:
+        return self.mounts["/etc/redis/auth"] / "password"
+
+    def log(self) -> str:
+        return self.log_file.read_text(errors="replace")
+
+    def client(self, password: str | None) -> redis.Redis:
+        # no retries: a refused connection is an answer here (redis-py retries one for seconds)
+        return redis.Redis(port=self.port, password=password, socket_timeout=2, socket_connect_timeout=2,
+                           retry=None)
+
+
+def launch(r, tmp_path, password, **env) -> Running:
+    """Run the Redis container's command, the entrypoint from the rendered ConfigMap, with the local
+    redis-server and redis-cli, its mounts moved under tmp_path through the environment it reads (the
+    image's paths do not exist here); `env` adds REDIS_ROTATE_S, REDIS_CLI and the like."""
+    (c,) = r["StatefulSet"]["spec"]["template"]["spec"]["containers"]
     mounts = {m["mountPath"]: tmp_path / m["name"] for m in c["volumeMounts"]}
     for path in mounts.values():
         path.mkdir()
     (mounts["/etc/redis/auth"] / "password").write_text(password)
+
     def relocate(text):
         for path, local in sorted(mounts.items(), key=lambda m: -len(m[0])):
             text = text.replace(path, str(local))
         return text
 
     port = free_port()
-    conf = relocate(pod["_conf"]).replace("port 6379", f"port {port}").replace("bind * -::*", "bind 127.0.0.1")
+    data = r["ConfigMap"]["data"]
+    conf = relocate(data["redis.conf"]).replace("port 6379", f"port {port}").replace("bind * -::*", "bind 127.0.0.1")
     (mounts["/etc/redis/conf"] / "redis.conf").write_text(conf)
-    assert c["command"][:2] == ["sh", "-c"]
-    script = relocate(c["command"][2]).replace("exec redis-server", f"exec {shutil.which('redis-server')}")
-    proc = subprocess.Popen(["sh", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    (mounts["/etc/redis/conf"] / "entrypoint.sh").write_text(data["entrypoint.sh"])
+    assert c["command"] == ["sh", "/etc/redis/conf/entrypoint.sh"]
+    env = {"REDIS_SERVER": shutil.which("redis-server"), "REDIS_CLI": shutil.which("redis-cli"),
+           "REDIS_CONF": str(mounts["/etc/redis/conf"] / "redis.conf"),
+           "REDIS_PASSWORD_FILE": str(mounts["/etc/redis/auth"] / "password"),
+           "REDIS_AUTH_CONF": str(mounts["/run/redis"] / "auth.conf"), "REDIS_PORT": str(port), **env}
+    log_file = tmp_path / "redis.log"
+    with open(log_file, "wb") as log:
+        proc = subprocess.Popen(["sh", relocate(c["command"][1])], env={**os.environ, **env}, stdout=log,
+                                stderr=subprocess.STDOUT)
+    return Running(port, mounts, proc, log_file)
+
+
+@contextlib.contextmanager
+def started(r, tmp_path, password, **env):
+    """launch(), then wait until Redis answers; stopped on the way out."""
+    running = launch(r, tmp_path, password, **env)
+    proc = running.proc
     try:
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + START_S
         while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:]
-            assert time.monotonic() < deadline, "the rendered Redis did not start within 10 s"
+            assert proc.poll() is None, running.log()[-2000:]
+            assert time.monotonic() < deadline, f"the rendered Redis did not start within {START_S} s"
             try:
-                redis.Redis(port=port, socket_timeout=1, socket_connect_timeout=1).ping()
+                running.client(None).ping()
                 break  # up (and open to anyone: the test says so)
             except redis.AuthenticationError:
                 break  # up, and asking for the password
             except redis.ConnectionError:
                 time.sleep(0.05)
-        yield port, mounts
+        yield running
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        if proc.poll() is None:
+            proc.terminate()
+            proc.wait(timeout=STOP_S)
+
+
+def wait_until(condition, timeout_s, what):
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
+        time.sleep(0.02)
+
+
+def accepts(running, password) -> bool:
+    try:
+        return running.client(password).ping()
+    except redis.AuthenticationError:
+        return False
 
 
 @pytest.mark.parametrize("password", ["plainAlnum0123456789abcdefABCDEF", 'with "quotes" \\ and spaces'])
 def test_the_rendered_redis_starts_with_auth_on_a_real_server(tmp_path, password):
     r = redis_objects(render({}))
-    pod = dict(r["StatefulSet"]["spec"]["template"]["spec"], _conf=r["ConfigMap"]["data"]["redis.conf"])
-    with started(pod, tmp_path, password) as (port, mounts):
-        anonymous = redis.Redis(port=port, socket_timeout=2)
+    with started(r, tmp_path, password) as running:
+        anonymous = running.client(None)
         with pytest.raises(redis.AuthenticationError):
             anonymous.set("specfleet:v1:x", "1")
         with pytest.raises(redis.AuthenticationError):
-            redis.Redis(port=port, password="wrong", socket_timeout=2).ping()
-        client = redis.Redis(port=port, password=password, socket_timeout=2)
+            running.client("wrong").ping()
+        client = running.client(password)
         assert client.ping() and client.set("k", "v") and client.get("k") == b"v"
         assert client.config_get("maxmemory")["maxmemory"] == str(200 * 1024 * 1024)
-        auth_file = mounts["/run/redis"] / "auth.conf"
+        auth_file = running.mounts["/run/redis"] / "auth.conf"
         assert auth_file.stat().st_mode & 0o077 == 0  # the password file: the redis user's alone
+
+
+def test_an_empty_password_file_stops_the_start_with_a_message(tmp_path):
+    """Redis never starts without a password (requirepass "" would let anyone in)."""
+    running = launch(redis_objects(render({})), tmp_path, "\n")
+    assert running.proc.wait(timeout=STOP_S) == 1
+    assert "no password in" in running.log() and "redis.auth.key" in running.log()
+
+
+def test_a_rotated_password_is_set_live_and_the_old_one_refused(tmp_path):
+    """The kubelet rewrites the mounted Secret's file; the entrypoint sets the new password in the
+    running server (same run_id: no restart), with the password only ever in a file, stdin or
+    REDISCLI_AUTH (a redis-cli wrapper records every command line it is given); an empty file keeps
+    the password in force; SIGTERM stops the server and the entrypoint with it."""
+    r = redis_objects(render({}))
+    calls = tmp_path / "redis-cli-calls"
+    cli = tmp_path / "redis-cli"
+    cli.write_text(f'#!/bin/sh\nprintf \'%s auth=%s\\n\' "$*" "${{REDISCLI_AUTH:+env}}" >> {calls}\n'
+                   f'exec {shutil.which("redis-cli")} "$@"\n')
+    cli.chmod(0o755)
+    old, new = "old0123456789abcdefABCDEF012345", 'new "rotated" \\ one'
+    with started(r, tmp_path, old + "\n", REDIS_ROTATE_S=str(ROTATE_S), REDIS_CLI=str(cli)) as running:
+        run_id = running.client(old).info("server")["run_id"]
+        running.password_file.write_text("")
+        wait_until(lambda: "keeping the password in force" in running.log(), ROTATED_S, "an empty file noticed")
+        assert accepts(running, old)
+
+        running.password_file.write_text(new + "\n")
+        wait_until(lambda: accepts(running, new), ROTATED_S, "the rotated password accepted")
+        assert not accepts(running, old)
+        assert running.client(new).info("server")["run_id"] == run_id
+        # then the entrypoint writes the new auth file and says so
+        wait_until(lambda: "password rotated" in running.log(), ROTATED_S, "the rotation logged")
+        auth_conf = (running.mounts["/run/redis"] / "auth.conf").read_text()
+        assert auth_conf == 'requirepass "new \\"rotated\\" \\\\ one"\n'  # a restart keeps the new one
+        called = calls.read_text()
+        assert "CONFIG SET requirepass auth=env" in called
+        assert old not in called and new not in called and "-a " not in called
+
+        running.proc.send_signal(signal.SIGTERM)
+        assert running.proc.wait(timeout=STOP_S) == 0, running.log()[-2000:]
+        assert "Received SIGTERM" in running.log()
+        with pytest.raises(redis.ConnectionError):  # redis-server went with it
+            running.client(new).ping()
+
+
+def test_past_maxmemory_only_keys_with_a_ttl_are_evicted(tmp_path):
+    """One fleet's workers writing windows past maxmemory (with their TTL, as specfleet_worker.fleet
+    writes them) evict windows, never any fleet's live state (no TTL)."""
+    from specfleet_api.live_state import state_key, window_key
+
+    r = redis_objects(render({"redis": {"maxMemory": "4mb"}}))
+    with started(r, tmp_path, "pw") as running:
+        client = running.client("pw")
+        states = {state_key("team-a", f"fleet-{i}"): f'{{"version": {i}}}' for i in range(3)}
+        for key, doc in states.items():
+            client.set(key, doc)
+        for batch in range(40):  # 40 MB of windows through a 4 MB Redis
+            pipe = client.pipeline(transaction=False)
+            for pod in range(1000):
+                key = f"{window_key('team-b', 'noisy', 'stable')}:pod-{batch}-{pod}"
+                pipe.hset(key, mapping={"chat": "x" * 1000})
+                pipe.expire(key, 45)
+            pipe.execute()
+        assert client.info("stats")["evicted_keys"] > 10_000
+        assert {key: client.get(key).decode() for key in states} == states
+
+
+def test_the_entrypoint_defaults_are_the_containers_paths():
+    """The paths the tests above pass by the environment default to the container's own: the
+    Secret's item (a mount without subPath, so the kubelet's updates reach it), the config the
+    ConfigMap mounts, the auth file redis.conf includes, the port the container exposes."""
+    r = redis_objects(render({}))
+    script = r["ConfigMap"]["data"]["entrypoint.sh"]
+    assert script == (CHART / "files" / "redis-entrypoint.sh").read_text()
+    defaults = dict(re.findall(r"\$\{(REDIS_\w+):-([^}]*)\}", script))
+    pod = r["StatefulSet"]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    assert not any("subPath" in m for m in c["volumeMounts"])
+    mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+    (auth,) = [v for v in pod["volumes"] if v["name"] == "auth"]
+    (item,) = auth["secret"]["items"]
+    assert defaults["REDIS_PASSWORD_FILE"] == f"{mounts['auth']}/{item['path']}"
+    assert c["command"] == ["sh", f"{mounts['conf']}/entrypoint.sh"]
+    assert defaults["REDIS_CONF"] == f"{mounts['conf']}/redis.conf"
+    conf = r["ConfigMap"]["data"]["redis.conf"]
+    assert f"include {defaults['REDIS_AUTH_CONF']}\n" in conf
+    assert defaults["REDIS_AUTH_CONF"].startswith(mounts["run"] + "/")
+    assert f"port {defaults['REDIS_PORT']}\n" in conf and c["ports"][0]["containerPort"] == int(defaults["REDIS_PORT"])
+    assert (defaults["REDIS_SERVER"], defaults["REDIS_CLI"]) == ("redis-server", "redis-cli")  # the image's PATH
+
+
+def annotation(values, chart=CHART):
+    sts = redis_objects(render(values, chart=chart))["StatefulSet"]
+    return sts["spec"]["template"]["metadata"]["annotations"]["checksum/config"]
+
+
+def test_a_changed_config_or_entrypoint_restarts_redis_and_a_new_password_does_not(tmp_path):
+    """The pod template's checksum follows redis.conf and the entrypoint (read once, at start), not
+    the password (the generated one differs on each render here: nothing to look up)."""
+    assert annotation({}) == annotation({})
+    assert annotation({"redis": {"maxMemory": "100mb"}}) != annotation({})
+    assert annotation({"redis": {"persistence": {"enabled": True}}}) != annotation({})
+    chart = tmp_path / "specfleet"
+    shutil.copytree(CHART, chart)
+    entrypoint = chart / "files" / "redis-entrypoint.sh"
+    entrypoint.write_text(entrypoint.read_text().replace("rotate_s=${REDIS_ROTATE_S:-5}", "rotate_s=${REDIS_ROTATE_S:-6}"))
+    assert annotation({}, chart=chart) != annotation({})
+
+
+@pytest.mark.parametrize("release", ["r" * 40, "team-inference-production-eu-west-specfleet", "s" * 53])
+def test_the_statefulset_name_leaves_room_for_the_revision_hash(release):
+    """The controller labels each pod controller-revision-hash=<StatefulSet>-<10 characters>; past 63
+    characters the label is invalid and the pod is never created. Helm's longest release name is 53."""
+    r = redis_objects(render({}, name=release))
+    name = r["StatefulSet"]["metadata"]["name"]
+    assert name.endswith("-redis") and len(f"{name}-{'0' * 10}") <= 63
+    assert {o["metadata"]["name"] for o in r.values()} == {name}
+    assert r["StatefulSet"]["spec"]["serviceName"] == name
+
+
+def test_the_notes_link_the_examples_of_this_version():
+    out = helm.Chart.load(str(CHART)).render({}, name="specfleet", namespace=NS, is_install=True)
+    notes = next(t for p, t in out.items() if p.endswith("NOTES.txt"))
+    (link,) = re.findall(r"https://raw\.githubusercontent\.com/\S+", notes)
+    app_version = helm.Chart.load(str(CHART)).metadata["appVersion"]
+    owner_repo, ref, path = re.match(r"https://raw\.githubusercontent\.com/([^/]+/[^/]+)/([^/]+)/(.+)", link).groups()
+    assert (owner_repo, ref) == ("specfleet/specfleet", f"v{app_version}")  # a tag, not a branch that moves
+    assert (ROOT / path).is_file()
+
+
+@pytest.mark.parametrize("path", sorted((CHART / "ci").glob("*-values.yaml")), ids=lambda p: p.name)
+def test_every_ci_values_file_renders_the_redis_it_asks_for(path):
+    values = yaml.safe_load(path.read_text()) or {}
+    r = redis_objects(render(values))
+    builtin = (values.get("redis") or {}).get("external", {}).get("url") is None
+    assert bool(r) == builtin
+    if builtin:
+        assert len(r["StatefulSet"]["metadata"]["name"]) <= 52
+        assert r["ConfigMap"]["data"]["entrypoint.sh"] == (CHART / "files" / "redis-entrypoint.sh").read_text()
+        assert "maxmemory-policy volatile-lru\n" in r["ConfigMap"]["data"]["redis.conf"]
+        (c,) = r["StatefulSet"]["spec"]["template"]["spec"]["containers"]
+        assert c["image"].startswith("docker.io/library/redis")
+        claims = r["StatefulSet"]["spec"].get("volumeClaimTemplates", [])
+        assert len(claims) == int(bool(values.get("redis", {}).get("persistence", {}).get("enabled")))
 
 
 def test_the_examples_use_the_redis_the_chart_creates():
@@ -277,7 +483,7 @@ def test_the_examples_use_the_redis_the_chart_creates():
             own += 1
             assert "url" not in r, (path.name, "a password-less URL that nothing creates")
             assert f"create secret generic {r['secretRef']['name']}" in text, path.name
-    assert default >= 2 and own >= 1
+    assert default >= 2  # every example serves on a default install (tests/operator/test_examples_default_install.py)
 
 
 def test_the_operator_reads_the_admin_password_from_the_mounted_file(tmp_path):
@@ -287,7 +493,10 @@ def test_the_operator_reads_the_admin_password_from_the_mounted_file(tmp_path):
     secret = tmp_path / "password"
     secret.write_text("s3cret\n")
     options = parse_args(["--redis-url", "redis://h:6379/0", "--redis-password-file", str(secret)])
-    assert options.default_redis() == DefaultRedis("redis://h:6379/0", "s3cret")
+    default = options.default_redis()
+    assert default == DefaultRedis("redis://h:6379/0", "s3cret", str(secret))
+    secret.write_text("rotated\n")  # the kubelet rewrote the mounted Secret: the next refresh takes it
+    assert default.refresh() and default.password == "rotated" and not default.refresh()
     assert parse_args([]).default_redis() is None
     with pytest.raises(OSError, match="nowhere"):
         parse_args(["--redis-url", "redis://h:6379/0", "--redis-password-file", str(tmp_path / "nowhere")]

@@ -10,7 +10,8 @@ from specfleet_operator.testing import OperatorThread, ready, sdd_body, wait_for
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
            "PodDisruptionBudget": "poddisruptionbudgets", "ServiceAccount": "serviceaccounts", "Role": "roles",
            "RoleBinding": "rolebindings", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
-           "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules"}
+           "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
+           "NetworkPolicy": "networkpolicies"}
 SDDS = "specdecodedeployments"
 FAST_CONVERGE = {"converge_interval": 0.3}  # a converge of every fleet every 0.3 s: a storm would show
 FOREIGN = {"apiVersion": "helm.example/v1", "kind": "Release", "name": "web", "uid": "uid-of-web", "controller": True}
@@ -53,7 +54,7 @@ async def test_fleets_named_like_each_others_children_keep_to_their_own(cluster,
         kids = {}
         for name in names:
             kids[name] = live_children(cluster, name)
-            assert len(kids[name]) == 14, sorted(kids[name])  # with the canary, no monitoring, no HPA
+            assert len(kids[name]) == 15, sorted(kids[name])  # with the canary, no monitoring, no HPA
             for (kind, child), obj in kids[name].items():
                 assert [r["uid"] for r in obj["metadata"]["ownerReferences"]] == [uids[name]], (name, kind, child)
                 assert obj["metadata"]["labels"][m.LABEL_SDD] == name
@@ -137,7 +138,7 @@ async def test_an_upgrade_retires_the_children_named_as_before_once_the_new_ones
         await wait_for(lambda: all(cluster.live(versions[k], PLURALS[k], "default", n) is None for k, n in old),
                        10, "the old children gone")
         assert cluster.live("v1", "services", "default", "demo-canary") is not None
-        assert len(live_children(cluster, "demo")) == 11
+        assert len(live_children(cluster, "demo")) == 12
         (event,) = await wait_for(lambda: [e for e in events(cluster, "Removed") if "before the upgrade" in e["message"]],
                                   10, "the Removed event")  # kopf posts events after the handler returns
         assert "Deployment demo-router" in event["message"]

@@ -923,3 +923,58 @@ def test_operator_checks_agree_with_cel_on_weights_gpus_rollouts_and_the_slo(dra
     cel, operator = cel_failures(doc), specs.problems(doc["spec"])
     assert len(cel) == len(operator) - outside, (cel, operator)
     assert {p.message for p in operator} >= set(cel)
+
+
+# spec.redis.url -> whether it holds a password (which would be a plain value in every pod template)
+REDIS_URLS = {
+    "redis://:s3cret@r:6379/0": True, "rediss://app:s3cret@r.example.com:6380/0": True,
+    "redis://app:s3cret@[::1]:6379": True, "redis://app:p@s3cret@r": True, "redis://app:@r": True,
+    "redis://r:6379/0?password=s3cret": True, "rediss://r/0?db=1&password=s3cret": True,
+    "redis://r:6379/0": False, "rediss://r.example.com:6380/0": False, "redis://app@r:6379/0": False,
+    "redis://[::1]:6379/0": False, "redis://app@[::1]:6379": False, "redis://r/0?db=1": False,
+}
+
+
+@pytest.mark.parametrize("url, has_password", REDIS_URLS.items())
+def test_a_redis_url_with_a_password_is_refused_by_cel_and_operator_never_echoed(url, has_password):
+    from redis.connection import parse_url
+
+    # what the pods' client would log in with; an empty password (`app:@`) is refused as well
+    assert has_password == ("password" in parse_url(url) or ":@" in url)
+    doc = _with({"redis": {"url": url}})
+    validate_openapi(doc)  # the scheme pattern lets them all through: only CEL can refuse them
+    cel, problems = cel_failures(doc), specs.problems(doc["spec"])
+    if not has_password:
+        assert cel == [] and problems == []
+        return
+    assert cel == [specs.REDIS_URL_PASSWORD_MESSAGE]
+    assert [p.field for p in problems] == ["spec.redis.url"] and specs.rejection_reason(problems) == "InvalidSpec"
+    (problem,) = problems
+    assert problem.message == specs.REDIS_URL_PASSWORD_MESSAGE
+    assert "spec.redis.secretRef" in problem.message and "default Redis" in problem.message
+    assert "s3cret" not in str(problem)
+
+
+def test_the_redis_url_cel_rule_is_the_operators_regex():
+    node = specs.spec_schema()["properties"]["redis"]["properties"]["url"]
+    (rule,) = node["x-kubernetes-validations"]
+    assert rule == {"rule": f"!self.matches('{specs.REDIS_URL_WITH_PASSWORD}')",
+                    "message": specs.REDIS_URL_PASSWORD_MESSAGE}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from(["redis", "rediss"]), st.sampled_from(["", "app", "a.b-c"]),
+       st.sampled_from([None, "", "s3cret", "p@ss", "p:ss", "p%40ss"]),
+       st.sampled_from(["r", "r.example.com", "10.0.0.1", "[::1]", "[fe80::1]"]), st.sampled_from(["", ":6379"]),
+       st.sampled_from(["", "/", "/0"]), st.sampled_from(["", "db=1", "password=s3cret", "db=1&password=x", "username=u"]))
+def test_cel_and_operator_refuse_exactly_the_urls_that_carry_a_password(scheme, user, password, host, port, path,
+                                                                          query):
+    """The oracle is how the pods' client reads a URL: urllib's user info, and redis-py's query options."""
+    from urllib.parse import parse_qs, urlsplit
+
+    userinfo = "" if password is None and not user else user + ("" if password is None else f":{password}") + "@"
+    url = f"{scheme}://{userinfo}{host}{port}{path}" + (f"?{query}" if query else "")
+    carries = urlsplit(url).password is not None or "password" in parse_qs(urlsplit(url).query)
+    doc = _with({"redis": {"url": url}})
+    assert (cel_failures(doc) != []) == carries == specs.url_has_password(url), url
+    assert (specs.problems(doc["spec"]) != []) == carries, url

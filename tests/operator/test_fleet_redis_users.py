@@ -8,20 +8,29 @@ import pytest
 import redis
 
 from specfleet_api import redis_auth
-from specfleet_api.live_state import LiveState, state_key, window_key
+from specfleet_api.live_state import PREFIX, LiveState, state_key, window_key
+from specfleet_api.windows import cluster_key, drift_key
+from specfleet_local.state import gate_key, loop_key
 from specfleet_router.metrics import RouterMetrics
 from specfleet_router.state import RedisState
 
 from specfleet_operator import API_VERSION, KIND
-from specfleet_operator.manifests import child_name, redis_secret_name, router_name
-from specfleet_operator.redis_state import DefaultRedis
+from specfleet_operator.manifests import child_name, router_name
+from specfleet_operator.redis_state import DefaultRedis, credentials_name
 from specfleet_operator.testing import OperatorThread, ready, sdd_body, stored_live_state, wait_for
 
 ADMIN = "admin-secret"
 
 
-def secret_of(cluster, name):
-    secret = cluster.live("v1", "secrets", "default", redis_secret_name(name))
+def redis_secret_name(cluster, name, master=ADMIN):
+    """The fleet's credentials Secret as the operator names it (from what only the master's holder knows)."""
+    uid = cluster.live(API_VERSION, "specdecodedeployments", "default", name)["metadata"]["uid"]
+    return credentials_name(name, redis_auth.fleet_username("default", name),
+                            redis_auth.fleet_password(master, "default", name, uid))
+
+
+def secret_of(cluster, name, master=ADMIN):
+    secret = cluster.live("v1", "secrets", "default", redis_secret_name(cluster, name, master))
     return secret and {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
 
 
@@ -33,6 +42,89 @@ def redis_ready(cluster, name):
 
 def login(server, user, password):
     return server.client(username=user, password=password)
+
+
+# Fleets whose keys share a prefix: a name that extends another's (chat, chat2) and a namespace
+# that extends another's (team, team-a). A key pattern widened to a prefix hands one the other's keys.
+NEIGHBOURS = (("default", "chat"), ("default", "chat2"), ("team", "chat"), ("team-a", "chat"))
+
+
+def fleet_keys(namespace, name):
+    """A key of each kind a fleet's routers and workers touch, named by their writers' own functions."""
+    return {"state": state_key(namespace, name),
+            "window": f"{window_key(namespace, name, 'stable')}:pod-0",
+            "worker": f"{PREFIX}{namespace}/{name}:worker:pod-0",  # specfleet_worker.fleet.FleetPublisher.key
+            "clusters": cluster_key(namespace, name, "r1"),
+            "drift": drift_key(namespace, name, "r1")}
+
+
+def loop_keys(namespace, name):
+    """The keys only the loop writes (`specfleet up`'s gate and memory): no fleet user's."""
+    return [gate_key(namespace, name), loop_key(namespace, name)]
+
+
+def allowed(call):
+    """Whether Redis let the user's call through its ACL (it may still fail on the value, WRONGTYPE)."""
+    try:
+        call()
+    except redis.exceptions.NoPermissionError:
+        return False
+    except redis.exceptions.ResponseError:
+        return True
+    return True
+
+
+def test_each_fleet_user_touches_exactly_its_own_keys(redis_server):
+    """With the ACL the operator sets (redis_auth.setuser_args) on a real Redis, between fleets
+    whose names and namespaces extend one another's: each user reads its live state and may not
+    write it, reads and writes its own windows, summaries, cluster windows and drift counts (as
+    its workers and routers do: a transaction of HSET and EXPIRE), and touches no other key: not
+    another fleet's, nor the keys of its own that only the loop writes."""
+    admin = redis_server.client()
+    users = {}
+    for namespace, name in NEIGHBOURS:
+        password = redis_auth.fleet_password(ADMIN, namespace, name, "uid-1")
+        admin.execute_command(*redis_auth.setuser_args(namespace, name, password))
+        users[namespace, name] = login(redis_server, redis_auth.fleet_username(namespace, name), password)
+        keys = fleet_keys(namespace, name)
+        assert set(keys) == {"state", *redis_auth.OWN_KEYS}  # a new kind of key gets its case here
+        admin.set(keys["state"], LiveState(version=1).to_json())
+        for kind in redis_auth.OWN_KEYS:
+            admin.hset(keys[kind], "chat", "{}")
+        for key in loop_keys(namespace, name):
+            admin.set(key, "{}")
+
+    leaks = []
+    for (namespace, name), user in users.items():
+        foreign = [*loop_keys(namespace, name)]
+        for other in NEIGHBOURS:
+            if other != (namespace, name):
+                foreign += [*fleet_keys(*other).values(), *loop_keys(*other)]
+        for key in foreign:
+            for what, call in (("GET", lambda: user.get(key)), ("HGETALL", lambda: user.hgetall(key)),
+                               ("EXISTS", lambda: user.exists(key)), ("HSET", lambda: user.hset(key, "x", "1")),
+                               ("EXPIRE", lambda: user.expire(key, 1)), ("DEL", lambda: user.delete(key))):
+                if allowed(call):
+                    leaks.append(f"{namespace}/{name} may {what} {key}")
+        own = fleet_keys(namespace, name)
+        assert user.get(own["state"]) == admin.get(own["state"])
+        for what, call in (("HSET", lambda: user.hset(own["state"], "x", "1")),
+                           ("EXPIRE", lambda: user.expire(own["state"], 1)),
+                           ("DEL", lambda: user.delete(own["state"]))):
+            if allowed(call):
+                leaks.append(f"{namespace}/{name} may {what} its own live state")
+    assert not leaks, "\n".join(leaks)
+
+    for (namespace, name), user in users.items():
+        for kind in redis_auth.OWN_KEYS:
+            key = fleet_keys(namespace, name)[kind]
+            with user.pipeline(transaction=True) as pipe:
+                assert pipe.hset(key, "code", name).expire(key, 30).execute() == [1, True]
+            assert user.hgetall(key) == {b"chat": b"{}", b"code": name.encode()} and user.exists(key) == 1
+            assert user.delete(key) == 1
+    for namespace, name in NEIGHBOURS:  # nothing of a fleet's was written but by the fleet itself
+        assert LiveState.from_json(admin.get(state_key(namespace, name))).version == 1
+        assert [admin.get(key) for key in loop_keys(namespace, name)] == [b"{}", b"{}"]
 
 
 async def test_each_fleet_gets_a_user_that_can_read_its_state_and_forge_nothing(cluster, kube, redis_server,
@@ -53,16 +145,20 @@ async def test_each_fleet_gets_a_user_that_can_read_its_state_and_forge_nothing(
         sdd = cluster.live(API_VERSION, "specdecodedeployments", "default", "a")
         assert creds == {"username": "specfleet:default:a",
                          "password": redis_auth.fleet_password(ADMIN, "default", "a", sdd["metadata"]["uid"])}
-        secret = cluster.live("v1", "secrets", "default", redis_secret_name("a"))
-        assert [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [sdd["metadata"]["uid"]]
-        assert not [p for m, p in cluster.log if m == "GET" and "/secrets" in p]  # created, never read
+        secret = cluster.live("v1", "secrets", "default", redis_secret_name(cluster, "a"))
+        handle = cluster.live("v1", "configmaps", "default", redis_secret_name(cluster, "a"))
+        assert secret["immutable"] is True and secret["type"] == "Opaque"
+        assert [r["uid"] for r in secret["metadata"]["ownerReferences"]] == [handle["metadata"]["uid"]]
+        assert [r["uid"] for r in handle["metadata"]["ownerReferences"]] == [sdd["metadata"]["uid"]]
+        # created, and never read, edited or deleted
+        assert {m for m, p in cluster.log if "/secrets" in p} == {"POST"}
         for deployment in (child_name("a", "stable"), child_name("a", "canary"), router_name("a")):
             env = {e["name"]: e for e in cluster.live("apps/v1", "deployments", "default", deployment)["spec"][
                 "template"]["spec"]["containers"][0]["env"]}
             assert env["SPECFLEET_REDIS_URL"]["value"] == redis_server.url
-            assert env["SPECFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {"name": redis_secret_name("a"),
-                                                                                   "key": "password"}
-            assert env["SPECFLEET_REDIS_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == redis_secret_name("a")
+            assert env["SPECFLEET_REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"] == {
+                "name": redis_secret_name(cluster, "a"), "key": "password"}
+            assert env["SPECFLEET_REDIS_USERNAME"]["valueFrom"]["secretKeyRef"]["name"] == redis_secret_name(cluster, "a")
             assert ADMIN not in str(env) and creds["password"] not in str(env)
         args = cluster.live("apps/v1", "deployments", "default", router_name("a"))["spec"]["template"]["spec"][
             "containers"][0]["args"]

@@ -19,7 +19,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 PLURALS = {"ConfigMap": "configmaps", "Service": "services", "Deployment": "deployments",
            "PodDisruptionBudget": "poddisruptionbudgets", "HorizontalPodAutoscaler": "horizontalpodautoscalers",
            "ServiceMonitor": "servicemonitors", "PrometheusRule": "prometheusrules",
-           "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings"}
+           "ServiceAccount": "serviceaccounts", "Role": "roles", "RoleBinding": "rolebindings",
+           "NetworkPolicy": "networkpolicies"}
 EVENTS_ONLY = {"converge_interval": 3600.0}  # the periodic converge out of the way: the watches act alone
 
 
@@ -53,7 +54,7 @@ async def test_ready_only_once_every_child_is_applied(cluster, kube):
     op = await started(cluster, kube, full_fleet())
     try:
         kids = children(cluster, "smollm2-draft")
-        assert len(kids) == 17, f"Ready with {sorted(kids)}"
+        assert len(kids) == 18, f"Ready with {sorted(kids)}"
     finally:
         await op.stop_and_join()
 

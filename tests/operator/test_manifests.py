@@ -36,7 +36,7 @@ def test_children_have_deterministic_names_and_labels():
                          ("Service", "demo--metrics"), ("Deployment", "demo--stable"),
                          ("PodDisruptionBudget", "demo--stable"), ("ServiceAccount", "demo--router"),
                          ("Role", "demo--router"), ("RoleBinding", "demo--router"), ("Deployment", "demo--router"),
-                         ("PodDisruptionBudget", "demo--router")}
+                         ("PodDisruptionBudget", "demo--router"), ("NetworkPolicy", "demo--workers")}
     for obj in kids.values():
         assert obj["metadata"]["namespace"] == "ml"
         assert obj["metadata"]["labels"][m.LABEL_SDD] == "demo"
@@ -255,7 +255,8 @@ def test_monitoring_objects_only_when_enabled():
     assert sm["metadata"]["labels"]["r"] == "p"
     assert sm["spec"]["endpoints"][0]["path"] == "/metrics"
     rules = on[("PrometheusRule", "demo--alerts")]["spec"]["groups"][0]["rules"]
-    assert {r["alert"] for r in rules} == {m.ALERT_ALPHA, m.ALERT_SPEEDUP, m.ALERT_DRAFT_ERRORS, m.ALERT_FALLBACK}
+    assert {r["alert"] for r in rules} == {m.ALERT_ALPHA, m.ALERT_SPEEDUP, m.ALERT_DRAFT_ERRORS, m.ALERT_FALLBACK,
+                                           m.ALERT_ROUTER_REDIS, m.ALERT_WORKER_REDIS, m.ALERT_REDIS_AUTH}
     assert all('namespace="ml"' in r["expr"] for r in rules)  # sdd_namespace="ml" on the operator's gauge
     assert all(r["labels"].get("sdd_namespace", "ml") == "ml" for r in rules)
 
@@ -298,6 +299,70 @@ def test_every_child_validates_against_the_kubernetes_schemas():
         if obj["apiVersion"].startswith("monitoring.coreos.com"):
             continue
         kubernetes_validate.validate(obj, "1.30", strict=True)
+
+
+def _selects(selector, labels):
+    """Whether a LabelSelector (matchLabels only: all the policy uses) picks these labels; {} picks all."""
+    assert set(selector) <= {"matchLabels"}, selector
+    return selector.get("matchLabels", {}).items() <= labels.items()
+
+
+def admits(policies, target, peer, port):
+    """Whether Kubernetes lets `peer` reach the `port` (a container port's name) of `target`, each a
+    (namespace, pod labels): open while no policy selects the target, else when one ingress rule of
+    a policy selecting it names the port (or no port) and the peer (or no peer). A podSelector peer
+    without a namespaceSelector is a pod of the policy's own namespace."""
+    selecting = [p for p in policies if p["metadata"]["namespace"] == target[0]
+                 and _selects(p["spec"]["podSelector"], target[1]) and "Ingress" in p["spec"]["policyTypes"]]
+    if not selecting:
+        return True
+
+    def peer_ok(entry, ns):
+        assert set(entry) <= {"podSelector", "namespaceSelector"}, entry  # no ipBlock: not modelled here
+        if "namespaceSelector" in entry:
+            return False  # none of these peers' namespaces carries labels: a selector with terms picks none
+        return peer[0] == ns and _selects(entry["podSelector"], peer[1])
+
+    return any((not rule.get("ports") or any(p["port"] == port and p.get("protocol", "TCP") == "TCP"
+                                                for p in rule["ports"]))
+               and (not rule.get("from") or any(peer_ok(e, p["metadata"]["namespace"]) for e in rule["from"]))
+               for p in selecting for rule in p["spec"].get("ingress", []))
+
+
+def test_only_the_fleets_own_routers_reach_the_workers_generation_port():
+    """The canary share, the routes and the fallback are the router's to apply: a worker's gRPC port
+    admits the fleet's routers only, its HTTP port (metrics, probes) anyone. The pods' labels and
+    port names are taken from the Deployments the operator renders, not restated."""
+    s = spec(canary={"weight": 1})
+    kids = by_kind(m.children(SDD, s, m.Settings()))
+    policy = kids[("NetworkPolicy", "demo--workers")]
+    kubernetes_validate.validate(policy, "1.30", strict=True)
+
+    def pod(kind, name, ns="ml"):
+        template = kids[(kind, name)]["spec"]["template"]
+        return ns, template["metadata"]["labels"], [p["name"] for p in template["spec"]["containers"][0]["ports"]]
+
+    router = pod("Deployment", "demo--router")[:2]
+    other = by_kind(m.children({"metadata": {"name": "demo-b", "namespace": "ml", "uid": "u-2"}}, s, m.Settings()))
+    other_router = ("ml", other[("Deployment", "demo-b--router")]["spec"]["template"]["metadata"]["labels"])
+    other_worker = ("ml", other[("Deployment", "demo-b--stable")]["spec"]["template"]["metadata"]["labels"])
+    strangers = {"a pod of the namespace": ("ml", {"app": "curl"}), "another fleet's router": other_router,
+                 "another fleet's worker": other_worker, "the same router's labels elsewhere": ("team-b", router[1]),
+                 "a worker of its own fleet": pod("Deployment", "demo--stable")[:2]}
+    policies = [policy]
+    for arm in ("demo--stable", "demo--canary"):
+        ns, labels, ports = pod("Deployment", arm)
+        assert set(ports) == {"grpc", "http"}  # the ports the policy names, as the worker names them
+        assert admits(policies, (ns, labels), router, "grpc")
+        for who, peer in strangers.items():
+            assert not admits(policies, (ns, labels), peer, "grpc"), f"{who} reaches {arm}'s gRPC port"
+            assert admits(policies, (ns, labels), peer, "http"), f"{who} cannot scrape {arm}'s metrics"
+        assert not admits(policies, (ns, labels), router, "admin")  # loopback only, and no rule opens it
+    # the policy holds the fleet's workers only: the router, and another fleet's workers, are not its business
+    assert admits(policies, pod("Deployment", "demo--router")[:2], ("ml", {"app": "curl"}), "http")
+    assert admits(policies, other_worker, ("ml", {"app": "curl"}), "grpc")
+    assert ("NetworkPolicy", "demo--workers", "networking.k8s.io/v1") in {
+        (k, n, a) for a, k, n in m.child_refs("demo")}  # converged, and cleaned up, as every child is
 
 
 DNS_1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")  # a Service name, as the API server checks it

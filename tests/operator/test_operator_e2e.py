@@ -17,7 +17,8 @@ CHILD_PLURALS = {"ConfigMap": ("v1", "configmaps"), "Service": ("v1", "services"
                  "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
                  "PrometheusRule": ("monitoring.coreos.com/v1", "prometheusrules"),
                  "ServiceAccount": ("v1", "serviceaccounts"), "Role": ("rbac.authorization.k8s.io/v1", "roles"),
-                 "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings")}
+                 "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
+                 "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies")}
 
 
 def example(name):
@@ -60,7 +61,7 @@ async def test_example_creates_every_child_owned_labelled_and_secured(cluster, k
                              ("ServiceMonitor", "smollm2-draft--workers"), ("PrometheusRule", "smollm2-draft--alerts"),
                              ("Deployment", "smollm2-draft--router"), ("ServiceAccount", "smollm2-draft--router"),
                              ("Role", "smollm2-draft--router"), ("RoleBinding", "smollm2-draft--router"),
-                             ("PodDisruptionBudget", "smollm2-draft--router")}
+                             ("PodDisruptionBudget", "smollm2-draft--router"), ("NetworkPolicy", "smollm2-draft--workers")}
         for obj in kids.values():
             (owner,) = obj["metadata"]["ownerReferences"]
             assert owner == {"apiVersion": API_VERSION, "kind": KIND, "name": "smollm2-draft",
@@ -114,14 +115,39 @@ async def test_update_rolls_exactly_the_stable_deployment(cluster, kube):
         await op.stop_and_join()
 
 
+async def test_only_the_routers_reach_the_workers_and_an_edit_that_opens_them_is_reverted(cluster, kube):
+    """The reconcile creates the workers' NetworkPolicy as manifests builds it, owned like every child,
+    and the converge watch puts back a hand edit that admits every pod to every port."""
+    op = OperatorThread(cluster.endpoint, "op-a").start()
+    try:
+        created = await kube.create(sdd_body("demo", canary={"weight": 5}))
+        await wait_for(lambda: ready(cluster, "demo"), 20, "demo Ready")
+        name, (api_version, plural) = m.child_name("demo", "workers"), CHILD_PLURALS["NetworkPolicy"]
+        want = m.worker_network_policy(created)
+
+        def live():
+            return cluster.live(api_version, plural, "default", name)
+        assert live()["spec"] == want["spec"] and live()["metadata"]["labels"] == want["metadata"]["labels"]
+        assert live()["metadata"]["ownerReferences"] == [m.owner_reference(created)]
+        selected = want["spec"]["podSelector"]["matchLabels"].items()
+        for arm in ("stable", "canary"):  # both arms' pods are the policy's
+            pods = children_of(cluster, "demo")[("Deployment", f"demo--{arm}")]["spec"]["template"]["metadata"]
+            assert selected <= pods["labels"].items()
+        await kube.patch(api_version, "NetworkPolicy", "default", name, {"spec": {"ingress": [{}]}})
+        await wait_for(lambda: live()["spec"] == want["spec"], 10, "the NetworkPolicy restored")
+    finally:
+        await op.stop_and_join()
+    assert op.result == 0
+
+
 async def test_delete_removes_every_child_and_the_finalizer(cluster, kube):
     op = OperatorThread(cluster.endpoint, "op-a").start()
     try:
         await kube.create(example("canary-1pct"))
         await wait_for(lambda: ready(cluster, "smollm2-canary"), 20, "Ready")
         # engine ConfigMap; front, stable, canary, 2 metrics Services; 2 worker Deployments + PDB; the
-        # router's Deployment, ServiceAccount, Role, RoleBinding, PDB
-        assert len(children_of(cluster, "smollm2-canary")) == 14
+        # router's Deployment, ServiceAccount, Role, RoleBinding, PDB; the workers' NetworkPolicy
+        assert len(children_of(cluster, "smollm2-canary")) == 15
         await kube.delete(API_VERSION, KIND, "default", "smollm2-canary")
         await wait_for(lambda: cluster.live(API_VERSION, SDDS, "default", "smollm2-canary") is None, 20, "SDD gone")
         assert children_of(cluster, "smollm2-canary") == {}

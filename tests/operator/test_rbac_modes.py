@@ -26,9 +26,10 @@ IN_A_WATCHED_NAMESPACE = {
     ("policy", "poddisruptionbudgets"): CRUD,
     ("autoscaling", "horizontalpodautoscalers"): CRUD,
     ("monitoring.coreos.com", "servicemonitors"): CRUD, ("monitoring.coreos.com", "prometheusrules"): CRUD,
+    ("networking.k8s.io", "networkpolicies"): CRUD,
     ("", "events"): frozenset({"create"}),
-    # each fleet's Redis user goes in a Secret the operator writes and never reads
-    ("", "secrets"): frozenset({"create", "patch"}),
+    # each fleet's Redis user goes in a Secret the operator creates and never reads, edits or deletes
+    ("", "secrets"): frozenset({"create"}),
 }
 LEASES = {("coordination.k8s.io", "leases"): frozenset({"get", "create", "patch"})}
 CRDS = {("apiextensions.k8s.io", "customresourcedefinitions"): frozenset({"list", "watch"})}
@@ -93,11 +94,11 @@ def test_without_leader_election_there_is_no_lease_role_and_secrets_are_opt_in()
     docs = render({"replicaCount": 1, "leaderElection": {"enabled": False}, "watchNamespaces": ["team-a"]})
     assert grants(docs) == {"team-a": IN_A_WATCHED_NAMESPACE}
     docs = render({"watchNamespaces": ["team-a"], "router": {"readRedisSecrets": True}})
-    assert grants(docs)["team-a"][("", "secrets")] == {"get", "create", "patch"}
-    assert grants(render({}))["*"][("", "secrets")] == {"create", "patch"}  # never get
+    assert grants(docs)["team-a"][("", "secrets")] == {"create"}  # the read is granted per Secret, not here
+    assert grants(render({}))["*"][("", "secrets")] == {"create"}
     assert ("", "secrets") not in grants(render({"redis": {"enabled": False}}))["*"]  # no Redis, no users
     external = render({"redis": {"enabled": False, "external": {"url": "redis://r:6379/0"}}})
-    assert grants(external)["*"][("", "secrets")] == {"create", "patch"}
+    assert grants(external)["*"][("", "secrets")] == {"create"}
 
 
 def test_rbac_create_false_renders_no_rbac():

@@ -3,6 +3,8 @@ NoCredentials) and the host (never the password), Degraded while the live state 
 one Warning event as Redis goes away and one Normal event when it is back, however many ticks the
 loop runs meanwhile (no NoDecision event a tick)."""
 import asyncio
+import base64
+import dataclasses
 
 from specfleet_local.redis_server import RedisServer, free_port
 
@@ -63,12 +65,26 @@ async def test_redis_absent_is_said_once_and_its_return_once(cluster, kube):
             server.stop()
 
 
+def url_secret(url, name="team-redis"):
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": name, "namespace": "default"},
+            "data": {"url": base64.b64encode(url.encode()).decode()}}
+
+
+def reading_secrets(op):
+    """The operator as `--read-redis-secrets` starts it (the Secret's namespace granted the read)."""
+    op.options = dataclasses.replace(op.options, worker=dataclasses.replace(op.options.worker, read_redis_secrets=True))
+    return op
+
+
 async def test_a_wrong_password_is_auth_failed_and_never_shown(cluster, kube, redis_server):
+    """The URL (password inside) in a Secret of spec.redis.secretRef, as a URL with a password must
+    be (spec.redis.url refuses one): wrong, then put right in the Secret."""
     redis_server.client().config_set("requirepass", "right-one")
     host = f"{redis_server.host}:{redis_server.port}"
-    op = OperatorThread(cluster.endpoint, "op-a", loop_interval=TICK_S).start()
+    await kube.create(url_secret(f"redis://:wrong-one@{host}/0"))
+    op = reading_secrets(OperatorThread(cluster.endpoint, "op-a", loop_interval=TICK_S)).start()
     try:
-        await kube.create(sdd_body("auth", redis={"url": f"redis://:wrong-one@{host}/0"}))
+        await kube.create(sdd_body("auth", redis={"secretRef": {"name": "team-redis"}}))
         cond = await wait_for(lambda: redis_is(cluster, "auth", "False", "AuthFailed"), 20, "RedisReady AuthFailed")
         assert host in cond["message"] and "wrong-one" not in cond["message"]
         assert condition(cluster, "auth", "Degraded")["reason"] == "RedisAuthFailed"
@@ -76,8 +92,8 @@ async def test_a_wrong_password_is_auth_failed_and_never_shown(cluster, kube, re
         (warning,) = events(cluster, "auth", "RedisUnavailable")
         assert "wrong-one" not in warning["message"] and events(cluster, "auth", "NoDecision") == []
 
-        await kube.patch(API_VERSION, KIND, "default", "auth",
-                         {"spec": {"redis": {"url": f"redis://:right-one@{host}/0"}}})
+        await kube.patch("v1", "Secret", "default", "team-redis",
+                         {"data": url_secret(f"redis://:right-one@{host}/0")["data"]})
         await wait_for(lambda: redis_is(cluster, "auth", "True"), 30, "RedisReady True with the right password")
         await ticks(cluster, "auth", 4)
         assert len(events(cluster, "auth", "RedisAvailable")) == 1
@@ -85,6 +101,22 @@ async def test_a_wrong_password_is_auth_failed_and_never_shown(cluster, kube, re
         assert stored_live_state(redis_server.client(password="right-one"), "default", "auth") is not None
     finally:
         await op.stop_and_join()
+
+
+async def test_a_secret_read_the_cluster_refuses_names_the_grant_that_lets_it():
+    """RBAC refuses the operator's read (the chart grants none): the status says which Role grants it."""
+    from specfleet_operator import manifests, redis_state
+    from specfleet_operator.kube import ApiError
+
+    class Refusing:
+        async def get(self, *args):
+            raise ApiError(403, "Forbidden", "secrets \"team-redis\" is forbidden", "Secret team-redis")
+
+    target, health = await redis_state.resolve(Refusing(), manifests.Settings(read_redis_secrets=True), None,
+                                               sdd_body("t", namespace="team-a"),
+                                               {"redis": {"secretRef": {"name": "team-redis"}}})
+    assert target is None and health.reason == "NoCredentials"
+    assert "kubectl -n team-a create role" in health.message and "--resource-name=team-redis" in health.message
 
 
 async def test_a_secret_the_operator_may_not_read_is_no_credentials(cluster, kube):

@@ -108,19 +108,20 @@ given, as repository@digest: the tag is dropped, the digest alone says what runs
 - apiGroups: [monitoring.coreos.com]
   resources: [servicemonitors, prometheusrules]
   verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
 - apiGroups: [""]
   resources: [events]
   verbs: [create]
 {{- if or (include "specfleet.redis.builtin" .) .Values.redis.external.url }}
-{{- /* each fleet's Redis user, in a Secret of the fleet's that the operator writes and never reads */}}
+{{- /* Each fleet's Redis user, in an immutable Secret the operator creates and never reads, edits or
+deletes (a new one on new credentials; docs/redis.md, "Credentials"). No other verb on Secrets, ever:
+a `get`, `patch` or `update` answer carries the Secret's data. The admission policy
+(admission-policy.yaml) holds `create` to those Secrets. */}}
 - apiGroups: [""]
   resources: [secrets]
-  verbs: [create, patch]
-{{- end }}
-{{- if .Values.router.readRedisSecrets }}
-- apiGroups: [""]
-  resources: [secrets]
-  verbs: [get]
+  verbs: [create]
 {{- end }}
 {{- end }}
 
@@ -129,8 +130,11 @@ given, as repository@digest: the tag is dropped, the digest alone says what runs
 {{- if and .Values.redis.enabled (not .Values.redis.external.url) }}true{{ end }}
 {{- end }}
 
+{{/* The name of every built-in Redis object, at most 52 characters: the StatefulSet's pods carry
+the label controller-revision-hash=<name>-<10 characters>, which must fit in 63, or the controller
+never creates them. */}}
 {{- define "specfleet.redis.fullname" -}}
-{{- include "specfleet.fullname" . | trunc 57 | trimSuffix "-" }}-redis
+{{- include "specfleet.fullname" . | trunc 46 | trimSuffix "-" }}-redis
 {{- end }}
 
 {{- define "specfleet.redis.selectorLabels" -}}
@@ -175,6 +179,79 @@ app.kubernetes.io/part-of: specfleet
 {{- define "specfleet.redis.image" -}}
 {{- $i := .Values.redis.image }}
 {{- include "specfleet.imageRef" (dict "ref" (printf "%s:%s" $i.repository $i.tag) "digest" $i.digest) }}
+{{- end }}
+
+{{/* The built-in Redis' redis.conf. */}}
+{{- define "specfleet.redis.conf" -}}
+bind * -::*
+port 6379
+dir /data
+# the password: the entrypoint writes it from the mounted Secret (never in a command line)
+include /run/redis/auth.conf
+maxmemory {{ .Values.redis.maxMemory }}
+# Past maxmemory only keys with a TTL are evicted (windows, worker summaries, cluster windows, drift
+# counts: each written again within its period); the fleets' live state has none and stays.
+maxmemory-policy volatile-lru
+{{- if .Values.redis.persistence.enabled }}
+appendonly yes
+{{- else }}
+save ""
+appendonly no
+{{- end }}
+{{- end }}
+
+{{/* What a running Redis pod cannot pick up without a restart: its redis.conf and entrypoint. */}}
+{{- define "specfleet.redis.configChecksum" -}}
+{{- printf "%s\n%s" (include "specfleet.redis.conf" .) (.Files.Get "files/redis-entrypoint.sh") | sha256sum | trunc 16 }}
+{{- end }}
+
+{{/* A storage quantity in bytes when it is a whole number with a binary suffix (as the schema asks
+and the API server writes back), else the quantity as written: "1024Mi" and "1Gi" compare equal. */}}
+{{- define "specfleet.redis.sizeBytes" -}}
+{{- $q := toString . }}
+{{- $units := dict "" 1 "Ki" 1024 "Mi" 1048576 "Gi" 1073741824 "Ti" 1099511627776 "Pi" 1125899906842624 }}
+{{- if regexMatch "^[0-9]+(Ki|Mi|Gi|Ti|Pi)?$" $q }}
+{{- mul (regexFind "^[0-9]+" $q | atoi) (get $units (regexReplaceAll "^[0-9]+" $q "")) }}
+{{- else }}
+{{- $q }}
+{{- end }}
+{{- end }}
+
+{{/* redis.persistence as the values ask and as the live StatefulSet has it, in words. */}}
+{{- define "specfleet.redis.persistenceWords" -}}
+{{- if .enabled }}
+{{- printf "a claim of %s in %s" .size (ternary (printf "StorageClass %q" .storageClass) "the default StorageClass" (ne .storageClass "")) }}
+{{- else }}
+{{- print "no claim (persistence off)" }}
+{{- end }}
+{{- end }}
+
+{{/* Refuses a change of redis.persistence that the live StatefulSet cannot take (volumeClaimTemplates
+are immutable: the upgrade would fail half-way), saying what to do instead (docs/redis.md,
+"Changing persistence"). On install and under `helm template` there is nothing to look up: no
+refusal. */}}
+{{- define "specfleet.redis.persistenceGuard" -}}
+{{- $name := include "specfleet.redis.fullname" . }}
+{{- $ns := .Release.Namespace }}
+{{- $p := .Values.redis.persistence }}
+{{- $want := dict "enabled" $p.enabled "size" $p.size "storageClass" (default "" $p.storageClass) }}
+{{- with lookup "apps/v1" "StatefulSet" $ns $name }}
+{{- $live := dict "enabled" false "size" "" "storageClass" "" }}
+{{- range .spec.volumeClaimTemplates | default list }}
+{{- if eq .metadata.name "data" }}
+{{- $_ := set $live "enabled" true }}
+{{- $_ = set $live "size" (toString .spec.resources.requests.storage) }}
+{{- $_ = set $live "storageClass" (default "" .spec.storageClassName) }}
+{{- end }}
+{{- end }}
+{{- $claim := printf "data-%s-0" $name }}
+{{- $head := printf "redis.persistence cannot change in place: the StatefulSet %s/%s has %s, the values ask for %s, and a StatefulSet's volumeClaimTemplates are immutable." $ns $name (include "specfleet.redis.persistenceWords" $live) (include "specfleet.redis.persistenceWords" $want) }}
+{{- if or (ne $live.enabled $want.enabled) (and $want.enabled (ne $live.storageClass $want.storageClass)) }}
+{{- fail (printf "%s Delete the StatefulSet, keeping its pod until the new one replaces it: `kubectl -n %s delete statefulset %s --cascade=orphan`; when turning persistence off or changing storageClass, also `kubectl -n %s delete pvc %s` (Redis holds nothing the fleets do not write again); then run helm upgrade again (docs/redis.md, \"Changing persistence\")." $head $ns $name $ns $claim) }}
+{{- else if and $want.enabled (ne (include "specfleet.redis.sizeBytes" $live.size) (include "specfleet.redis.sizeBytes" $want.size)) }}
+{{- fail (printf "%s To grow the claim (its StorageClass must allow volume expansion): `kubectl -n %s patch pvc %s -p '{\"spec\":{\"resources\":{\"requests\":{\"storage\":\"%s\"}}}}'`, then `kubectl -n %s delete statefulset %s --cascade=orphan` (the pod keeps running), then run helm upgrade again; a claim cannot shrink (docs/redis.md, \"Changing persistence\")." $head $ns $claim $want.size $ns $name) }}
+{{- end }}
+{{- end }}
 {{- end }}
 
 {{/* The Secret holding the Alertmanager receiver's bearer token: the one named, else the one the
