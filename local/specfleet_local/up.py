@@ -34,6 +34,7 @@ from .plan import Plan, SpecError, load_resource, make_plan
 from .procs import Child
 from .redis_server import RedisServer
 from specfleet_control.slo import SloPolicy
+from specfleet_worker.shutdown import on_signals
 
 from .state import ControlLoop, HoldSpec, StateWriter, gate_key, initial_state
 
@@ -141,13 +142,12 @@ def main(argv: list[str] | None = None) -> int:
 
     stop, force = threading.Event(), threading.Event()
 
-    def on_signal(signum, frame) -> None:
+    def on_signal(signum: int) -> None:
         if stop.is_set():  # a second Ctrl-C: stop waiting for drains
             force.set()
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, on_signal)
+    on_signals(on_signal)  # on a thread of its own: Event.set in a signal handler can deadlock
     fleet = Fleet(plan, args, run_file, console)
     code = 1
     try:

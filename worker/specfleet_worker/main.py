@@ -12,7 +12,6 @@ import argparse
 import json
 import logging
 import os
-import signal
 import sys
 import threading
 from collections.abc import Callable
@@ -303,8 +302,9 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM/SIGINT from here on only set `stop` (before: the default, an immediate exit): the
     # exit path (exit_worker) is bounded wherever it comes, imports, model load or serving
     stop, stop_or_loaded = threading.Event(), threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: (stop.set(), stop_or_loaded.set()))
+    from .shutdown import on_signals
+
+    on_signals(lambda _: (stop.set(), stop_or_loaded.set()))  # off the handler: it may take no lock
     from .app import WorkerServer
     from .tracing import make_tracer
 

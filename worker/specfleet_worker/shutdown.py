@@ -19,6 +19,7 @@ from __future__ import annotations
 import faulthandler
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -27,6 +28,32 @@ from typing import TypeVar
 
 log = logging.getLogger("specfleet.worker")
 T = TypeVar("T")
+
+
+def on_signals(handler: Callable[[int], None], signals: tuple[int, ...] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Run `handler(signum)` for each of `signals` on a thread of its own, never in the signal
+    handler. A Python signal handler runs on the main thread between two bytecodes, wherever that
+    thread is: one that sets a threading.Event takes the Event's lock, and when it lands while the
+    main thread holds that lock (in another Event.set, e.g. the same handler interrupted by a second
+    signal: SIGTERM from the parent's death, then SIGINT), it waits on itself forever (a worker was
+    found so, an hour after its parent died). Here the C-level handler writes the signal's number to
+    a pipe (signal.set_wakeup_fd: async-signal-safe), the Python-level handler does nothing, and a
+    daemon thread reads the pipe and calls `handler`. Call it from the main thread, once.
+    """
+    read_fd, write_fd = os.pipe()
+    os.set_blocking(write_fd, False)
+    signal.set_wakeup_fd(write_fd, warn_on_full_buffer=False)
+    for sig in signals:
+        signal.signal(sig, lambda *_: None)
+    wanted = set(signals)
+
+    def deliver() -> None:
+        while True:
+            for signum in os.read(read_fd, 64):
+                if signum in wanted:
+                    handler(signum)
+
+    threading.Thread(target=deliver, name="signals", daemon=True).start()
 
 
 class Shutdown:
