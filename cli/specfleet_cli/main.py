@@ -96,6 +96,13 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None)
 
+    p = sub.add_parser("export-hf", help="write a model as a Hugging Face folder (config.json, tokenizer, "
+                                         "float32 safetensors) that vLLM and HF transformers load")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="a .gguf file, a Hugging Face checkpoint folder (safetensors), or smollm2-135m (default)")
+    p.add_argument("--out", required=True, metavar="DIR", help="the folder to write (empty or absent)")
+    p.add_argument("--overwrite", action="store_true", help="replace an earlier export in --out")
+
     sub.add_parser("bench", help="Spec-Bench: tokens/s, speedup, tau and alpha by category; "
                                  "`specfleet bench --help` lists its flags", add_help=False)
     sub.add_parser("train-draft", help="train an EAGLE draft head or Medusa heads for a target model "
@@ -133,7 +140,13 @@ def main(argv: list[str] | None = None, prog: str = "specfleet") -> int:
                 raise FileNotFoundError(f"--medusa-heads {args.medusa_heads}: no such folder (Medusa heads are a "
                                         "folder from `specfleet train-draft --method medusa`)")
             return _generate(args)
-    except (ValueError, FileNotFoundError) as e:
+        if args.command == "export-hf":
+            from specfleet_engine.hf_export import export_hf
+
+            export_hf(args.model, args.out, overwrite=args.overwrite,
+                      progress=lambda line: print(f"specfleet export-hf: {line}", file=sys.stderr))
+            return 0
+    except (ValueError, FileNotFoundError, FileExistsError) as e:
         print(f"specfleet {args.command}: error: {e}", file=sys.stderr)
         return 2
     return 0
