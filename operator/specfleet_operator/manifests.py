@@ -642,23 +642,11 @@ def worker_network_policy(sdd: dict[str, Any]) -> dict[str, Any]:
     client calling a worker directly would skip them; their HTTP port (/metrics, /healthz, /readyz,
     nothing that generates) any peer, for Prometheus wherever it runs. The kubelet's probes come from
     the node, which NetworkPolicy never blocks; the Admin port listens on the pod's loopback.
-    Policies add up: another one that opens the gRPC port to more peers (the chart's over all workers
-    of a namespace) opens it for these pods too. Enforced only where the CNI implements NetworkPolicy."""
+    Policies add up: another one that opened the gRPC port to more peers would open it for these
+    pods too (the chart's over all workers of a namespace opens HTTP only). Enforced only where the
+    CNI implements NetworkPolicy."""
     name = sdd["metadata"]["name"]
-    return {
-        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-        "metadata": {"name": child_name(name, "workers"), "namespace": sdd["metadata"]["namespace"],
-                     "labels": labels(name, component="network-policy")},
-        "spec": {
-            "podSelector": {"matchLabels": selector(name)},
-            "policyTypes": ["Ingress"],
-            "ingress": [
-                {"from": [{"podSelector": {"matchLabels": selector(name, component="router")}}],
-                 "ports": [{"port": "grpc", "protocol": "TCP"}]},
-                {"ports": [{"port": "http", "protocol": "TCP"}]},
-            ],
-        },
-    }
+    return _router_only_policy(sdd, selector(name), "grpc", open_port="http")
 
 
 def pod_disruption_budget(sdd: dict[str, Any], component: str = "worker") -> dict[str, Any]:
@@ -933,17 +921,23 @@ def vllm_network_policy(sdd: dict[str, Any]) -> dict[str, Any]:
     generation, /health and /metrics on one port, so keeping generation to the router keeps
     Prometheus out too, unless a policy of its own admits it (policies add up). The kubelet's
     probes come from the node, which NetworkPolicy never blocks."""
+    return _router_only_policy(sdd, vllm_selector(sdd["metadata"]["name"]), "http")
+
+
+def _router_only_policy(sdd: dict[str, Any], pods: dict[str, str], port: str,
+                        open_port: str | None = None) -> dict[str, Any]:
+    """The fleet's NetworkPolicy `<sdd>--workers` over `pods`: `port` admits only the fleet's router
+    pods, `open_port` (if any) every peer."""
     name = sdd["metadata"]["name"]
+    ingress = [{"from": [{"podSelector": {"matchLabels": selector(name, component="router")}}],
+                "ports": [{"port": port, "protocol": "TCP"}]}]
+    if open_port:
+        ingress.append({"ports": [{"port": open_port, "protocol": "TCP"}]})
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": child_name(name, "workers"), "namespace": sdd["metadata"]["namespace"],
                      "labels": labels(name, component="network-policy")},
-        "spec": {
-            "podSelector": {"matchLabels": vllm_selector(name)},
-            "policyTypes": ["Ingress"],
-            "ingress": [{"from": [{"podSelector": {"matchLabels": selector(name, component="router")}}],
-                         "ports": [{"port": "http", "protocol": "TCP"}]}],
-        },
+        "spec": {"podSelector": {"matchLabels": pods}, "policyTypes": ["Ingress"], "ingress": ingress},
     }
 
 

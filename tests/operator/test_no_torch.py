@@ -33,12 +33,14 @@ def test_the_block_works():
 @pytest.mark.parametrize("modules, also_absent", [
     (["specfleet_operator.main", "specfleet_operator.handlers"], ["numpy"]),  # the operator image
     (["specfleet_proto.worker_pb2", "specfleet_proto.worker_pb2_grpc"], ["numpy"]),  # a router's stubs
-    (["specfleet_api", "specfleet_api.enums", "specfleet_api.engine_config", "specfleet_api.windows"],
+    (["specfleet_api", "specfleet_api.enums", "specfleet_api.engine_config", "specfleet_api.windows",
+      "specfleet_api.vllm"],
      ["numpy", "kopf", "grpc"]),
     (["specfleet_control.loop", "specfleet_control.slo", "specfleet_control.canary", "specfleet_control.observe"],
      ["numpy", "kopf", "grpc", "prometheus_client"]),  # the loop: pure
     (["specfleet_cli.main", "specfleet_worker.main", "specfleet_worker.config"], ["numpy"]),
-    (["specfleet_router.main", "specfleet_router.server", "specfleet_router.testing"], ["numpy"]),  # the router
+    (["specfleet_router.main", "specfleet_router.server", "specfleet_router.testing",
+      "specfleet_router.vllm_evidence"], ["numpy"]),  # the router
 ], ids=["operator", "stubs", "api", "control", "cli", "router"])
 def test_imports_without_torch(modules, also_absent):
     code = ("import importlib\n"

@@ -56,6 +56,16 @@ def operator(cluster, redis_server, password_file=None, store=None):
     return OperatorThread(cluster.endpoint, "op-a", loop_interval=0.3, memo=memo).start()
 
 
+async def create_fleet_held(cluster, kube, name="demo"):
+    """Create the fleet (its uid given, so the test knew its Secret's name) and wait for Ready
+    False, ChildOwnedByAnother; that condition."""
+    body = sdd_body(name)
+    body["metadata"]["uid"] = UID
+    await kube.create(body)
+    return await wait_for(lambda: (c := condition(cluster, name)) and c["reason"] == "ChildOwnedByAnother" and c,
+                          20, "Ready False, ChildOwnedByAnother")
+
+
 async def test_a_handle_held_by_another_owner_is_left_alone_and_said_once(cluster, kube, redis_server):
     """The ConfigMap that would hold the fleet's credentials Secret belongs to another controller:
     it is not patched, no Secret is created, Ready and Degraded say whose it is, one Event."""
@@ -67,11 +77,7 @@ async def test_a_handle_held_by_another_owner_is_left_alone_and_said_once(cluste
     before = cluster.live("v1", "configmaps", "default", name)
     op = operator(cluster, redis_server)
     try:
-        body = sdd_body("demo")
-        body["metadata"]["uid"] = UID
-        await kube.create(body)
-        cond = await wait_for(lambda: (c := condition(cluster, "demo")) and c["reason"] == "ChildOwnedByAnother" and c,
-                              20, "Ready False, ChildOwnedByAnother")
+        cond = await create_fleet_held(cluster, kube)
         assert f"ConfigMap {name}" in cond["message"] and "Release web" in cond["message"], cond["message"]
         assert condition(cluster, "demo", "Degraded")["reason"] == "ChildOwnedByAnother"
         await wait_for(lambda: events(cluster, "ChildOwnedByAnother"), 10, "the event")
@@ -99,11 +105,7 @@ async def test_a_secret_made_by_someone_else_is_left_alone_until_it_is_gone(clus
     before = [cluster.live("v1", "secrets", "default", n) for n in (name, old_name["metadata"]["name"])]
     op = operator(cluster, redis_server)
     try:
-        body = sdd_body("demo")
-        body["metadata"]["uid"] = UID
-        await kube.create(body)
-        cond = await wait_for(lambda: (c := condition(cluster, "demo")) and c["reason"] == "ChildOwnedByAnother" and c,
-                              20, "Ready False, ChildOwnedByAnother")
+        cond = await create_fleet_held(cluster, kube)
         assert f"Secret {name}" in cond["message"], cond["message"]
         handle = cluster.live("v1", "configmaps", "default", name)
         assert handle["metadata"]["annotations"][FOREIGN_SECRET] == "true"
