@@ -44,6 +44,10 @@ OPENAI_DEFAULT_TEMPERATURE = 1.0
 #:   changing it would silently turn every such caller's greedy outputs into samples.
 WIRE_DEFAULT_TEMPERATURE = 0.0
 
+#: A specfleet.v1 request's max_tokens when unset (under the worker's own limit), whichever engine
+#: serves it: the router asks a vLLM pool for the same.
+WIRE_DEFAULT_MAX_TOKENS = 128
+
 #: A temperature under this is greedy decoding (argmax; no generator drawn, logprobs at T=1): a
 #: distribution at T < 1e-5 is one-hot up to ties anyway, and dividing float32 logits by a T under
 #: about 1e-38 gives NaN probabilities (measured: 1e-40 does, 1e-30 does not).

@@ -13,6 +13,9 @@ import dataclasses
 import json
 import logging
 import math
+import time
+from collections import deque
+from collections.abc import Callable
 
 from .live_state import ARMS, PREFIX, window_key
 
@@ -132,6 +135,36 @@ def _combine(a, b, sign: int):
     return a + sign * b
 
 COUNT_FIELDS = tuple(f.name for f in dataclasses.fields(TypeCounts))
+
+
+def window_json(counts: TypeCounts, seconds: float, updated: float) -> str:
+    """One window as a publisher writes it into its hash (what `parse_window` reads): the counts,
+    the seconds they cover and when (unix seconds) they were taken.
+
+    >>> parse_window(window_json(TypeCounts(requests=2, steps=5), 12.5, 1.0)).counts.steps
+    5
+    """
+    return json.dumps({**dataclasses.asdict(counts), "window_seconds": round(seconds, 3), "updated": updated})
+
+
+class Windows:
+    """Sliding windows over a source of running totals per prompt type: each `take` records the
+    totals and returns, per type, their growth since the oldest record not older than `window_s`
+    (the one just before it, so that a window is never shorter than asked once the worker is old
+    enough), with the seconds it covers."""
+
+    def __init__(self, totals: Callable[[], dict[str, TypeCounts]], window_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.totals, self.window_s, self.clock = totals, window_s, clock
+        self._history: deque[tuple[float, dict[str, TypeCounts]]] = deque([(clock(), totals())])
+
+    def take(self) -> tuple[float, dict[str, TypeCounts]]:
+        now, current = self.clock(), self.totals()
+        self._history.append((now, current))
+        while len(self._history) > 2 and self._history[1][0] <= now - self.window_s:
+            self._history.popleft()
+        since, base = self._history[0]
+        return now - since, {t: c.minus(base.get(t, TypeCounts())) for t, c in current.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,12 +1,17 @@
 """The workers behind the router: one pool per arm (stable, canary), each backend's readiness
-from its gRPC health, and least-outstanding-requests choice within a pool.
+from its health, and least-outstanding-requests choice within a pool.
 
-Where backends come from is a `Discovery`: a static list (`--backend ARM=HOST:PORT`) here; the
-Kubernetes one (EndpointSlices of each arm's worker Service, watched) implements the same
-protocol in `k8s_discovery.py`. A backend counts as ready while
-its grpc.health.v1 Watch stream says SERVING for `specfleet.v1.Generation`, and not for a while
-after a request to it failed with UNAVAILABLE (ejection), so the next request goes elsewhere
-before the health stream catches up.
+A backend is a specfleet worker (gRPC, every draft method) or a vLLM server of one draft method
+(HTTP, through the engine adapter in `vllm_backend.py`); both answer the Generation stub's calls,
+so a pool holds either, and a request that names a method goes to a backend that serves it.
+
+Where backends come from is a `Discovery`: a static list (`--backend ARM=HOST:PORT`,
+`--vllm-backend ARM/METHOD=HOST:PORT`) here; the Kubernetes one (EndpointSlices of each arm's
+worker Service or vLLM pool Services, watched) implements the same protocol in
+`k8s_discovery.py`. A backend counts as ready while its health says so (a worker's
+grpc.health.v1 Watch stream SERVING for `specfleet.v1.Generation`; a vLLM server's /health), and
+not for a while after a request to it failed with UNAVAILABLE (ejection), so the next request goes
+elsewhere before the health check catches up.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from specfleet_proto import worker_pb2_grpc as pb_grpc
 
 from .metrics import RouterMetrics
 from .split import CANARY, STABLE
+from .vllm_backend import VLLM, Evidence, VllmConnection, parse_target, vllm_target
 
 log = logging.getLogger("specfleet.router.backends")
 
@@ -67,6 +73,37 @@ def parse_backends(specs: list[str]) -> dict[str, list[str]]:
     return out
 
 
+def parse_vllm_backends(specs: list[str], methods: tuple[str, ...]) -> dict[str, list[str]]:
+    """`--vllm-backend` values (`ARM/METHOD=HOST:PORT`: a vLLM server of the arm's pool for a draft
+    method) as targets per arm.
+
+    >>> parse_vllm_backends(["stable/ngram=127.0.0.1:8001", "stable/none=127.0.0.1:8002"], ("none", "ngram"))
+    {'stable': ['vllm/ngram@127.0.0.1:8001', 'vllm/none@127.0.0.1:8002'], 'canary': []}
+    >>> parse_vllm_backends(["stable/fast=h:1"], ("none", "ngram"))
+    Traceback (most recent call last):
+    ...
+    ValueError: --vllm-backend 'stable/fast=h:1': the method must be one of none, ngram (ARM/METHOD=HOST:PORT)
+    """
+    out: dict[str, list[str]] = {arm: [] for arm in ARMS}
+    for spec in specs:
+        pool, sep, address = spec.partition("=")
+        arm, slash, method = pool.partition("/")
+        if arm not in ARMS or not slash:
+            raise ValueError(f"--vllm-backend {spec!r}: expected ARM/METHOD=HOST:PORT with ARM stable or canary, "
+                             "for example stable/ngram=127.0.0.1:8001")
+        if method not in methods:
+            raise ValueError(f"--vllm-backend {spec!r}: the method must be one of {', '.join(methods)} "
+                             "(ARM/METHOD=HOST:PORT)")
+        host, colon, port = address.rpartition(":")
+        if not sep or not colon or not host or not port.isdigit():
+            raise ValueError(f"--vllm-backend {spec!r}: expected ARM/METHOD=HOST:PORT, for example "
+                             "stable/ngram=127.0.0.1:8001")
+        target = vllm_target(method, address)
+        if target not in out[arm]:
+            out[arm].append(target)
+    return out
+
+
 class Discovery(Protocol):
     """Where each arm's backends are: yields the whole picture ({arm: [host:port, ...]}) at once
     and again whenever it changes."""
@@ -88,15 +125,20 @@ class StaticDiscovery:
 class Backend:
     arm: str
     target: str
-    channel: grpc.aio.Channel
-    generation: pb_grpc.GenerationStub
-    healthy: bool = False  # what its health stream says
+    channel: grpc.aio.Channel | VllmConnection  # what is closed when it leaves
+    generation: pb_grpc.GenerationStub | VllmConnection
+    method: str | None = None  # the one draft method it serves (a vLLM server); None: every method
+    healthy: bool = False  # what its health says
     outstanding: int = 0
     ejected_until: float = 0.0
     task: asyncio.Task | None = field(default=None, repr=False)
 
     def available(self, now: float) -> bool:
         return self.healthy and now >= self.ejected_until
+
+    def serves(self, method: str | None) -> bool:
+        """Whether a request for `method` (None: any) may go here."""
+        return method is None or self.method is None or self.method == method
 
 
 class Pool:
@@ -107,14 +149,15 @@ class Pool:
         self.backends: list[Backend] = []
         self._turn = 0
 
-    def any_available(self) -> bool:
+    def any_available(self, method: str | None = None) -> bool:
         now = self.clock()
-        return any(b.available(now) for b in self.backends)
+        return any(b.available(now) and b.serves(method) for b in self.backends)
 
-    def pick(self, exclude: list[Backend] = ()) -> Backend | None:
-        """The available backend with the fewest requests in flight; equal ones take turns."""
+    def pick(self, exclude: list[Backend] = (), method: str | None = None) -> Backend | None:
+        """The available backend serving `method` (None: any) with the fewest requests in flight;
+        equal ones take turns."""
         now = self.clock()
-        candidates = [b for b in self.backends if b.available(now) and b not in exclude]
+        candidates = [b for b in self.backends if b.available(now) and b not in exclude and b.serves(method)]
         if not candidates:
             return None
         least = min(b.outstanding for b in candidates)
@@ -128,8 +171,8 @@ class Backends:
 
     def __init__(self, discovery: Discovery, metrics: RouterMetrics, *, health_check: bool = True,
                  eject_s: float = EJECT_S, forget_grace_s: float = FORGET_GRACE_S,
-                 clock: Callable[[], float] = time.monotonic):
-        self.discovery, self.metrics = discovery, metrics
+                 clock: Callable[[], float] = time.monotonic, evidence: Evidence | None = None):
+        self.discovery, self.metrics, self.evidence = discovery, metrics, evidence
         self.forget_grace_s = forget_grace_s
         self._closing: dict[asyncio.Task, grpc.aio.Channel] = {}  # removed backends, closing after their grace
         self.health_check, self.eject_s, self.clock = health_check, eject_s, clock
@@ -180,13 +223,21 @@ class Backends:
                     pool.backends.append(self._open(arm, target))
 
     def _open(self, arm: str, target: str) -> Backend:
-        channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-        b = Backend(arm, target, channel, pb_grpc.GenerationStub(channel))
+        where = parse_target(target)
+        if where.engine == VLLM:
+            conn = VllmConnection(where.address, arm, where.method, self.evidence)
+            b = Backend(arm, target, conn, conn, method=where.method)
+            watch = conn.watch_health(lambda healthy: self._set_healthy(b, healthy))
+        else:
+            channel = grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
+            b = Backend(arm, target, channel, pb_grpc.GenerationStub(channel))
+            watch = self._watch_health(b)
         self.metrics.backend_outstanding.labels(arm, target).set(0)
         if self.health_check:
             self._set_healthy(b, False)
-            b.task = asyncio.get_running_loop().create_task(self._watch_health(b), name=f"health {target}")
+            b.task = asyncio.get_running_loop().create_task(watch, name=f"health {target}")
         else:
+            watch.close()
             self._set_healthy(b, True)
         log.info("backend added", extra={"arm": arm, "backend": target})
         return b

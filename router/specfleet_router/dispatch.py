@@ -31,6 +31,7 @@ from .metrics import RouterMetrics
 from .split import CANARY, STABLE, arm_for
 from .state import StateSource
 
+PLAIN = "none"  # the method of plain decoding (Method.NONE): every arm serves it
 HEADER_ARM = "x-specfleet-arm"
 HEADER_METHOD = "x-specfleet-method"
 HEADER_PROMPT_TYPE = "x-specfleet-prompt-type"
@@ -191,19 +192,30 @@ class Router:
         return Route(arm, arm, method, prompt_type, state.version, cluster, probe, d)
 
     def _next_backend(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route]:
-        """The arm's least busy backend not tried yet; the other arm's when this arm has no
-        backend ready at all (the fallback)."""
-        own = self.backends.pools[route.arm]
-        b = own.pick(tried)
-        if b is not None or own.any_available():
-            return b, route  # nothing left in the arm but backends that shed load: no fallback for that
+        """The arm's least busy backend not tried yet that serves the route's method (every worker
+        does; a vLLM server serves one); the arm's plain pool when no backend serves the method; the
+        other arm's when this arm has no backend ready at all (the fallback)."""
+        b, served = self._in_arm(route, tried)
+        if served is not None:
+            return b, served  # b None: nothing left in the arm but backends that shed load; no fallback for that
         other = other_arm(route.arm)
-        b = self.backends.pools[other].pick(tried)
-        if b is None:
-            return None, route
         # the arm that serves decides the method: an arm may have a table of its own
         method, probe = self.state.current.route(route.prompt_type, other, route.cluster, route.draw)
-        return b, replace(route, arm=other, method=method, probe=probe)
+        b, served = self._in_arm(replace(route, arm=other, method=method, probe=probe), tried)
+        return b, (served or route)
+
+    def _in_arm(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route | None]:
+        """(backend, the route it serves) within the route's arm: the method's pool, else the plain
+        one (a vLLM arm without a pool for the method: lossless all the same); (None, route) when
+        the arm has backends for it that are all tried; (None, None) when it has none ready."""
+        pool = self.backends.pools[route.arm]
+        for r in (route, replace(route, method=PLAIN, probe=False)) if route.method != PLAIN else (route,):
+            b = pool.pick(tried, r.method)
+            if b is not None:
+                return b, r
+            if pool.any_available(r.method):
+                return None, r
+        return None, None
 
     async def _attempts(self, route: Route, msg: pb.GenerateRequest, deadline: float | None,
                         metadata: tuple[tuple[str, str], ...], start):

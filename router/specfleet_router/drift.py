@@ -157,16 +157,17 @@ class Drift:
         """The two answers of a pair, stable first: "client" (the client's own answer) or a backend
         to mirror to. None when an arm the pair needs has no ready backend."""
         exclude = [b for b in self.backends.pools[route.arm].backends if b.target == route.backend]
+        t = route.prompt_type
         if kind == "canary":
-            other = self._pick(CANARY if route.arm == STABLE else STABLE, ())
+            other = self._pick(CANARY if route.arm == STABLE else STABLE, (), t)
             if other is None:
                 return None
             return ("client", other) if route.arm == STABLE else (other, "client")
         if route.arm == STABLE:
-            b = self._pick(STABLE, exclude) or self._pick(STABLE, ())
+            b = self._pick(STABLE, exclude, t) or self._pick(STABLE, (), t)
             return None if b is None else ("client", b)
-        a = self._pick(STABLE, ())
-        b = a and (self._pick(STABLE, [a]) or a)
+        a = self._pick(STABLE, (), t)
+        b = a and (self._pick(STABLE, [a], t) or a)
         return None if a is None else (a, b)
 
     def _served(self, route) -> Backend | None:
@@ -175,10 +176,14 @@ class Drift:
         pool = self.backends.pools[route.arm]
         now = pool.clock()
         return next((b for b in pool.backends if b.target == route.backend and b.available(now)), None) \
-            or self._pick(route.arm, ())
+            or self._pick(route.arm, (), route.prompt_type)
 
-    def _pick(self, arm: str, exclude) -> Backend | None:
-        return self.backends.pools[arm].pick(list(exclude))
+    def _pick(self, arm: str, exclude, prompt_type: str | None = None) -> Backend | None:
+        """A backend of the arm, one that serves the method the arm's table names for the type
+        where backends serve one method each (vLLM pools), else its plain pool."""
+        pool = self.backends.pools[arm]
+        method = self.state.current.method_for(prompt_type, arm) if prompt_type else None
+        return pool.pick(list(exclude), method) or pool.pick(list(exclude), "none")
 
     def _mirror_id(self, request_id: str, kind: str) -> str:
         suffix = f"~mirror-{kind}"

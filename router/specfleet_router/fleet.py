@@ -1,6 +1,8 @@
 """What this router tells the loop through Redis, every `period_s`: its prompt clusters' windows
-(`cluster_key`) and the drift counts of the current canary run (`drift_key`), each a hash that
-expires after three periods, so that a router that went away stops counting.
+(`cluster_key`), the drift counts of the current canary run (`drift_key`) and, where vLLM pools
+serve, the windows of their answers per arm (`vllm_backend.Evidence.key`, a pod of the arm as the
+loop reads it), each a hash that expires after three periods, so that a router that went away
+stops counting.
 
 Each write replaces the whole hash in one transaction (a reader never sees half of it). Fail
 static, as the live state's reader: the publisher runs on its own task, a request never waits on
@@ -19,6 +21,7 @@ from .clusters import ClusterWindows
 from .drift import Drift
 from .metrics import RouterMetrics
 from .state import RedisTask, redis_client
+from .vllm_backend import Evidence
 
 log = logging.getLogger("specfleet.router.fleet")
 
@@ -30,8 +33,10 @@ class FleetPublisher(RedisTask):
     task_name = "fleet-publisher"
 
     def __init__(self, url: str, namespace: str, name: str, router: str, metrics: RouterMetrics, *,
-                 windows: ClusterWindows | None = None, drift: Drift | None = None, period_s: float = PERIOD_S):
+                 windows: ClusterWindows | None = None, drift: Drift | None = None, evidence: Evidence | None = None,
+                 period_s: float = PERIOD_S):
         self.windows, self.drift, self.metrics, self.period_s = windows, drift, metrics, period_s
+        self.evidence = evidence
         self.cluster_key = cluster_key(namespace, name, router)
         self.drift_key = drift_key(namespace, name, router)
         self.timeout_s = TIMEOUT_S
@@ -44,6 +49,8 @@ class FleetPublisher(RedisTask):
             out.append((self.cluster_key, {c: w.to_json() for c, w in self.windows.snapshot().items()}))
         if self.drift is not None:
             out.append((self.drift_key, {kind: d.to_json() for kind, d in self.drift.current().items()}))
+        if self.evidence is not None:
+            out += self.evidence.hashes()
         return out
 
     async def publish_once(self) -> bool:

@@ -24,12 +24,14 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 from .split import CANARY, STABLE
+from .vllm_backend import vllm_target
 
 log = logging.getLogger("specfleet.router.discovery")
 
 ARMS = (STABLE, CANARY)
 SERVICE_LABEL = "kubernetes.io/service-name"
 PORT_NAME = "grpc"  # the worker Services' gRPC port (specfleet_operator.manifests.DISCOVERY_PORT)
+VLLM_PORT_NAME = "http"  # a vLLM pool Service's OpenAI port (specfleet_operator.manifests.vllm_service)
 
 
 def parse_services(specs: list[str]) -> dict[str, str]:
@@ -56,6 +58,29 @@ def parse_services(specs: list[str]) -> dict[str, str]:
     return out
 
 
+def parse_vllm_services(specs: list[str], methods: tuple[str, ...]) -> dict[str, str]:
+    """`--discover-vllm` values (`ARM/METHOD=SERVICE`) as the Service of each vLLM pool, keyed ARM/METHOD.
+
+    >>> parse_vllm_services(["stable/ngram=chat-vllm-stable-ngram"], ("none", "ngram"))
+    {'stable/ngram': 'chat-vllm-stable-ngram'}
+    >>> parse_vllm_services(["stable=chat"], ("none", "ngram"))
+    Traceback (most recent call last):
+    ...
+    ValueError: --discover-vllm 'stable=chat': expected ARM/METHOD=SERVICE, ARM stable or canary, METHOD one of none, ngram
+    """
+    out: dict[str, str] = {}
+    for spec in specs:
+        pool, sep, service = spec.partition("=")
+        arm, slash, method = pool.partition("/")
+        if arm not in ARMS or not slash or method not in methods or not sep or not service or "/" in service:
+            raise ValueError(f"--discover-vllm {spec!r}: expected ARM/METHOD=SERVICE, ARM stable or canary, "
+                             f"METHOD one of {', '.join(methods)}")
+        if out.get(pool, service) != service:
+            raise ValueError(f"--discover-vllm {spec!r}: pool {pool} already follows Service {out[pool]}")
+        out[pool] = service
+    return out
+
+
 def label_selector(services: dict[str, str]) -> str:
     """The slices of these Services, in one set-based selector (one watch for both arms).
 
@@ -68,7 +93,8 @@ def label_selector(services: dict[str, str]) -> str:
 def targets(slices: Iterable[dict[str, Any]], services: dict[str, str], port_name: str = PORT_NAME
             ) -> dict[str, list[str]]:
     """The backends of each arm in these EndpointSlices (JSON as the API server serves them):
-    the first address of every endpoint that serves, at the slice's port named `port_name`.
+    the first address of every endpoint that serves, at the slice's port named `port_name`; for
+    a vLLM pool's Service (keyed ARM/METHOD), at its port named `http`, as a vLLM target.
 
     >>> s = {"metadata": {"labels": {SERVICE_LABEL: "chat-stable"}}, "addressType": "IPv4",
     ...      "ports": [{"name": "grpc", "port": 50051}],
@@ -78,14 +104,20 @@ def targets(slices: Iterable[dict[str, Any]], services: dict[str, str], port_nam
     ...                                                             "terminating": True}}]}
     >>> targets([s], {"stable": "chat-stable", "canary": "chat-canary"})
     {'stable': ['10.0.0.7:50051', '10.0.0.9:50051'], 'canary': []}
+    >>> v = {"metadata": {"labels": {SERVICE_LABEL: "chat-vllm-stable-none"}}, "ports": [{"name": "http", "port": 8000}],
+    ...      "endpoints": [{"addresses": ["10.0.1.4"]}]}
+    >>> targets([v], {"stable/none": "chat-vllm-stable-none"})
+    {'stable': ['vllm/none@10.0.1.4:8000'], 'canary': []}
     """
-    arm_of = {service: arm for arm, service in services.items()}
+    key_of = {service: key for key, service in services.items()}
     out: dict[str, list[str]] = {arm: [] for arm in ARMS}
     for s in slices:
-        arm = arm_of.get(((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_LABEL))
-        if arm is None or s.get("addressType", "IPv4") not in ("IPv4", "IPv6"):
+        key = key_of.get(((s.get("metadata") or {}).get("labels") or {}).get(SERVICE_LABEL))
+        if key is None or s.get("addressType", "IPv4") not in ("IPv4", "IPv6"):
             continue
-        ports = [p["port"] for p in s.get("ports") or [] if p.get("name") == port_name and p.get("port")]
+        arm, vllm_pool, method = key.partition("/")
+        want = VLLM_PORT_NAME if vllm_pool else port_name
+        ports = [p["port"] for p in s.get("ports") or [] if p.get("name") == want and p.get("port")]
         if not ports:
             continue
         for endpoint in s.get("endpoints") or []:
@@ -95,7 +127,8 @@ def targets(slices: Iterable[dict[str, Any]], services: dict[str, str], port_nam
             addresses = endpoint.get("addresses") or []
             if addresses:  # the API: consumers use the first address, the others are the same endpoint
                 host = f"[{addresses[0]}]" if ":" in addresses[0] else addresses[0]
-                out[arm].append(f"{host}:{ports[0]}")
+                address = f"{host}:{ports[0]}"
+                out[arm].append(vllm_target(method, address) if vllm_pool else address)
     return {arm: sorted(set(found)) for arm, found in out.items()}
 
 
@@ -112,20 +145,26 @@ def api_client_from_environment() -> Any:
 
 
 class KubernetesDiscovery:
-    """Each arm's backends: the serving endpoints of its worker Service in `namespace`."""
+    """Each arm's backends: the serving endpoints of its worker Service in `namespace`, and of its
+    vLLM pools' Services (`services` keys ARM/METHOD)."""
 
     def __init__(self, namespace: str, services: dict[str, str], *, api_client: Any = None,
                  port_name: str = PORT_NAME, watch_timeout_s: float = 300.0, retry_s: float = 1.0):
         if not services:
-            raise ValueError("--discover-kubernetes: name the worker Service of at least one arm")
+            raise ValueError("--discover-kubernetes: name the worker Service (or with --discover-vllm, a vLLM pool's "
+                             "Service) of at least one arm")
         self.namespace, self.services, self.port_name = namespace, dict(services), port_name
         self.watch_timeout_s, self.retry_s = watch_timeout_s, retry_s
         self._api_client = api_client
 
     @classmethod
-    def from_flags(cls, specs: list[str], namespace: str, **kw: Any) -> KubernetesDiscovery:
-        """From `--discover-kubernetes ARM=SERVICE` values; ValueError names the bad one."""
-        return cls(namespace, parse_services(specs), **kw)
+    def from_flags(cls, specs: list[str], namespace: str, vllm_specs: list[str] = (), **kw: Any
+                   ) -> KubernetesDiscovery:
+        """From `--discover-kubernetes ARM=SERVICE` and `--discover-vllm ARM/METHOD=SERVICE` values;
+        ValueError names the bad one."""
+        from specfleet_api.enums import METHODS
+
+        return cls(namespace, {**parse_services(specs), **parse_vllm_services(list(vllm_specs), METHODS)}, **kw)
 
     async def watch(self) -> AsyncIterator[dict[str, list[str]]]:
         loop = asyncio.get_running_loop()

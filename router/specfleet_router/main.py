@@ -20,7 +20,7 @@ from specfleet_api.live_state import LiveState
 
 from . import clusters as cl
 from . import drift as dr
-from .backends import parse_backends
+from .backends import parse_backends, parse_vllm_backends
 from .fleet import router_name
 from .server import RouterConfig, RouterServer
 
@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("backends")
     g.add_argument("--backend", action="append", default=[], metavar="ARM=HOST:PORT",
                    help="a worker's gRPC address in the stable or canary arm; repeat for more")
+    g.add_argument("--vllm-backend", action="append", default=[], metavar="ARM/METHOD=HOST:PORT",
+                   help="a vLLM OpenAI server of the arm's pool for one draft method (none: its plain pool), "
+                        "beside or instead of workers; repeat for more (docs/vllm.md)")
+    g.add_argument("--discover-vllm", action="append", default=[], metavar="ARM/METHOD=SERVICE",
+                   help="the arm's vLLM pool for a draft method is the endpoints of this Service (port named "
+                        "http) in the --deployment's namespace, followed through its EndpointSlices")
     g.add_argument("--discover-kubernetes", action="append", default=[], metavar="ARM=SERVICE",
                    help="instead of --backend: the arm's workers are the endpoints of this Service in the "
                         "--deployment's namespace, followed through its EndpointSlices (k8s_discovery.py)")
@@ -130,10 +136,15 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.mirror_concurrency < 0:
         raise ValueError(f"--mirror-concurrency {args.mirror_concurrency}: need 0 or more")
     backends = parse_backends(args.backend)
-    if any(backends.values()) and args.discover_kubernetes:
-        raise ValueError("--backend and --discover-kubernetes: use one or the other")
-    if not any(backends.values()) and not args.discover_kubernetes:
-        raise ValueError("--backend: name at least one worker, for example --backend stable=127.0.0.1:50051")
+    for arm, targets in parse_vllm_backends(args.vllm_backend, METHODS).items():
+        backends[arm] += targets
+    discovered = args.discover_kubernetes or args.discover_vllm
+    if any(backends.values()) and discovered:
+        raise ValueError("--backend/--vllm-backend and --discover-kubernetes/--discover-vllm: use static backends "
+                         "or discovery, not both")
+    if not any(backends.values()) and not discovered:
+        raise ValueError("--backend: name at least one worker, for example --backend stable=127.0.0.1:50051 "
+                         "(or a vLLM server: --vllm-backend stable/ngram=127.0.0.1:8001)")
     return RouterConfig(backends=backends, host=args.host, http_port=args.http_port, grpc_port=args.grpc_port,
                         namespace=namespace, name=name, model_aliases=args.model_alias, state=state,
                         redis_url=args.redis_url or None, redis_poll_s=args.redis_poll_seconds,
@@ -165,10 +176,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = config_from_args(args)
         discovery = None
-        if args.discover_kubernetes:
+        if args.discover_kubernetes or args.discover_vllm:
             from .k8s_discovery import KubernetesDiscovery
 
-            discovery = KubernetesDiscovery.from_flags(args.discover_kubernetes, cfg.namespace)
+            discovery = KubernetesDiscovery.from_flags(args.discover_kubernetes, cfg.namespace,
+                                                       vllm_specs=args.discover_vllm)
     except ValueError as e:
         print(f"specfleet router: error: {e}", file=sys.stderr)
         return 2

@@ -29,6 +29,7 @@ from .http_api import HttpFront, Models
 from .metrics import RouterMetrics
 from .openai_api import error_body
 from .state import RedisState, RedisTask, StaticState
+from .vllm_backend import Evidence
 
 log = logging.getLogger("specfleet.router")
 
@@ -89,8 +90,9 @@ class RouterServer:
             self.state.start()
         else:
             self.state = StaticState(cfg.state, self.metrics)
+        self.evidence = Evidence(cfg.namespace, cfg.name, cfg.router_name, cfg.fleet_window_s)
         self.backends = Backends(self.discovery, self.metrics, health_check=cfg.health_check, eject_s=cfg.eject_s,
-                                 forget_grace_s=cfg.drain_s)
+                                 forget_grace_s=cfg.drain_s, evidence=self.evidence)
         self.backends.start()
         self.clusters = cl.Clusters(cfg.router_name, cfg.max_clusters, cfg.cluster_similarity)
         self.windows = cl.ClusterWindows(cfg.fleet_window_s)
@@ -101,7 +103,8 @@ class RouterServer:
         self.publisher = None
         if cfg.redis_url:
             self.publisher = FleetPublisher(cfg.redis_url, cfg.namespace, cfg.name, cfg.router_name, self.metrics,
-                                            windows=self.windows, drift=self.drift, period_s=cfg.fleet_publish_s if cfg.fleet_publish_s is not None else
+                                            windows=self.windows, drift=self.drift, evidence=self.evidence,
+                                            period_s=cfg.fleet_publish_s if cfg.fleet_publish_s is not None else
                                             publish_period(cfg.fleet_window_s))
             self.publisher.start()
 

@@ -16,7 +16,8 @@ from specfleet_api.live_state import LiveState
 from specfleet_api.windows import (TPOT_BUCKETS, TTFT_BUCKETS, TypeCounts, bucket_of, parse_window, read_all_windows,
                                    read_windows)
 from specfleet_worker import fleet
-from specfleet_worker.fleet import FleetPublisher, Windows
+from specfleet_api.windows import Windows
+from specfleet_worker.fleet import FleetPublisher
 from specfleet_worker.live import redis_client
 from specfleet_worker.main import main as serve_main
 from specfleet_worker.metrics import Metrics

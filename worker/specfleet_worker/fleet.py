@@ -21,7 +21,6 @@ status`). Redis being away costs a warning per outage, never a request.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -29,13 +28,11 @@ import os
 import socket
 import threading
 import time
-from collections import deque
-from collections.abc import Callable
 
 from specfleet_api.live_state import PREFIX, window_key
 
 from .live import REDIS_URL_ENV, deployment_from_env, redis_client
-from specfleet_api.windows import TypeCounts, publish_period
+from specfleet_api.windows import Windows, publish_period, window_json
 
 log = logging.getLogger("specfleet.worker")
 
@@ -83,26 +80,6 @@ def pod_window_key(namespace: str, name: str, arm: str, pod: str) -> str:
     return f"{window_key(namespace, name, arm)}:{pod}"
 
 
-class Windows:
-    """Sliding windows over a source of running totals per prompt type: each `take` records the
-    totals and returns, per type, their growth since the oldest record not older than `window_s`
-    (the one just before it, so that a window is never shorter than asked once the worker is old
-    enough), with the seconds it covers."""
-
-    def __init__(self, totals: Callable[[], dict[str, TypeCounts]], window_s: float = 60.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.totals, self.window_s, self.clock = totals, window_s, clock
-        self._history: deque[tuple[float, dict[str, TypeCounts]]] = deque([(clock(), totals())])
-
-    def take(self) -> tuple[float, dict[str, TypeCounts]]:
-        now, current = self.clock(), self.totals()
-        self._history.append((now, current))
-        while len(self._history) > 2 and self._history[1][0] <= now - self.window_s:
-            self._history.popleft()
-        since, base = self._history[0]
-        return now - since, {t: c.minus(base.get(t, TypeCounts())) for t, c in current.items()}
-
-
 class FleetPublisher:
     def __init__(self, client, worker, name: str | None = None, period_s: float | None = None,
                  deployment: tuple[str, str] | None = None, window_s: float = DEFAULT_WINDOW_S):
@@ -130,8 +107,7 @@ class FleetPublisher:
         """This period's windows, one JSON object per prompt type."""
         seconds, windows = self.windows.take()
         updated = round(time.time(), 3)
-        return {t: json.dumps({**dataclasses.asdict(c), "window_seconds": round(seconds, 3), "updated": updated})
-                for t, c in sorted(windows.items())}
+        return {t: window_json(c, seconds, updated) for t, c in sorted(windows.items())}
 
     def publish_once(self) -> bool:
         ttl = max(int(self.period_s * 3), 1)

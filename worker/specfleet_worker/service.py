@@ -18,7 +18,7 @@ from opentelemetry import trace
 from specfleet_engine.proposers import MixedProposer
 from specfleet_engine.sampling import SamplingParams
 from specfleet_api.enums import DEFAULT_TREE_BRANCHING, PROMPT_TYPES, Method
-from specfleet_api.limits import MAX_REQUEST_ID, WIRE_DEFAULT_TEMPERATURE
+from specfleet_api.limits import MAX_REQUEST_ID, WIRE_DEFAULT_MAX_TOKENS, WIRE_DEFAULT_TEMPERATURE
 
 from .config import AUTO, LiveConfig
 from specfleet_proto import worker_pb2 as pb
@@ -28,7 +28,7 @@ from .tracing import incoming_context, request_attributes, result_attributes
 
 log = logging.getLogger("specfleet.worker")
 
-DEFAULT_MAX_TOKENS = 128
+DEFAULT_MAX_TOKENS = WIRE_DEFAULT_MAX_TOKENS
 MAX_STOP_STRINGS = 8
 MAX_STOP_LEN = 256
 MAX_PROMPT_TYPE = 64
