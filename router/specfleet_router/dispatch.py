@@ -30,6 +30,7 @@ from .clusters import ClusterWindows, Clusters
 from .metrics import RouterMetrics
 from .split import CANARY, STABLE, arm_for
 from .state import StateSource
+from .vllm_backend import BASELINE_SHARE
 
 PLAIN = "none"  # the method of plain decoding (Method.NONE): every arm serves it
 HEADER_ARM = "x-specfleet-arm"
@@ -189,7 +190,18 @@ class Router:
                 cluster = self.clusters.assign(prompt_type, text)
             d = draw(msg.request_id, "probe") if msg.request_id else self.rng.random() * 100.0
         method, probe = state.route(prompt_type, arm, cluster, d)
+        if method != PLAIN and msg is not None and self._baseline_due(arm, msg):
+            method, probe = PLAIN, False
         return Route(arm, arm, method, prompt_type, state.version, cluster, probe, d)
+
+    def _baseline_due(self, arm: str, msg: pb.GenerateRequest) -> bool:
+        """Whether this request measures the arm's plain pool (vLLM pools: vllm_backend.BASELINE_SHARE
+        of the requests while its baseline is stale). Workers price plain decoding themselves."""
+        evidence = self.backends.evidence
+        if evidence is None or not any(b.method == PLAIN for b in self.backends.pools[arm].backends):
+            return False
+        share = draw(msg.request_id, "baseline") if msg.request_id else self.rng.random() * 100.0
+        return share < BASELINE_SHARE and evidence.needs_baseline(arm)
 
     def _next_backend(self, route: Route, tried: list[Backend]) -> tuple[Backend | None, Route]:
         """The arm's least busy backend not tried yet that serves the route's method (every worker

@@ -43,6 +43,10 @@ log = logging.getLogger("specfleet.router.vllm")
 VLLM = "vllm"
 PREFIX = "vllm/"
 NONE = "none"
+#: Percent of a speculating arm's requests sent to its plain pool while that pool's measure of a
+#: plain token (the speedup's plain side) is older than BASELINE_STALE_S seconds; none once fresh.
+BASELINE_SHARE = 2.0
+BASELINE_STALE_S = 60.0
 HEALTH_PERIOD_S = 1.0  # how often a ready server's /health is asked
 CONNECT_TIMEOUT_S = 5.0
 _FINISH = {"stop": "stop", "length": "length", "abort": "abort"}
@@ -202,11 +206,17 @@ class Evidence:
     def baseline(self, arm: str) -> vllm_evidence.PlainBaseline:
         return self.baselines.setdefault(arm, vllm_evidence.PlainBaseline())
 
+    def needs_baseline(self, arm: str) -> bool:
+        """Whether the arm's plain pool has answered nothing for BASELINE_STALE_S: then a share of
+        the arm's requests (BASELINE_SHARE) goes to it, so that the speculating pools' speedups stay
+        readable while no type is in fallback."""
+        return self.baseline(arm).stale(self.clock(), BASELINE_STALE_S)
+
     def record(self, arm: str, prompt_type: str, method: str, answer: vllm_evidence.Answer) -> TypeCounts:
         """One finished answer from the arm's pool of `method`; returns its counts."""
         speculating = method != NONE
         if not speculating:
-            self.baseline(arm).observe(answer)
+            self.baseline(arm).observe(answer, self.clock())
         counts = vllm_evidence.counts(answer, speculating=speculating, plain_itl_s=self.baseline(arm).itl_s)
         self.record_counts(arm, prompt_type, method, counts)
         return counts

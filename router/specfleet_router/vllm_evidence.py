@@ -128,11 +128,24 @@ class PlainBaseline:
     def __init__(self, n: int = 64):
         self.n = n
         self._seen: list[tuple[float, int]] = []
+        self.updated: float | None = None  # when (a monotonic clock's seconds) it last learnt something
 
-    def observe(self, answer: Answer) -> None:
+    def observe(self, answer: Answer, now: float | None = None) -> None:
         if answer.decode_s is None or answer.output_tokens < 2 or answer.decode_s <= 0:
             return
         self._seen = (self._seen + [(answer.decode_s, answer.output_tokens - 1)])[-self.n:]
+        self.updated = now
+
+    def stale(self, now: float, max_age_s: float) -> bool:
+        """Whether it has learnt nothing for `max_age_s` (or ever): the load, and with it what a
+        plain token costs, moves.
+
+        >>> b = PlainBaseline(); b.stale(10.0, 60.0)
+        True
+        >>> b.observe(Answer(3, decode_s=0.1), now=10.0); b.stale(60.0, 60.0), b.stale(80.0, 60.0)
+        (False, True)
+        """
+        return self.updated is None or now - self.updated > max_age_s
 
     @property
     def itl_s(self) -> float | None:

@@ -222,3 +222,25 @@ def test_vllm_backend_flags_name_what_is_wrong():
     with pytest.raises(ValueError, match="ARM/METHOD=HOST:PORT"):
         parse_vllm_backends(["stable/ngram=nowhere"], ("none", "ngram"))
     assert parse_vllm_backends(["canary/ngram=h:1"], ("ngram",))["canary"] == [vllm_target("ngram", "h:1")]
+
+
+def test_while_no_type_is_in_fallback_a_small_share_measures_the_plain_pool_until_its_baseline_is_fresh(pools):
+    question = next(iter(captured("ngram")))
+    with vllm_router(pools) as r:
+        r.wait_ready(stable=2)
+        c = openai.OpenAI(base_url=r.base_url, api_key="unused", max_retries=0, timeout=30)
+
+        def method(i: int) -> str:
+            return c.chat.completions.with_raw_response.create(
+                model=MODEL, messages=[{"role": "user", "content": question}], max_tokens=128, temperature=0,
+                extra_headers={"x-request-id": f"baseline-{i}"}).headers["x-specfleet-method"]
+
+        methods = []
+        while "none" not in methods:  # 2% of requests: the first is due within a few hundred
+            assert len(methods) < 600, "no request measured the plain pool"
+            methods.append(method(len(methods)))
+        assert methods.count("none") == 1 and len(methods) > 1  # a share, not every request
+        assert not r.server.evidence.needs_baseline("stable")
+        assert all(method(1000 + i) == "ngram" for i in range(150))  # fresh: every request speculates
+        r.server.evidence.baselines["stable"].updated -= 61  # a minute on: stale again
+        assert r.server.evidence.needs_baseline("stable")
