@@ -11,6 +11,14 @@ is the median of the runs.
 
     python -m specfleet_bench.router_overhead --quick   # a check that it works (4 prompts, 16 tokens)
     python -m specfleet_bench.router_overhead           # the full run: 32 prompts, 128 tokens, 1/4/16 clients
+
+With `--engine vllm` the backend is a vLLM server instead (vLLM's CPU build from `./dev setup
+--vllm`, on the bundled model exported as a HF folder, n-gram drafts unless `--method none`), the
+router reaches it as a vLLM pool (`--vllm-backend`), and both paths are the official `openai`
+client streaming chat completions over HTTP (usage in the last chunk): vLLM's own OpenAI server
+against the router's, with the router's adapter, evidence and windows in the way.
+
+    python -m specfleet_bench.router_overhead --engine vllm --concurrency 1,8 --limit 16 --max-tokens 64
 """
 
 from __future__ import annotations
@@ -47,6 +55,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--method", default="ngram", help="draft method named in every request")
     p.add_argument("--k-max", type=int, default=8)
     p.add_argument("--threads", type=int, default=None, help="torch threads for the in-process worker")
+    p.add_argument("--engine", choices=("specfleet", "vllm"), default="specfleet",
+                   help="the backend: specfleet's worker (gRPC, default) or a vLLM server (OpenAI HTTP)")
     p.add_argument("--quick", action="store_true",
                    help="a check that it works: --limit 4 --max-tokens 16 --concurrency 1,4 (not a measurement)")
     p.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
@@ -94,6 +104,103 @@ def run_streams(stub, prompts: list[dict], concurrency: int, max_tokens: int, me
             "ttft_p50_s": percentile(firsts, 50), "ttft_p99_s": percentile(firsts, 99), "errors": errors}
 
 
+def run_http_streams(base_url: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int) -> dict:
+    """Every prompt as a streamed chat completion (greedy, ignore_eos, usage in the last chunk) from
+    `concurrency` client threads of the official openai client: throughput (the usage's completion
+    tokens) and the time to first content."""
+    import openai
+
+    client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
+    work: queue.Queue = queue.Queue()
+    for i, q in enumerate(prompts):
+        work.put((i, q))
+    ttft, tokens, errors = [None] * len(prompts), [0] * len(prompts), []
+
+    def one():
+        while True:
+            try:
+                i, q = work.get_nowait()
+            except queue.Empty:
+                return
+            t = time.perf_counter()
+            try:
+                for chunk in client.chat.completions.create(
+                        model=model, messages=[{"role": "user", "content": q["turns"][0]}], max_tokens=max_tokens,
+                        temperature=0, stream=True, stream_options={"include_usage": True},
+                        extra_body={"ignore_eos": True}):
+                    if chunk.choices and chunk.choices[0].delta.content and ttft[i] is None:
+                        ttft[i] = time.perf_counter() - t
+                    if chunk.usage is not None:
+                        tokens[i] = chunk.usage.completion_tokens
+            except openai.APIError as e:
+                errors.append(f"{type(e).__name__}: {e}")
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=one) for _ in range(concurrency)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    firsts = sorted(x for x in ttft if x is not None)
+    return {"tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall if wall else 0.0,
+            "ttft_p50_s": percentile(firsts, 50), "ttft_p99_s": percentile(firsts, 99), "errors": errors}
+
+
+VLLM_MODEL = "smollm2-135m-instruct"  # the served model name, and the router's deployment name
+
+
+def start_vllm(args, tmp: Path):
+    """A vLLM server on the bundled model (exported to `tmp`), n-gram drafts at --k-max unless
+    --method none; returns it once ready (its start-up printed as it goes)."""
+    from specfleet_engine.hf_export import export_hf
+    from specfleet_local.vllm import VllmServer, ngram_config
+
+    folder = export_hf(args.model, tmp / VLLM_MODEL, progress=lambda _: None)
+    speculative = None if args.method == "none" else ngram_config(args.k_max)
+    cpus = None if args.threads is None else ",".join(str(c) for c in range(args.threads))
+    server = VllmServer(folder, speculative, served_model_name=VLLM_MODEL, cpus=cpus, log=tmp / "vllm.log").start()
+    seconds = server.wait_ready(progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    print(f"vLLM ready in {seconds:.0f} s at {server.url}", file=sys.stderr, flush=True)
+    return server
+
+
+def main_vllm(args, levels: list[int], prompts: list[dict]) -> list[dict]:
+    """The vLLM comparison: the same prompts straight to vLLM's OpenAI server and through the router."""
+    import tempfile
+
+    from specfleet_router.testing import RouterProcess
+
+    with tempfile.TemporaryDirectory(prefix="vllm-overhead-") as tmp:
+        server = start_vllm(args, Path(tmp))
+        address = server.url.removeprefix("http://").rstrip("/")
+        method = "none" if args.method == "none" else "ngram"
+        router = RouterProcess("--vllm-backend", f"stable/{method}={address}", "--default-method", method,
+                               "--deployment", f"bench/{VLLM_MODEL}", "--log-level", "INFO").start()
+        try:
+            router.wait_ready(timeout_s=60)
+            urls = {"direct": server.url.rstrip("/") + "/v1", "router": router.base_url}
+            print(f"{len(prompts)} prompts x concurrency {levels}, max_tokens {args.max_tokens}, {args.runs} runs per "
+                  f"path, vLLM {method}, direct {urls['direct']}, router {urls['router']}", file=sys.stderr, flush=True)
+            for url in urls.values():  # warm-up
+                run_http_streams(url, VLLM_MODEL, prompts[:1], 1, 8)
+            rows = []
+            for c in levels:
+                runs: dict[str, list[dict]] = {path: [] for path in PATHS}
+                for n in range(args.runs):
+                    for path in PATHS:
+                        r = run_http_streams(urls[path], VLLM_MODEL, prompts, c, args.max_tokens)
+                        runs[path].append(r)
+                        print(f"  concurrency {c:>2} run {n + 1}/{args.runs} {path:<6}: {r['tokens_per_s']:7.1f} tok/s"
+                              + (f", {len(r['errors'])} errors" if r["errors"] else ""), file=sys.stderr, flush=True)
+                rows.append(summarize(c, runs))
+            return rows
+        finally:
+            router.proc.terminate()
+            router.proc.wait(timeout=30)
+            server.stop()
+
+
 def start_router(worker: str):
     """`specfleet router` with the worker as its only backend (health checks off: the worker is up)."""
     from specfleet_router.testing import RouterProcess
@@ -119,6 +226,9 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = pick_prompts(args.questions or default_questions(), args.limit)
+    if args.engine == "vllm":
+        rows = main_vllm(args, levels, prompts)
+        return finish(rows, args, prompts)
     server, worker = start_local_worker(args, max(levels))
     router = start_router(worker)
     channels = {"direct": grpc.insecure_channel(worker), "router": grpc.insecure_channel(router.grpc_target)}
@@ -145,19 +255,23 @@ def main(argv=None) -> int:
         router.proc.terminate()
         router.proc.wait(timeout=30)
         server.stop(0)
+    return finish(rows, args, prompts)
 
+
+def finish(rows: list[dict], args, prompts: list[dict]) -> int:
     print_table(rows, args)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": args.model, "prompts": len(prompts), "max_tokens": args.max_tokens,
-                                    "method": args.method, "runs": args.runs, "quick": args.quick, "bar": BAR,
-                                    "rows": rows}, indent=2) + "\n")
+    args.out.write_text(json.dumps({"model": args.model, "engine": args.engine, "prompts": len(prompts),
+                                    "max_tokens": args.max_tokens, "method": args.method, "runs": args.runs,
+                                    "quick": args.quick, "bar": BAR, "rows": rows}, indent=2) + "\n")
     print(f"\nwrote {args.out}", file=sys.stderr)
     return 0 if all(r["errors"] == 0 for r in rows) else 1
 
 
 def print_table(rows: list[dict], args) -> None:
+    call = "openai chat stream, vLLM" if args.engine == "vllm" else "GenerateStream"
     print(f"\nrouter overhead: {args.model}, {rows and len(rows[0]['runs']['direct'])} runs per path (median), "
-          f"max_tokens {args.max_tokens}, GenerateStream" + (" [quick: not a measurement]" if args.quick else ""))
+          f"max_tokens {args.max_tokens}, {call}" + (" [quick: not a measurement]" if args.quick else ""))
     head = (f"{'conc':>4} | {'direct tok/s':>12} {'router tok/s':>12} {'ratio':>6} {'bar':>5} | "
             f"{'direct ttft p50':>15} {'+router':>8} | {'direct ttft p99':>15} {'+router':>8} | {'errors':>6}")
     print(head)
