@@ -375,6 +375,34 @@ def compare_speedup(canary: Window, stable: Window, tol: float) -> str | None:
     return f"{by_value}; the ratio {_fmt(ratio)}, 95% interval [{_fmt(lo)}, {_fmt(hi)}] (Welch t over {n1} and {n2} requests)"
 
 
+def _depth(w: Window) -> int:
+    """The deepest draft position a window's steps reached (0: no per-position counts)."""
+    return max((p + 1 for p, n in enumerate(w.counts.pos_drafted) if n), default=0)
+
+
+def _acceptance(canary: Window, stable: Window) -> tuple[tuple[int, int], tuple[int, int], int | None]:
+    """Each arm's (accepted, drafted) tokens, over the draft positions both arms reach when they
+    draft to different depths (a canary that changes K: a deeper draft's last positions are
+    accepted less by nature, so its alpha over all of them would read as a regression at the same
+    acceptance per position), with that depth; else over all of them, depth None.
+
+    >>> from specfleet_api.windows import TypeCounts
+    >>> def w(k, per_position):  # 100 steps, each position accepted at `per_position` given the last
+    ...     acc = [round(100 * per_position ** (p + 1)) for p in range(k)]
+    ...     return Window(TypeCounts(draft_tokens=100 * k, accepted_tokens=sum(acc), pos_drafted=(100,) * k + (0,) * (16 - k),
+    ...                              pos_accepted=tuple(acc) + (0,) * (16 - k)))
+    >>> _acceptance(w(6, 0.6), w(4, 0.6))
+    ((131, 400), (131, 400), 4)
+    """
+    dc, ds = _depth(canary), _depth(stable)
+    if dc and ds and dc != ds:
+        d = min(dc, ds)
+        c, s = [(sum(w.counts.pos_accepted[:d]), sum(w.counts.pos_drafted[:d])) for w in (canary, stable)]
+        return c, s, d
+    return ((canary.counts.accepted_tokens, canary.counts.draft_tokens),
+            (stable.counts.accepted_tokens, stable.counts.draft_tokens), None)
+
+
 def compare_alpha(canary: Window, stable: Window, tol: float) -> str | None:
     """The acceptance check. The canary's alpha over stable's must not be under 1 - tol; it fails
     only when the ratio's 95% interval is wholly under that line (the log of a ratio of two
@@ -382,7 +410,8 @@ def compare_alpha(canary: Window, stable: Window, tol: float) -> str | None:
     since a rejection ends its draft, as the SLO loop counts them): at a 1% weight the canary
     drafts a few hundred tokens an interval, and a point under the line by chance is not a
     regression. A retrained head that accepts less shows it interval after interval, each failed
-    one counted toward failureLimit.
+    one counted toward failureLimit. Arms that draft to different depths (a canary of another K)
+    are compared over the positions both reach (`_acceptance`).
 
     >>> from specfleet_api.windows import TypeCounts
     >>> def w(alpha, drafted):
@@ -392,20 +421,22 @@ def compare_alpha(canary: Window, stable: Window, tol: float) -> str | None:
     >>> compare_alpha(w(0.4, 2000), w(0.6, 6000), 0.1)
     'alpha 0.4 < stable 0.6 x (1 - 0.1) = 0.54; the ratio 0.6667, 95% interval [0.6146, 0.7232] (over 2000 and 6000 drafted tokens)'
     """
-    by_value = _compare("alpha", canary.alpha, stable.alpha, tol, True)
+    (ac, nc), (as_, ns), depth = _acceptance(canary, stable)
+    alpha_c, alpha_s = (ac / nc if nc else None), (as_ / ns if ns else None)
+    by_value = _compare("alpha", alpha_c, alpha_s, tol, True)
     if by_value is None:
         return None
-    (a1, n1), (a2, n2) = [(w.counts.accepted_tokens / DRAFT_CORRELATION, w.counts.draft_tokens / DRAFT_CORRELATION)
-                          for w in (canary, stable)]
+    where = f"the first {depth} draft positions' " if depth else ""
+    (a1, n1), (a2, n2) = [(a / DRAFT_CORRELATION, n / DRAFT_CORRELATION) for a, n in ((ac, nc), (as_, ns))]
     if a1 <= 0 or a2 <= 0:  # a log interval needs an accepted token on each arm; none on the canary's is by value
-        return by_value
+        return by_value + (f" (over {where}drafted tokens)" if depth else "")
     half = 1.96 * math.sqrt(1 / a1 - 1 / n1 + 1 / a2 - 1 / n2)
-    ratio = canary.alpha / stable.alpha
+    ratio = alpha_c / alpha_s
     lo, hi = ratio * math.exp(-half), ratio * math.exp(half)
     if hi >= 1 - tol:
         return None
-    return (f"{by_value}; the ratio {_fmt(ratio)}, 95% interval [{_fmt(lo)}, {_fmt(hi)}] (over "
-            f"{canary.counts.draft_tokens} and {stable.counts.draft_tokens} drafted tokens)")
+    return (f"{by_value}; the ratio {_fmt(ratio)}, 95% interval [{_fmt(lo)}, {_fmt(hi)}] (over {where}"
+            f"{nc} and {ns} drafted tokens)")
 
 
 #: The canary's own figures that analysis.metrics may bound (the CRD's enum; p99LatencySeconds is

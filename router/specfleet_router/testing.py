@@ -184,3 +184,28 @@ class RouterProcess:
 
     def __exit__(self, *exc) -> None:
         self.kill()
+
+
+@contextlib.contextmanager
+def serving_app(app):
+    """An aiohttp application served on a free loopback port, on an event loop of its own thread
+    (a stand-in server for the router's tests: a vLLM server's HTTP API, for one); yields the port."""
+    from aiohttp import web
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, name="app-loop", daemon=True)
+    thread.start()
+    runner = web.AppRunner(app)
+
+    async def start():
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        return runner.addresses[0][1]
+
+    try:
+        yield asyncio.run_coroutine_threadsafe(start(), loop).result(10)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()

@@ -37,6 +37,7 @@ from specfleet_api.windows import TypeCounts, Windows, method_field, window_json
 from specfleet_proto import worker_pb2 as pb
 
 from . import vllm_evidence
+from .split import STABLE
 
 log = logging.getLogger("specfleet.router.vllm")
 
@@ -217,7 +218,10 @@ class Evidence:
         speculating = method != NONE
         if not speculating:
             self.baseline(arm).observe(answer, self.clock())
-        counts = vllm_evidence.counts(answer, speculating=speculating, plain_itl_s=self.baseline(arm).itl_s)
+        plain_itl_s = self.baseline(arm).itl_s
+        if plain_itl_s is None and arm != STABLE:  # a canary's plain pool sees ~1% of 2%: stable's, until it has one
+            plain_itl_s = self.baseline(STABLE).itl_s
+        counts = vllm_evidence.counts(answer, speculating=speculating, plain_itl_s=plain_itl_s)
         self.record_counts(arm, prompt_type, method, counts)
         return counts
 

@@ -6,9 +6,7 @@ and the errors a client gets. The same router against live vLLM processes: tests
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
 from pathlib import Path
 
 import openai
@@ -19,7 +17,7 @@ from specfleet_api.live_state import LiveState
 from specfleet_api.windows import read_all_windows
 from specfleet_router.backends import parse_vllm_backends
 from specfleet_router.fleet import FleetPublisher
-from specfleet_router.testing import running_router
+from specfleet_router.testing import running_router, serving_app
 from specfleet_router.vllm_backend import vllm_target
 
 DATA = Path(__file__).parents[1] / "vllm" / "data"
@@ -73,30 +71,17 @@ class Replay:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     def __enter__(self) -> Replay:
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self._chat)
         app.router.add_get("/health", self._health)
         app.router.add_get("/v1/models", self._models)
-        self.runner = web.AppRunner(app)
-
-        async def start():
-            await self.runner.setup()
-            site = web.TCPSite(self.runner, "127.0.0.1", 0)
-            await site.start()
-            return self.runner.addresses[0][1]
-
-        self.port = asyncio.run_coroutine_threadsafe(start(), self.loop).result(10)
+        self._serving = serving_app(app)
+        self.port = self._serving.__enter__()
         self.address = f"127.0.0.1:{self.port}"
         return self
 
     def __exit__(self, *exc):
-        asyncio.run_coroutine_threadsafe(self.runner.cleanup(), self.loop).result(10)
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
-        self.loop.close()
+        self._serving.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
@@ -201,8 +186,9 @@ def test_vllm_refusals_reach_the_client_as_400_and_a_dead_server_is_routed_aroun
     with Replay("plain") as broken:
         backends = parse_vllm_backends([f"stable/none={broken.address}", f"stable/none={pools['none'].address}"],
                                        ("none",))
-        with running_router(backends=backends, name=MODEL, state=LiveState(default_method="none")) as r:
-            r.wait_ready(stable=2)
+        # no health checks: the dead server stays in the pool, so a request meets it and is retried
+        with running_router(backends=backends, name=MODEL, state=LiveState(default_method="none"),
+                            health_check=False) as r:
             broken.fail = pools["none"].fail = (400, "This model's maximum context length is 8192 tokens")
             with pytest.raises(openai.BadRequestError) as e:
                 ask(r, question)
