@@ -27,15 +27,14 @@ from .fleet_spec import FleetState, effective_spec, replica_counts, selects_meth
 SPECFLEET, VLLM = "specfleet", "vllm"
 #: spec.engine.name: which engine serves the fleet's requests (the CRD's enum, checked by a test).
 ENGINES = (SPECFLEET, VLLM)
-#: The engines a fleet is served on today. vllm is reserved: the operator renders its pools, but
-#: the router does not send requests to them yet, so such a fleet would never serve; the operator
-#: holds it at Ready False, reason Unsupported, and creates nothing (NOT_SERVED says so).
-SERVED_ENGINES = (SPECFLEET,)
-NOT_SERVED = ("engine vllm is reserved, not served yet: the operator can render its pools of vLLM servers, but "
-              "the router does not route requests to them yet (docs/vllm.md); use engine specfleet meanwhile")
+#: The engines a fleet is served on (specfleet_operator.spec.served_problems refuses another, reason
+#: Unsupported): both. A vLLM fleet's router sends each request to the pool of the method its routing
+#: table names (`--discover-vllm`, rendered by the operator).
+SERVED_ENGINES = ENGINES
 
-#: The upstream OpenAI server images, pinned (engine.vllm.image replaces them; a digest pins harder):
-#: CUDA for pods that ask for a GPU, the CPU build (vllm-cpu) for the others.
+#: The upstream OpenAI server images, pinned: CUDA for pods that ask for a GPU, the CPU build
+#: (vllm-cpu) for the others. The operator's defaults (its --vllm-image and --vllm-cpu-image, the
+#: chart's vllm.image and vllm.cpuImage) replace them; a fleet's engine.vllm.image replaces those.
 GPU_IMAGE = "vllm/vllm-openai:v0.32.0"
 CPU_IMAGE = "vllm/vllm-openai-cpu:v0.32.0"
 #: The server as a module: the `vllm` console script fails under the vllm-cpu package.
@@ -174,9 +173,16 @@ def model_path(arm: dict[str, Any]) -> str:
     return path if path.startswith("/") else f"{DEFAULT_MODEL_CACHE}/{path}"
 
 
-def image(spec: dict[str, Any], gpus: bool) -> str:
-    """engine.vllm.image, else the pinned upstream image for pods with or without GPUs."""
-    return settings(spec)["image"] or (GPU_IMAGE if gpus else CPU_IMAGE)
+def image(spec: dict[str, Any], gpus: bool, gpu_image: str = GPU_IMAGE, cpu_image: str = CPU_IMAGE) -> str:
+    """engine.vllm.image, else the default image for pods with or without GPUs (`gpu_image`,
+    `cpu_image`: the operator's, the pinned upstream ones unless it was given others).
+
+    >>> image({}, True), image({}, False, cpu_image="registry.local/vllm-cpu:0.32")
+    ('vllm/vllm-openai:v0.32.0', 'registry.local/vllm-cpu:0.32')
+    >>> image({"engine": {"vllm": {"image": "mine:1"}}}, True, "theirs:1")
+    'mine:1'
+    """
+    return settings(spec)["image"] or (gpu_image if gpus else cpu_image)
 
 
 def dtype(arm: dict[str, Any], gpus: bool) -> str:

@@ -22,10 +22,11 @@ from typing import Any, NamedTuple
 
 from specfleet_control.observe import Alert as LoopAlert
 
-from .manifests import ALERT_ALPHA, ALERT_SPEEDUP, PROM_LABEL_SDD, label_value
+from .manifests import ALERT_ALPHA, ALERT_SPEEDUP, ALERT_VLLM_ALPHA, PROM_LABEL_SDD, label_value
 
-#: Alerts that mean the SLO is missed: the loop enters the same fallback as on its own observation.
-SLO_ALERTS = frozenset({ALERT_ALPHA, ALERT_SPEEDUP})
+#: Alerts that mean the SLO is missed: the loop enters the same fallback as on its own observation
+#: (a vLLM pool's, which names no prompt type, for the whole fleet).
+SLO_ALERTS = frozenset({ALERT_ALPHA, ALERT_SPEEDUP, ALERT_VLLM_ALPHA})
 #: Where an alert names its fleet, most specific first: the rules' own labels, then what a scrape
 #: leaves of the operator's older `namespace`/`name` labels and the workers' pod label.
 NAMESPACE_LABELS = ("sdd_namespace", "exported_namespace")

@@ -1,8 +1,8 @@
 """kopf handlers: thin glue between the Kubernetes events and the pure modules.
 
 create / update / resume -> reconcile (apply every child, delete the ones no longer wanted,
-write the status, then the live state in Redis); worker and router Deployment events -> refresh
-the owner's status; a daemon per resource runs the control loop (specfleet_control: the SLO loop and
+write the status, then the live state in Redis); worker, vLLM pool and router Deployment events ->
+refresh the owner's status; a daemon per resource runs the control loop (specfleet_control: the SLO loop and
 the canary analysis, docs/control-loop.md); delete -> delete
 what this resource owns. Clients and sources come in through kopf's memo, so tests swap them
 without patching.
@@ -18,7 +18,7 @@ from typing import Any, Sequence
 
 import kopf
 
-from specfleet_api import fleet_spec
+from specfleet_api import fleet_spec, vllm
 from specfleet_api.windows import Window, sum_windows
 from specfleet_control import canary as canaries
 from specfleet_control import fleet as control_fleet
@@ -74,23 +74,30 @@ def fleet_state(cstate: canaries.CanaryState, spec: dict[str, Any], memory: slo_
     return control_fleet.fleet_state(memory, cstate, spec)
 
 
-def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, stable: dict[str, Any] | None,
-              canary: dict[str, Any] | None, errors: list[str], window: Window | None = None,
+Arm = Sequence[tuple[dict[str, Any] | None, int | None]]  # an arm's serving Deployments: (as read, replicas wanted)
+
+
+def _observed(body: Any, spec: dict[str, Any], cstate: canaries.CanaryState, stable: Arm | None,
+              canary: Arm | None, errors: list[str], window: Window | None = None,
               router: dict[str, Any] | None = None, memory: slo_loop.Memory | None = None) -> statuses.Observed:
+    """What the status is computed from; `stable`, `canary`: each arm's serving Deployments
+    (_serving), None when not read."""
     prev = body.get("status") or {}
     memory = memory or memory_of(prev)
     fleet = fleet_state(cstate, spec, memory)
     whole = memory.keys.get(slo_loop.DEPLOYMENT)
-    stable_n, canary_n = fleet_spec.replica_counts(spec, fleet)
+    _, canary_n = fleet_spec.replica_counts(spec, fleet)
     w = window
-    live_hash = ((stable or {}).get("spec", {}).get("template", {}).get("metadata", {})
+    first = (stable or [(None, None)])[0][0] or {}  # the worker Deployment's hash (a vLLM pool has none)
+    live_hash = (first.get("spec", {}).get("template", {}).get("metadata", {})
                  .get("annotations", {}).get(manifests.ANNOTATION_CONFIG_HASH))
     k = fleet_spec.k_bounds(spec, fleet)
     return statuses.Observed(
         generation=body.get("metadata", {}).get("generation"),
         apply_error="; ".join(errors) or None,
-        stable=statuses.Workers.from_deployment(stable, stable_n),
-        canary=statuses.Workers.from_deployment(canary, canary_n) if canary_n else None,
+        stable=statuses.Workers.of(stable),
+        canary=statuses.Workers.of(canary) if canary_n else None,
+        servers="vLLM servers" if vllm.engine(spec) == vllm.VLLM else "workers",
         router=statuses.Workers.from_deployment(router, (spec.get("router") or {}).get("replicas", 2)),
         state=fleet, draft_method=fleet_spec.effective_spec(spec, "stable", fleet)["draft"]["method"],
         k_bounds=(k.k_min, k.k_max),
@@ -374,9 +381,8 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
             cstate = cstate or canary_state(prev)
             memory = memory or memory_of(prev)
             fleet = fleet_state(cstate, spec, memory)
-            stable = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "stable"))
-            canary = await kube.get("apps/v1", "Deployment", namespace, manifests.child_name(name, "canary")) \
-                if spec.get("canary") else None
+            serving = await _serving(kube, namespace, name, spec, fleet)
+            stable, canary = _arm(serving, "stable"), _arm(serving, "canary") if spec.get("canary") else None
             router = await kube.get("apps/v1", "Deployment", namespace, manifests.router_name(name))
             applied = applied_generations(memo).get((namespace, name), sdd["metadata"].get("generation"))
             # before the status, inside the lock: writes reach Redis in the order of the states they
@@ -396,8 +402,22 @@ async def write_status(memo: Any, namespace: str, name: str, *, cstate: canaries
         ready = statuses.condition(new, "Ready")
         if fleet is not None and ready is not None and ready["status"] == "True":
             await retire_legacy_children(memo, sdd)
-            await retire_credentials(memo, sdd, spec, [d for d in (stable, canary, router) if d is not None])
+            holders = [d for s, d in serving if s.redis]  # the workers; no vLLM server holds credentials
+            await retire_credentials(memo, sdd, spec, [d for d in (*holders, router) if d is not None])
         return new
+
+
+async def _serving(kube: Kube, namespace: str, name: str, spec: dict[str, Any], fleet: fleet_spec.FleetState
+                   ) -> list[tuple[manifests.Serving, dict[str, Any] | None]]:
+    """The fleet's serving Deployments (manifests.serving_deployments, either engine's), each as
+    read now (None: not there)."""
+    return [(s, await kube.get("apps/v1", "Deployment", namespace, s.name))
+            for s in manifests.serving_deployments(name, spec, fleet)]
+
+
+def _arm(serving: Sequence[tuple[manifests.Serving, dict[str, Any] | None]], role: str) -> Arm:
+    """One arm's part of _serving as _observed reads it: (Deployment as read, replicas wanted)."""
+    return [(d, s.replicas) for s, d in serving if s.role == role]
 
 
 def _pods_use(deployment: dict[str, Any], secret: str) -> bool:
@@ -582,8 +602,8 @@ async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
 
 @kopf.on.event("apps", "v1", "deployments", labels=FLEET_LABELS)
 async def workers_changed(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    """A worker or router Deployment moved (pods became ready, a rollout finished): refresh its
-    owner's status."""
+    """A worker, vLLM pool or router Deployment moved (pods became ready, a rollout finished):
+    refresh its owner's status."""
     # the owner reference holds the full name; the label is shortened past 63 characters
     owners = [ref["name"] for ref in body.get("metadata", {}).get("ownerReferences", [])
               if ref.get("kind") == KIND]
@@ -626,10 +646,14 @@ async def observe(memo: Any, body: Any, spec: dict[str, Any], drift_epoch: str =
     return obs, per_type
 
 
-def _readiness(deployment: dict[str, Any] | None) -> tuple[int, int]:
-    if deployment is None:
-        return 0, 0
-    return (deployment.get("status") or {}).get("readyReplicas", 0), (deployment.get("spec") or {}).get("replicas", 0)
+def _readiness(deployments: Arm) -> tuple[int, int]:
+    """(ready, desired) pods of an arm's serving Deployments (_serving), summed; (0, 0) for none."""
+    ready = desired = 0
+    for deployment, _ in deployments:
+        if deployment is not None:
+            ready += (deployment.get("status") or {}).get("readyReplicas", 0)
+            desired += (deployment.get("spec") or {}).get("replicas", 0)
+    return ready, desired
 
 
 def _redis_failing(memo: Any, ns: str, name: str) -> bool:
@@ -651,9 +675,10 @@ async def tick(body: Any, memo: Any) -> None:
     now = time.time()
     obs, per_type = await observe(memo, body, spec, canaries.routing(before, spec).drift_epoch)
     kube: Kube = memo.kube
-    ready = {"stable": _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "stable")))}
+    serving = await _serving(kube, ns, name, spec, fleet_state(before, spec, memory))
+    ready = {"stable": _readiness(_arm(serving, "stable"))}
     if spec.get("canary") or before.phase in canaries.LIVE_PHASES:
-        ready["canary"] = _readiness(await kube.get("apps/v1", "Deployment", ns, manifests.child_name(name, "canary")))
+        ready["canary"] = _readiness(_arm(serving, "canary"))
     obs = dataclasses.replace(obs, ready=ready)
     selection = Selection.from_spec(spec, fleet_state(before, spec, memory))
     slo = slo_loop.tick(obs, memory, SloPolicy.from_spec(spec), now, per_type=per_type, selection=selection,

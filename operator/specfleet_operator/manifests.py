@@ -89,6 +89,10 @@ class Settings:
     # The fleets' default Redis (SPECFLEET_REDIS_URL, no password in it), used by a fleet without
     # spec.redis: each fleet gets a user of its own there (specfleet_api.redis_auth, docs/redis.md).
     default_redis_url: str = ""
+    # The vLLM servers' images for a fleet with engine vllm and no engine.vllm.image: the CUDA build
+    # for pods that ask for a GPU, the CPU build for the others (specfleet_api.vllm.image).
+    vllm_image: str = vllm.GPU_IMAGE
+    vllm_cpu_image: str = vllm.CPU_IMAGE
 
     def worker_fields(self) -> dict[str, Any]:
         """The settings a worker pod is built from (in its config hash: a router setting rolls no worker)."""
@@ -208,6 +212,40 @@ def arm_service_name(sdd_name: str, role: str) -> str:
 def router_name(sdd_name: str) -> str:
     """The router's Deployment, ServiceAccount, Role, RoleBinding and PodDisruptionBudget."""
     return child_name(sdd_name, "router")
+
+
+@dataclasses.dataclass(frozen=True)
+class Serving:
+    """One Deployment that serves an arm's requests: `replicas`, how many pods the spec asks of it
+    (None: its own spec.replicas, an autoscaler's to move); `redis`, whether its pods hold the
+    fleet's Redis credentials (the workers do; a vLLM server never talks to Redis)."""
+
+    role: str
+    name: str
+    replicas: int | None
+    redis: bool
+
+
+def serving_deployments(sdd_name: str, spec: dict[str, Any], state: FleetState = FleetState()) -> list[Serving]:
+    """The fleet's serving Deployments, whatever the engine: the worker Deployment of each arm, or
+    with engine vllm each pool's (vllm.pools), the stable arm's first; the canary's while spec.canary
+    is set. What the status's Ready and the loop's readiness read, so both say the same of either
+    engine.
+
+    >>> spec = {"model": {"name": "m"}, "replicas": 2, "draft": {"method": "ngram"}}
+    >>> [(s.role, s.name, s.replicas) for s in serving_deployments("chat", spec)]
+    [('stable', 'chat--stable', 2)]
+    >>> [(s.name, s.replicas, s.redis) for s in serving_deployments("chat", {**spec, "engine": {"name": "vllm"}})]
+    [('chat--vllm-stable-ngram', 2, False), ('chat--vllm-stable-none', 2, False)]
+    """
+    if vllm.engine(spec) == vllm.VLLM:
+        return [Serving(p.role, vllm_pool_name(sdd_name, p.role, p.method), p.replicas, False)
+                for p in vllm.pools(spec, state)]
+    stable_n, canary_n = replica_counts(spec, state)
+    out = [Serving("stable", child_name(sdd_name, "stable"), stable_n, True)]
+    if spec.get("canary"):
+        out.append(Serving("canary", child_name(sdd_name, "canary"), canary_n, True))
+    return out
 
 
 def config_hash(obj: Any) -> str:
@@ -537,14 +575,21 @@ def router_args(sdd: dict[str, Any], spec: dict[str, Any], settings: Settings,
                 state: FleetState = FleetState()) -> list[str]:
     """`specfleet router` flags. With the live state in Redis the router follows it there, and its
     flags carry only what the spec fixes; without, the flags are the state (a canary step then
-    rolls the router pods)."""
+    rolls the router pods). Where the backends are: each arm's worker Service
+    (`--discover-kubernetes ARM=SERVICE`), or with engine vllm each pool's Service
+    (`--discover-vllm ARM/METHOD=SERVICE`, one per pool the fleet runs now: a pool at 0 replicas is
+    named too, it has no endpoints), and then no worker Service, since a vLLM fleet has none."""
     name, ns = sdd["metadata"]["name"], sdd["metadata"]["namespace"]
     args = ["router", "--host", "0.0.0.0", "--http-port", str(settings.router_http_port),
             "--grpc-port", str(settings.router_grpc_port), "--deployment", f"{ns}/{name}"]
     if spec["model"]["name"] != name:
         args += ["--model-alias", spec["model"]["name"]]
-    for role in ROLES:
-        args += ["--discover-kubernetes", f"{role}={arm_service_name(name, role)}"]
+    if vllm.engine(spec) == vllm.VLLM:
+        for pool in vllm.pools(spec, state):
+            args += ["--discover-vllm", f"{pool.role}/{pool.method}={vllm_pool_name(name, pool.role, pool.method)}"]
+    else:
+        for role in ROLES:
+            args += ["--discover-kubernetes", f"{role}={arm_service_name(name, role)}"]
     live = live_state(spec, state)
     if not keeps_live_state(spec, settings):
         args += ["--canary-weight", f"{live.canary_weight:g}"]
@@ -700,6 +745,7 @@ def service_monitor(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
 
 PROM_LABEL_SDD = "serving_specfleet_dev_deployment"  # LABEL_SDD as Prometheus relabels it
 PROM_LABEL_ROLE = "serving_specfleet_dev_role"  # LABEL_ROLE likewise
+PROM_LABEL_METHOD = "serving_specfleet_dev_method"  # LABEL_METHOD likewise (a vLLM pool's)
 # The alerts (docs/alerts.md); the first two are SLO misses, which the receiver (alerts.py) turns
 # into the loop's fallback. Each carries sdd_namespace and sdd_name (and prompt_type where it has one).
 ALERT_ALPHA = "SpecDecodeAlphaBelowSLO"
@@ -711,6 +757,19 @@ ALERT_FALLBACK = "SpecFleetFallbackActive"
 ALERT_ROUTER_REDIS = "SpecFleetRouterRedisDown"
 ALERT_WORKER_REDIS = "SpecFleetWorkerRedisDown"
 ALERT_REDIS_AUTH = "SpecFleetRedisAuthFailing"
+# A vLLM pool's acceptance below its SLO: the alpha alert on vLLM's counters (VLLM_ACCEPTED over
+# VLLM_DRAFTED), per pool (draft method) of the stable arm; an SLO miss of the whole fleet.
+ALERT_VLLM_ALPHA = "SpecDecodeVLLMAlphaBelowSLO"
+#: vLLM's counters of draft tokens accepted and proposed (vllm.v1.spec_decode.metrics, labelled
+#: model_name and engine), scraped from each speculative pool's pods: their ratio is the acceptance
+#: rate, what specfleet's workers export as spec_decode_acceptance_rate.
+VLLM_ACCEPTED = "vllm:spec_decode_num_accepted_tokens_total"
+VLLM_DRAFTED = "vllm:spec_decode_num_draft_tokens_total"
+#: The alerts of a fleet by its engine, in the order the rules list them: a vLLM fleet has no
+#: specfleet worker to export the speedup, the draft failures or a live state's staleness.
+ENGINE_ALERTS = {vllm.SPECFLEET: (ALERT_ALPHA, ALERT_SPEEDUP, ALERT_DRAFT_ERRORS, ALERT_FALLBACK, ALERT_ROUTER_REDIS,
+                                  ALERT_WORKER_REDIS, ALERT_REDIS_AUTH),
+                 vllm.VLLM: (ALERT_VLLM_ALPHA, ALERT_FALLBACK, ALERT_ROUTER_REDIS, ALERT_REDIS_AUTH)}
 #: Seconds since a router or worker last read its live state from Redis (each tries every 0.5 s)
 #: past which it counts as having lost Redis; its alert fires once that has held for REDIS_DOWN_FOR.
 REDIS_STALE_S = 60
@@ -726,7 +785,7 @@ def _num(x: float) -> str:
 
 def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5, alpha_floor: float = 0.05,
                 speedup_floor: float = 1.0, min_draft_tokens: int = 200, baseline: str = BASELINE_RANGE,
-                fleet: tuple[str, str] | None = None) -> list[dict[str, Any]]:
+                fleet: tuple[str, str] | None = None, engine: str | None = None) -> list[dict[str, Any]]:
     """The alerts, saying what the loop does: over `window`, on the stable arm, with at least
     `min_draft_tokens` drafted (less is missing data), alpha per prompt type below `alpha_floor` or
     below (1 - `alpha_drop`) x its baseline (the best window of the `baseline` range before this
@@ -734,7 +793,12 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5,
     seconds over busy seconds) below `speedup_floor`; and, on both arms, a fleet's routers or workers
     without their live state from Redis (REDIS_STALE_S, then REDIS_DOWN_FOR), and Redis refusing the
     fleet's credentials. `selector` (PromQL matchers) narrows them to one fleet, whose (namespace,
-    name) `fleet` then labels them; without it the labels come from the series."""
+    name) `fleet` then labels them; without it the labels come from the series.
+
+    `engine` (spec.engine.name) picks that engine's alerts (ENGINE_ALERTS); None, every engine's, for
+    all fleets at once (the chart's). A vLLM pool's alpha is the same test on vLLM's counters
+    (accepted over drafted tokens in the window), per pool of the stable arm instead of per prompt type.
+    """
     sel = "{" + ", ".join(filter(None, [selector, f'{PROM_LABEL_ROLE}!="canary"'])) + "}"
     by = f"namespace, {PROM_LABEL_SDD}"
     alpha = f"avg by ({by}, prompt_type) (avg_over_time(spec_decode_acceptance_rate{sel}[{window}]))"
@@ -752,7 +816,12 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5,
     fallback = f"max by (sdd_namespace, sdd_name) (specfleet_fallback_active{op_sel}) == 1"
     auth = f"max by (sdd_namespace, sdd_name) (specfleet_redis_auth_failures{op_sel}) > 0"
     fleet_name = f"{where['sdd_namespace']}/{where['sdd_name']}"  # annotations see the series' labels only
-    return [
+    by_pool = f"{by}, {PROM_LABEL_METHOD}"
+    pool_alpha = (f"sum by ({by_pool}) (increase({VLLM_ACCEPTED}{sel}[{window}]))"
+                  f" / sum by ({by_pool}) (increase({VLLM_DRAFTED}{sel}[{window}]))")
+    pool_base = f"max_over_time(({pool_alpha})[{baseline}:{window}] offset {window})"
+    pool_drafted = f"sum by ({by_pool}) (increase({VLLM_DRAFTED}{sel}[{window}])) >= {_num(min_draft_tokens)}"
+    rules = [
         {"alert": ALERT_ALPHA,
          "expr": f"(({alpha}) < (1 - {_num(alpha_drop)}) * ({base}) or ({alpha}) < {_num(alpha_floor)})"
                  f" and on ({by}) ({drafted})",
@@ -799,7 +868,19 @@ def alert_rules(selector: str = "", window: str = "5m", alpha_drop: float = 0.5,
          "annotations": {"summary": "Redis refuses the credentials of {{ $labels.sdd_namespace }}/{{ $labels.sdd_name }}'s "
                                     "pods: they hold stale or wrong credentials (see the fleet's Degraded "
                                     "condition)"}},
+        {"alert": ALERT_VLLM_ALPHA,
+         "expr": f"(({pool_alpha}) < (1 - {_num(alpha_drop)}) * ({pool_base}) or ({pool_alpha}) < "
+                 f"{_num(alpha_floor)}) and on ({by_pool}) ({pool_drafted})",
+         "for": "1m", "labels": {"severity": "warning", **where},
+         "annotations": {"summary": f"Alpha of the vLLM pool of draft method {{{{ $labels.{PROM_LABEL_METHOD} }}}} "
+                                    f"in {fleet_name} is below its SLO over {window}",
+                         "description": f"Its servers accept under {_num(alpha_floor)} of the tokens drafted, or "
+                                        f"under (1 - {_num(alpha_drop)}) x its best {window} in the {baseline} "
+                                        "before: the loop falls back."}},
     ]
+    wanted = ENGINE_ALERTS[engine] if engine is not None else (*ENGINE_ALERTS[vllm.SPECFLEET], ALERT_VLLM_ALPHA)
+    by_name = {r["alert"]: r for r in rules}
+    return [by_name[a] for a in wanted]
 
 
 def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]:
@@ -807,7 +888,7 @@ def prometheus_rule(sdd: dict[str, Any], spec: dict[str, Any]) -> dict[str, Any]
     rule = spec["observability"]["prometheusRule"]
     rules = alert_rules(f'namespace="{ns}", {PROM_LABEL_SDD}="{label_value(name)}"', slo["window"],
                         slo["alphaDropAlert"], slo["alphaFloor"], slo["speedupFloor"], slo["minDraftTokens"],
-                        fleet=(ns, name))
+                        fleet=(ns, name), engine=vllm.engine(spec))
     return {
         "apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
         "metadata": {"name": child_name(name, "alerts"), "namespace": ns,
@@ -853,7 +934,7 @@ def vllm_deployment(sdd: dict[str, Any], spec: dict[str, Any], pool: vllm.Pool, 
     health = {"httpGet": {"path": "/health", "port": "http", "scheme": "HTTP"}}
     container = {
         "name": "vllm",
-        "image": vllm.image(spec, gpus),
+        "image": vllm.image(spec, gpus, settings.vllm_image, settings.vllm_cpu_image),
         "imagePullPolicy": template.get("imagePullPolicy", settings.image_pull_policy),
         "command": list(vllm.COMMAND),
         "args": vllm.server_args(spec, arm, pool.method, gpus),

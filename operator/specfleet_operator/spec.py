@@ -155,8 +155,9 @@ def served_problems(spec: dict[str, Any]) -> list[Problem]:
 "spec.model.uri: model.uri scheme 'hf' is not supported yet; supported: file, gguf (or a bare path)"]
     """
     out: list[Problem] = []
-    if vllm.engine(spec) not in vllm.SERVED_ENGINES:
-        out.append(Problem("spec.engine.name", vllm.NOT_SERVED, UNSUPPORTED))
+    if vllm.engine(spec) not in vllm.SERVED_ENGINES:  # an engine the CRD names before the fleet serves it
+        out.append(Problem("spec.engine.name", f"engine {vllm.engine(spec)!r} is not served yet; served: "
+                                               f"{', '.join(vllm.SERVED_ENGINES)}", UNSUPPORTED))
     overrides = (spec.get("canary") or {}).get("overrides", {})
     for role in ("stable", "canary") if spec.get("canary") else ("stable",):
         try:

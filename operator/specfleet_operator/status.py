@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-from typing import Any
+from typing import Any, Sequence
 
 from specfleet_api.fleet_spec import FleetState
 
@@ -25,7 +25,8 @@ OWNED_BY_ANOTHER = "ChildOwnedByAnother"
 
 @dataclasses.dataclass(frozen=True)
 class Workers:
-    """A worker Deployment as observed: desired replicas and how many are ready / updated."""
+    """An arm's serving Deployments as observed (its worker Deployment, or its vLLM pools' as one):
+    desired replicas and how many are ready / updated."""
 
     desired: int
     ready: int = 0
@@ -41,6 +42,29 @@ class Workers:
         generation = body.get("metadata", {}).get("generation")
         return cls(desired=want, ready=status.get("readyReplicas", 0), updated=status.get("updatedReplicas", 0),
                    current=generation is None or status.get("observedGeneration") == generation)
+
+    @classmethod
+    def of(cls, parts: Sequence[tuple[dict[str, Any] | None, int | None]] | None) -> Workers | None:
+        """An arm's serving Deployments (manifests.serving_deployments: each as read, None when not
+        there, with the replicas the spec asks of it) as one: None while one of them is missing (being
+        created). Of several, each counts its ready and updated pods up to what it wants, so that a
+        pool's surge pod never stands in for another pool's missing one: the arm has rolled out when
+        every one of them has.
+
+        >>> pool = lambda want, ready: {"spec": {"replicas": want}, "status": {"readyReplicas": ready,
+        ...                                                                   "updatedReplicas": ready}}
+        >>> Workers.of([(pool(2, 3), 2), (pool(2, 1), 2)])
+        Workers(desired=4, ready=3, updated=3, current=True)
+        >>> Workers.of([(pool(2, 2), 2), (None, 1)]) is None, Workers.of([(pool(2, 3), None)]).ready
+        (True, 3)
+        """
+        if not parts or any(body is None for body, _ in parts):
+            return None
+        each = [cls.from_deployment(body, want) for body, want in parts]
+        if len(each) == 1:
+            return each[0]
+        return cls(desired=sum(w.desired for w in each), ready=sum(min(w.ready, w.desired) for w in each),
+                   updated=sum(min(w.updated, w.desired) for w in each), current=all(w.current for w in each))
 
     @property
     def rolled_out(self) -> bool:
@@ -81,6 +105,8 @@ class Observed:
     pods_auth: str | None = None
     # what the stable workers run that the spec does not say (fleet_spec.not_in_spec): field -> value
     not_in_spec: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # what serves the requests, as the conditions' messages name it: the workers, or vLLM servers
+    servers: str = "workers"
 
 
 def _condition(ctype: str, ok: bool, reason: str, message: str, generation: int | None,
@@ -111,25 +137,25 @@ def compute(observed: Observed, previous: dict[str, Any] | None, now: str) -> di
     elif o.apply_error:
         ready = (False, "ApplyFailed", o.apply_error)
     elif stable is None:
-        ready = (False, "Creating", "the stable workers are being created")
+        ready = (False, "Creating", f"the stable {o.servers} are being created")
     elif pending:
         ready = (False, "Reconciling", f"generation {gen}'s children are being applied "
                  f"(the last applied in full: {o.applied_generation})")
     elif stable.desired == 0:
-        ready = (False, "ScaledToZero", "spec asks for 0 workers")
+        ready = (False, "ScaledToZero", f"spec asks for 0 {o.servers}")
     elif not (stable.rolled_out and (canary is None or canary.rolled_out)):
-        ready = (False, "WorkersNotReady", f"{stable.ready}/{stable.desired} stable workers ready")
+        ready = (False, "WorkersNotReady", f"{stable.ready}/{stable.desired} stable {o.servers} ready")
     elif o.router is None:
         ready = (False, "RouterNotReady", "the router is being created")
     elif not o.router.rolled_out:
         ready = (False, "RouterNotReady", f"{o.router.ready}/{o.router.desired} router pods ready")
     else:
-        ready = (True, "WorkersReady", f"{stable.ready}/{stable.desired} stable workers ready, "
+        ready = (True, "WorkersReady", f"{stable.ready}/{stable.desired} stable {o.servers} ready, "
                  f"{o.router.ready} router pods ready")
 
     rolling = not invalid and stable is not None and (pending or not (
         stable.rolled_out and (canary is None or canary.rolled_out) and (o.router is None or o.router.rolled_out)))
-    progressing = (True, "RollingOut", "workers are being rolled out") if rolling else \
+    progressing = (True, "RollingOut", f"{o.servers} are being rolled out") if rolling else \
         (False, "RolloutComplete" if not invalid else rejected, "no rollout in progress")
 
     redis_down = not invalid and o.redis is not None and not o.redis.ok

@@ -35,9 +35,10 @@ from .spec import crd as shipped_crd
 #: engine.json passes `specfleet serve --check-config`) or "rejected" before any pod is created
 #: (reserved values: CEL at the API server, else the operator's Ready=False, Unsupported; no
 #: example is, today: the tests build their reserved specs). `local` is the one-machine example
-#: `specfleet up` starts by default.
+#: `specfleet up` starts by default; `vllm-local` is served by vLLM pools (engine vllm), its arms'
+#: engine.json, which the pools are built from, checked the same.
 EXAMPLE_VERDICTS = {"ngram": "served", "canary-1pct": "served", "draft-model": "served", "eagle-tree": "served",
-                    "medusa-tree": "served", "local": "served"}
+                    "medusa-tree": "served", "local": "served", "vllm-local": "served"}
 
 
 def _now() -> str:

@@ -1,14 +1,17 @@
 """`promtool test rules` on the alerts as shipped: the chart's PrometheusRule (rendered by the real
-Helm engine) and the operator's per-fleet one (manifests.prometheus_rule for one SDD), on series
-shaped like the workers' and the operator's scrapes. Each must fire after a drop, stay firing while
-alpha stays low, resolve after recovery; fire on a speedup below one and on alpha under its floor;
-stay quiet on a healthy fleet and on too little data. A missing promtool fails, never skips."""
+Helm engine) and the operator's per-fleet one (manifests.prometheus_rule for one SDD, of either
+engine), on series shaped like the workers', the vLLM pools' and the operator's scrapes. Each must
+fire after a drop, stay firing while alpha stays low, resolve after recovery; fire on a speedup below
+one and on alpha under its floor; stay quiet on a healthy fleet and on too little data. A missing
+promtool fails, never skips. That vLLM exports the counters its rule reads is checked against the
+vLLM in .venv-vllm (marker vllm)."""
 from __future__ import annotations
 
 import pathlib
 import re
 import shutil
 import subprocess
+import textwrap
 
 import helm_python as helm
 import pytest
@@ -34,14 +37,21 @@ def chart_groups():
     return rule["spec"]["groups"]
 
 
-def operator_groups():
+def operator_groups(**over):
     sdd = {"metadata": {"name": NAME, "namespace": NS, "uid": "u"}}
     spec = with_defaults({"model": {"name": "m", "uri": "/m"}, "replicas": 1,
-                          "observability": {"prometheusRule": {"enabled": True}}})
+                          "observability": {"prometheusRule": {"enabled": True}}, **over})
     return manifests.prometheus_rule(sdd, spec)["spec"]["groups"]
 
 
-SOURCES = {"chart": chart_groups, "operator": operator_groups}
+def vllm_groups():
+    return operator_groups(engine={"name": "vllm"}, speculation={"kPolicy": "fixed", "kInitial": 4, "kMax": 4})
+
+
+SOURCES = {"chart": chart_groups, "operator": operator_groups, "operator-vllm": vllm_groups}
+#: The alerts of each source: the chart's cover both engines' fleets; the operator's, its fleet's engine.
+ALERTS = {"chart": (*manifests.ENGINE_ALERTS["specfleet"], manifests.ALERT_VLLM_ALPHA),
+          "operator": manifests.ENGINE_ALERTS["specfleet"], "operator-vllm": manifests.ENGINE_ALERTS["vllm"]}
 
 
 def worker(alpha_by_type, drafted="0+1000x240", busy="0+60x240", plain="0+90x240"):
@@ -56,6 +66,45 @@ def worker(alpha_by_type, drafted="0+1000x240", busy="0+60x240", plain="0+90x240
                {"series": f'spec_decode_acceptance_rate{{{TARGET.replace("stable", "canary")}, prompt_type="chat"}}',
                 "values": "0.01x240"}]
     return series
+
+
+def counter(per_minute):
+    """A counter's values, one a minute, from its increase in each minute."""
+    total, out = 0.0, ["0"]
+    for step in per_minute:
+        total += step
+        out.append(f"{total:g}")
+    return " ".join(out)
+
+
+def vllm_pool(method, alpha, drafted=1000, role="stable"):
+    """The two counters the vLLM rule reads, as a scrape of one pool's server leaves them
+    (podTargetLabels add the fleet, arm and method; vLLM labels model_name and engine): `alpha`, the
+    share of each minute's `drafted` tokens accepted, a number or one per minute."""
+    target = (f'namespace="{NS}", serving_specfleet_dev_deployment="{NAME}", serving_specfleet_dev_role="{role}", '
+              f'serving_specfleet_dev_method="{method}", model_name="m", engine="0", pod="{NAME}--{method}-0"')
+    alphas = alpha if isinstance(alpha, list) else [alpha] * MINUTES
+    return [{"series": f"{manifests.VLLM_DRAFTED}{{{target}}}", "values": counter([drafted] * MINUTES)},
+            {"series": f"{manifests.VLLM_ACCEPTED}{{{target}}}", "values": counter([a * drafted for a in alphas])}]
+
+
+def vllm_cases(rules):
+    """A vLLM fleet's pools: ngram's acceptance falls from 0.6 to 0.2 at minute 90 for 55 minutes;
+    eagle's sits under the floor in one case; a canary pool far under it and the too-little-data case
+    never fire."""
+    alpha = manifests.ALERT_VLLM_ALPHA
+    pool = {**FLEET, "serving_specfleet_dev_method": "ngram"}
+    canary = vllm_pool("ngram", 0.01, role="canary")
+    return {
+        "vllm-drop": case(rules, vllm_pool("ngram", [0.6] * 90 + [0.2] * 55 + [0.6] * 95) + vllm_pool("eagle", 0.5)
+                          + canary, [(85, alpha, []), (97, alpha, [pool]), (120, alpha, [pool]), (144, alpha, [pool]),
+                                     (150, alpha, []), (200, alpha, [])]),
+        "vllm-floor": case(rules, vllm_pool("ngram", 0.5) + vllm_pool("eagle", 0.03) + canary, [
+            (10, alpha, [{**pool, "serving_specfleet_dev_method": "eagle"}]),
+            (200, alpha, [{**pool, "serving_specfleet_dev_method": "eagle"}])]),
+        "vllm-too-little-data": case(rules, vllm_pool("eagle", 0.03, drafted=10) + canary, [
+            (10, alpha, []), (100, alpha, [])]),
+    }
 
 
 def expected(rule, labels):
@@ -165,14 +214,19 @@ def promtool(*args, cwd):
 def test_rules_check_and_their_cases_pass_promtool(source, tmp_path):
     groups = SOURCES[source]()
     rules = groups[0]["rules"]
-    assert {r["alert"] for r in rules} == {manifests.ALERT_ALPHA, manifests.ALERT_SPEEDUP,
-                                           manifests.ALERT_DRAFT_ERRORS, manifests.ALERT_FALLBACK,
-                                           manifests.ALERT_ROUTER_REDIS, manifests.ALERT_WORKER_REDIS,
-                                           manifests.ALERT_REDIS_AUTH}
+    assert tuple(r["alert"] for r in rules) == ALERTS[source]
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
     rc, out = promtool("check", "rules", "rules.yaml", cwd=tmp_path)
-    assert rc == 0 and "SUCCESS: 7 rules found" in out, out
-    tests = cases(rules)
+    assert rc == 0 and f"SUCCESS: {len(rules)} rules found" in out, out
+    names = {r["alert"] for r in rules}
+    tests = {**(cases(rules) if manifests.ALERT_ALPHA in names else {}),
+             **(vllm_cases(rules) if manifests.ALERT_VLLM_ALPHA in names else {})}
+    if source == "operator-vllm":  # its fallback alert, on the operator's gauge
+        tests["vllm-fallback"] = case(rules, [
+            {"series": f'specfleet_fallback_active{{namespace="specfleet-system", job="specfleet", '
+                       f'sdd_namespace="{NS}", sdd_name="{NAME}"}}', "values": "0x100 1x100"}], [
+            (50, manifests.ALERT_FALLBACK, []),
+            (150, manifests.ALERT_FALLBACK, [{"sdd_namespace": NS, "sdd_name": NAME, "severity": "info"}])])
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
         {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": list(tests.values())}))
     rc, out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
@@ -190,3 +244,41 @@ def test_promtool_test_rules_fails_on_a_wrong_expectation(tmp_path):
         {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [wrong]}))
     rc, out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
     assert rc != 0 and "SpecDecodeAlphaBelowSLO" in out, out
+
+
+def test_the_vllm_rule_fails_promtool_on_a_wrong_expectation(tmp_path):
+    """The guard for the vLLM cases: expecting the ngram pool's alert to have resolved while its
+    acceptance is still low fails."""
+    groups = vllm_groups()
+    rules = groups[0]["rules"]
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump({"groups": groups}))
+    wrong = case(rules, vllm_pool("ngram", [0.6] * 90 + [0.2] * 150), [(120, manifests.ALERT_VLLM_ALPHA, [])])
+    (tmp_path / "tests.yaml").write_text(yaml.safe_dump(
+        {"rule_files": ["rules.yaml"], "evaluation_interval": "1m", "tests": [wrong]}))
+    rc, out = promtool("test", "rules", "tests.yaml", cwd=tmp_path)
+    assert rc != 0 and manifests.ALERT_VLLM_ALPHA in out, out
+
+
+@pytest.mark.vllm
+def test_vllm_exports_the_counters_the_vllm_rule_reads():
+    """vLLM's own Prometheus logger for speculative decoding (.venv-vllm, `./dev setup --vllm`),
+    driven with one step's stats, exposes manifests.VLLM_DRAFTED and VLLM_ACCEPTED under
+    model_name: the names the rule reads are the names a pool's /metrics has."""
+    python = ROOT / ".venv-vllm" / "bin" / "python"
+    assert python.exists(), "no .venv-vllm: run ./dev setup --vllm"
+    script = textwrap.dedent("""
+        import types, prometheus_client
+        from vllm.v1.spec_decode.metrics import SpecDecodingProm, SpecDecodingStats
+        prom = SpecDecodingProm(types.SimpleNamespace(num_speculative_tokens=3), ["model_name", "engine"],
+                                {0: ["m", "0"]})
+        stats = SpecDecodingStats.new(3)
+        stats.observe_draft(num_draft_tokens=3, num_accepted_tokens=2)
+        prom.observe(stats)
+        print(prometheus_client.generate_latest().decode())
+    """)
+    p = subprocess.run([str(python), "-c", script], capture_output=True, text=True, timeout=TIMEOUT_S * 3)
+    assert p.returncode == 0, p.stderr[-3000:]
+    exposed = {line.split(" ")[0]: float(line.split(" ")[1]) for line in p.stdout.splitlines()
+               if line and not line.startswith("#")}
+    assert exposed[f'{manifests.VLLM_DRAFTED}{{engine="0",model_name="m"}}'] == 3.0, p.stdout
+    assert exposed[f'{manifests.VLLM_ACCEPTED}{{engine="0",model_name="m"}}'] == 2.0, p.stdout

@@ -241,6 +241,27 @@ def test_firing_alerts_expire_without_resends_and_keep_a_later_endsAt():
     assert len(inbox.firing("ml", "chat", now=received_at + 1001)) == 2
 
 
+def test_a_vllm_pools_alpha_alert_falls_the_whole_fleet_back_and_the_documented_route_sends_it():
+    """SpecDecodeVLLMAlphaBelowSLO names a pool (its draft method), not a prompt type: an SLO miss of the
+    whole fleet; and the Alertmanager route docs/alerts.md gives matches every SLO alert."""
+    from specfleet_operator.alerts import SLO_ALERTS
+    labels = {"alertname": manifests.ALERT_VLLM_ALPHA, "severity": "warning", "sdd_namespace": "ml",
+              "sdd_name": "chat", "namespace": "ml", "serving_specfleet_dev_deployment": "chat",
+              manifests.PROM_LABEL_METHOD: "ngram"}
+    body = {"version": "4", "alerts": [{"status": "firing", "labels": labels, "startsAt": STARTS,
+                                        "fingerprint": "0a1b2c3d4e5f6a7b"}]}
+    inbox = AlertInbox()
+    assert inbox.record(parse(json.dumps(body).encode()), now=0).matched == 1
+    (miss,) = inbox.slo_misses("ml", "chat", now=1)
+    assert (miss.name, miss.prompt_type) == (manifests.ALERT_VLLM_ALPHA, None)
+    moved = tick(Observation().with_alerts((miss,)), Memory(), SloPolicy(), 1.0)
+    assert moved.memory.whole
+    (route,) = docs_receiver_config()["route"]["routes"]
+    (matcher,) = route["matchers"]
+    pattern = re.fullmatch(r'alertname=~"(.*)"', matcher).group(1)
+    assert {a for a in SLO_ALERTS if re.fullmatch(pattern, a)} == SLO_ALERTS
+
+
 def test_alerts_name_their_fleet_by_labels_that_survive_scraping():
     def alert(labels):
         body = {"version": "4", "alerts": [{"status": "firing", "labels": {"alertname": "X", **labels},

@@ -146,10 +146,11 @@ def test_prometheus_rule_has_the_standard_alerts_matching_the_operator():
     rendered = rule["spec"]["groups"][0]["rules"]
     # the same rules, word for word, as the operator's builder (which tests/metrics runs in promtool)
     assert rendered == manifests.alert_rules("", "10m", 0.3, 0.1, 1.2, 50, "2h")
+    # every engine's: the chart's rules cover specfleet's and vLLM's fleets at once
     assert [r["alert"] for r in rendered] == [manifests.ALERT_ALPHA, manifests.ALERT_SPEEDUP,
                                               manifests.ALERT_DRAFT_ERRORS, manifests.ALERT_FALLBACK,
                                               manifests.ALERT_ROUTER_REDIS, manifests.ALERT_WORKER_REDIS,
-                                              manifests.ALERT_REDIS_AUTH]
+                                              manifests.ALERT_REDIS_AUTH, manifests.ALERT_VLLM_ALPHA]
     for r in rendered:  # the shape prometheus-operator requires
         assert set(r) <= {"alert", "expr", "for", "labels", "annotations"} and isinstance(r["expr"], str)
     defaults, _ = render({"prometheusRule": {"enabled": True}})
@@ -298,6 +299,52 @@ def test_the_operator_flags_the_chart_passes_exist():
     (deployment,) = [d for d in docs if d["kind"] == "Deployment"]
     options = parse_args(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
     assert options.worker.router_image == "ghcr.io/specfleet/router:0.1.0" and options.worker.read_redis_secrets
+
+
+def test_the_vllm_images_are_chart_values_passed_to_the_operator():
+    """vllm.image / vllm.cpuImage: the operator's images for fleets with engine vllm and no
+    engine.vllm.image; by default the pinned upstream ones (specfleet_api.vllm)."""
+    from specfleet_api import vllm
+    from specfleet_operator.main import parse_args
+    options = parse_args(_operator_args(render({})[0]))
+    assert (options.worker.vllm_image, options.worker.vllm_cpu_image) == (vllm.GPU_IMAGE, vllm.CPU_IMAGE)
+    ours = {"image": "registry.local/vllm-openai@sha256:" + "e" * 64, "cpuImage": "registry.local/vllm-cpu:0.32.0"}
+    options = parse_args(_operator_args(render({"vllm": ours})[0]))
+    assert (options.worker.vllm_image, options.worker.vllm_cpu_image) == (ours["image"], ours["cpuImage"])
+    sdd = {"metadata": {"name": "chat", "namespace": "ml", "uid": "u1"}}
+    spec = with_defaults({"engine": {"name": "vllm"}, "model": {"name": "m", "uri": "/models/m"}, "replicas": 1,
+                          "speculation": {"kPolicy": "fixed", "kInitial": 4, "kMax": 4}})
+    pools = [d for d in manifests.children(sdd, spec, options.worker) if d["metadata"]["name"].startswith("chat--vllm")
+             and d["kind"] == "Deployment"]
+    assert pools and {d["spec"]["template"]["spec"]["containers"][0]["image"] for d in pools} == {ours["cpuImage"]}
+    for bad in ({"vllm": {"image": ""}}, {"vllm": {"cpuImage": "has space"}}, {"vllm": {"gpuImage": "x"}}):
+        with pytest.raises(helm.HelmError):
+            helm.Chart.load(str(CHART)).validate_schema(bad)
+
+
+def test_prometheus_reaches_the_vllm_servers_only_where_networkpolicy_vllm_metrics_from_admits_it():
+    """The vLLM servers' one port serves /metrics and generation: a fleet's own policy admits its
+    router only; networkPolicy.vllmMetricsFrom (Prometheus) is admitted there in every watched
+    namespace, and nothing is opened by default."""
+    docs, _ = render({})
+    assert not [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-vllm-metrics")]
+    prometheus = [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}]
+    docs, _ = render({"networkPolicy": {"vllmMetricsFrom": prometheus}, "watchNamespaces": ["ml", "chat"]})
+    policies = [d for d in docs if d["kind"] == "NetworkPolicy" and d["metadata"]["name"].endswith("-vllm-metrics")]
+    assert sorted(d["metadata"]["namespace"] for d in policies) == ["chat", "ml"]
+    sdd = {"metadata": {"name": "chat", "namespace": "ml", "uid": "u1"}}
+    spec = with_defaults({"engine": {"name": "vllm"}, "model": {"name": "m", "uri": "/models/m"}, "replicas": 1,
+                          "speculation": {"kPolicy": "fixed", "kInitial": 4, "kMax": 4}})
+    pod_labels = next(d for d in manifests.children(sdd, spec, manifests.Settings()) if d["kind"] == "Deployment"
+                      and d["metadata"]["name"] == "chat--vllm-stable-ngram")["spec"]["template"]["metadata"]["labels"]
+    for policy in policies:
+        kubernetes_validate.validate(policy, "1.30", strict=True)
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        assert policy["spec"]["ingress"] == [{"from": prometheus, "ports": [{"port": "http", "protocol": "TCP"}]}]
+    # the port the ServiceMonitor scrapes the pools on
+    svc = next(d for d in manifests.children(sdd, spec, manifests.Settings()) if d["kind"] == "Service"
+               and d["metadata"]["name"] == "chat--vllm-stable-ngram")
+    assert [p["name"] for p in svc["spec"]["ports"]] == ["http"]
 
 
 def test_the_liveness_staleness_is_a_chart_value():

@@ -1081,12 +1081,23 @@ def test_what_vllm_cannot_do_is_refused_by_cel_and_operator_naming_the_field(cas
                                          "pools": {"none": {"replicas": 1}}, "shmSize": "8Gi"}}},
 ])
 def test_a_spec_vllm_can_serve_passes_schema_cel_and_operator(over):
-    """Valid: the CRD admits it and the operator finds nothing wrong in it, only that the engine is
-    reserved until the router routes to its pools (vllm_api.SERVED_ENGINES)."""
+    """Valid: the CRD admits it and the operator finds nothing wrong in it (the engine is served:
+    vllm_api.SERVED_ENGINES), so it renders the fleet's pools."""
     doc = _vllm(over)
     validate_openapi(doc)
     assert cel_failures(doc) == []
-    assert specs.problems(doc["spec"]) == [specs.Problem("spec.engine.name", vllm_api.NOT_SERVED, specs.UNSUPPORTED)]
+    assert specs.problems(doc["spec"]) == []
+    assert vllm_api.VLLM in vllm_api.SERVED_ENGINES
+
+
+def test_an_engine_the_operator_does_not_serve_is_unsupported_naming_the_engine(monkeypatch):
+    """The gate that holds an engine the CRD names before the fleet serves it (none today): Ready
+    False, reason Unsupported, on spec.engine.name."""
+    doc = _vllm({})
+    monkeypatch.setattr(vllm_api, "SERVED_ENGINES", (vllm_api.SPECFLEET,))
+    (problem,) = specs.problems(doc["spec"])
+    assert (problem.field, problem.reason) == ("spec.engine.name", specs.UNSUPPORTED)
+    assert problem.message == "engine 'vllm' is not served yet; served: specfleet"
 
 
 def test_a_remote_target_is_left_to_the_operators_unsupported_as_for_the_workers():

@@ -185,7 +185,7 @@ def test_the_router_refuses_both_a_backend_list_and_discovery():
     import sys
     out = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "router", "--backend", "stable=h:1",
                           "--discover-kubernetes", "stable=chat-stable"], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and "use one or the other" in out.stderr
+    assert out.returncode == 2 and "use static backends or discovery, not both" in out.stderr
     out = subprocess.run([sys.executable, "-m", "specfleet_cli.main", "router", "--discover-kubernetes", "blue=x"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "the arm must be stable or canary" in out.stderr

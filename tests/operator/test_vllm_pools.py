@@ -1,7 +1,8 @@
 """engine vllm: the operator's vLLM pools, as pure manifests (every field, kubernetes-validate on
-1.29 to 1.35, the restricted Pod Security Standard) and with the real operator on the emulator: a
-vLLM fleet is reconciled into its pools, a pool whose method leaves the spec is deleted, and a
-deleted pool comes back."""
+1.29 to 1.35, the restricted Pod Security Standard), the router's flags naming them, the status read
+from them and the alerts on vLLM's counters; and with the real operator on the emulator: a vLLM
+fleet is reconciled into its pools and is Ready when they are, a pool whose method leaves the spec is
+deleted, and a deleted pool comes back."""
 import asyncio
 import json
 import pathlib
@@ -13,9 +14,11 @@ import yaml
 from specfleet_api import fleet_spec as fs
 from specfleet_api import vllm
 
-from specfleet_operator import API_VERSION, KIND
+from specfleet_operator import API_VERSION, KIND, handlers
 from specfleet_operator import manifests as m
+from specfleet_operator.main import parse_args
 from specfleet_operator.spec import problems, with_defaults
+from specfleet_operator.status import compute, condition
 from specfleet_operator.testing import OperatorThread, sdd_body, wait_for
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -28,14 +31,6 @@ GPU = {"requests": {"cpu": "4", "memory": "24Gi", "nvidia.com/gpu": 1},
 #: The volume kinds the restricted Pod Security Standard (v1.30) allows.
 RESTRICTED_VOLUMES = {"configMap", "csi", "downwardAPI", "emptyDir", "ephemeral", "persistentVolumeClaim", "projected",
                       "secret"}
-
-
-@pytest.fixture(autouse=True)
-def served(request, monkeypatch):
-    """The pools as the operator will render them once the router routes to them (engine vllm is
-    reserved until then: the one test that says so runs without this)."""
-    if "unsupported" not in request.node.name:
-        monkeypatch.setattr(vllm, "SERVED_ENGINES", vllm.ENGINES)
 
 
 def spec(**over):
@@ -209,6 +204,123 @@ def test_the_canary_runs_pools_of_its_own_sized_by_canary_replicas():
     assert json.loads(stable["args"][stable["args"].index("--speculative-config") + 1])["num_speculative_tokens"] == 4
 
 
+def flag_values(args, flag):
+    return [args[i + 1] for i, a in enumerate(args) if a == flag]
+
+
+def test_the_router_discovers_every_pool_by_its_service_and_no_worker_service():
+    """--discover-vllm ARM/METHOD=SERVICE for each pool the fleet runs, a pool at 0 replicas too
+    (it just has no endpoints), and no --discover-kubernetes: a vLLM fleet has no worker Service."""
+    s = spec(draft={"method": "eagle", "uri": "/heads/e"},
+             engine={"name": "vllm", "vllm": {"pools": {"none": {"replicas": 0}}}},
+             canary={"weight": 5, "replicas": 1, "overrides": {"speculation": {"kInitial": 3, "kMax": 3}}})
+    kids = by_kind(m.children(SDD, s, m.Settings()))
+    args = container(kids[("Deployment", "demo--router")])["args"]
+    assert flag_values(args, "--discover-vllm") == [
+        "stable/ngram=demo--vllm-stable-ngram", "stable/eagle=demo--vllm-stable-eagle",
+        "stable/none=demo--vllm-stable-none", "canary/ngram=demo--vllm-canary-ngram",
+        "canary/eagle=demo--vllm-canary-eagle", "canary/none=demo--vllm-canary-none"]
+    assert "--discover-kubernetes" not in args and "--vllm-backend" not in args
+    assert pool(kids, method="none")["spec"]["replicas"] == 0
+    for value in flag_values(args, "--discover-vllm"):  # each names a Service of the fleet, its port `http`
+        arm_method, service = value.split("=")
+        role, method = arm_method.split("/")
+        svc = kids[("Service", service)]
+        assert [p["name"] for p in svc["spec"]["ports"]] == ["http"]
+        assert svc["spec"]["selector"] == m.vllm_selector("demo", role, method)
+    # the rest of the router's flags are the engine's neither: the routing table, the drain
+    assert flag_values(args, "--default-method") == ["eagle"] and flag_values(args, "--drain-seconds") == ["30"]
+    # a specfleet fleet: its arms' worker Services, no pool
+    theirs = m.router_args(SDD, with_defaults({"model": {"name": "llama", "uri": "/models/llama"}, "replicas": 1}),
+                           m.Settings())
+    assert flag_values(theirs, "--discover-kubernetes") == ["stable=demo--stable", "canary=demo--canary"]
+    assert "--discover-vllm" not in theirs
+
+
+def test_the_router_takes_the_rendered_flags_and_follows_each_pools_service():
+    """The contract, from the router's side: its own parser and discovery read the rendered flags
+    (argv less the `router` subcommand) as one Service per arm and method, in the fleet's namespace."""
+    from specfleet_router.k8s_discovery import KubernetesDiscovery
+    from specfleet_router.main import build_parser, config_from_args
+    s = spec(draft={"method": "eagle", "uri": "/heads/e"}, canary={"weight": 5, "replicas": 1})
+    args = build_parser().parse_args(container(by_kind(m.children(SDD, s, m.Settings()))[
+        ("Deployment", "demo--router")])["args"][1:])
+    assert config_from_args(args).namespace == "ml"
+    discovery = KubernetesDiscovery.from_flags(args.discover_kubernetes, "ml", vllm_specs=args.discover_vllm)
+    assert discovery.services == {f"{p.role}/{p.method}": m.vllm_pool_name("demo", p.role, p.method)
+                                  for p in vllm.pools(s)}
+    assert set(discovery.services) == {f"{role}/{method}" for role in ("stable", "canary")
+                                       for method in ("ngram", "eagle", "none")}
+
+
+def test_the_operators_vllm_images_are_the_default_and_engine_vllm_image_wins():
+    """--vllm-image / --vllm-cpu-image (the chart's vllm.image / vllm.cpuImage) replace the pinned
+    upstream images; a fleet's engine.vllm.image replaces both."""
+    settings = parse_args(["--vllm-image=registry.local/vllm:gpu", "--vllm-cpu-image=registry.local/vllm:cpu"]).worker
+    assert (settings.vllm_image, settings.vllm_cpu_image) == ("registry.local/vllm:gpu", "registry.local/vllm:cpu")
+    assert container(pool(by_kind(m.children(SDD, spec(), settings))))["image"] == "registry.local/vllm:cpu"
+    assert container(pool(by_kind(m.children(SDD, spec(device="cuda"), settings))))["image"] == \
+        "registry.local/vllm:gpu"
+    own = spec(engine={"name": "vllm", "vllm": {"image": "mine/vllm:1"}})
+    assert container(pool(by_kind(m.children(SDD, own, settings))))["image"] == "mine/vllm:1"
+    default = parse_args([]).worker
+    assert (default.vllm_image, default.vllm_cpu_image) == (vllm.GPU_IMAGE, vllm.CPU_IMAGE)
+    with pytest.raises(SystemExit):
+        parse_args(["--vllm-cpu-image="])
+
+
+def _status_of(s, ready_by_pool, router_ready=2):
+    """The status the operator writes for SDD with each pool's Deployment as rendered, `ready_by_pool`
+    pods ready in it (method -> n; a method left out: no Deployment yet)."""
+    kids = by_kind(m.children(SDD, s, m.Settings()))
+    serving = []
+    for served in m.serving_deployments("demo", s):
+        method = served.name.rsplit("-", 1)[1]
+        d = kids[("Deployment", served.name)] if method in ready_by_pool else None
+        if d is not None:
+            d = {**d, "status": {"readyReplicas": ready_by_pool[method], "updatedReplicas": ready_by_pool[method]}}
+        serving.append((served, d))
+    router = {"spec": {"replicas": 2}, "status": {"readyReplicas": router_ready, "updatedReplicas": router_ready}}
+    body = {**SDD, "spec": s}
+    observed = handlers._observed(body, s, handlers.canary_state({}), handlers._arm(serving, "stable"),
+                                  handlers._arm(serving, "canary") or None, [], router=router)
+    return compute(observed, None, "2025-01-01T00:00:00Z")
+
+
+def test_ready_reads_the_stable_pools_deployments():
+    """Ready is the stable arm's pools (spec.replicas 2 each, the plain pool 1) all rolled out, and the
+    router; one pool short is not made up for by another's surge pod."""
+    s = spec(engine={"name": "vllm", "vllm": {"pools": {"none": {"replicas": 1}}}})
+    assert [(x.name, x.replicas, x.redis) for x in m.serving_deployments("demo", s)] == [
+        ("demo--vllm-stable-ngram", 2, False), ("demo--vllm-stable-none", 1, False)]
+    ok = _status_of(s, {"ngram": 2, "none": 1})
+    ready = condition(ok, "Ready")
+    assert (ready["status"], ready["reason"]) == ("True", "WorkersReady")
+    assert ready["message"].startswith("3/3 stable vLLM servers ready") and ok["replicas"] == {"desired": 3, "ready": 3}
+    short = condition(_status_of(s, {"ngram": 3, "none": 0}), "Ready")  # a surge pod in ngram, none down
+    assert (short["status"], short["reason"], short["message"]) == ("False", "WorkersNotReady",
+                                                                    "2/3 stable vLLM servers ready")
+    creating = condition(_status_of(s, {"ngram": 2}), "Ready")  # the plain pool's Deployment not made yet
+    assert (creating["status"], creating["reason"]) == ("False", "Creating") and "vLLM servers" in creating["message"]
+    router = condition(_status_of(s, {"ngram": 2, "none": 1}, router_ready=0), "Ready")
+    assert (router["status"], router["reason"]) == ("False", "RouterNotReady")
+
+
+def test_a_vllm_fleets_alerts_read_vllms_counters_from_its_stable_pools():
+    s = spec(observability={"prometheusRule": {"enabled": True}}, slo={"window": "10m", "minDraftTokens": 50})
+    rule = by_kind(m.children(SDD, s, m.Settings()))[("PrometheusRule", "demo--alerts")]
+    rules = rule["spec"]["groups"][0]["rules"]
+    assert [r["alert"] for r in rules] == [m.ALERT_VLLM_ALPHA, m.ALERT_FALLBACK, m.ALERT_ROUTER_REDIS,
+                                           m.ALERT_REDIS_AUTH]
+    alpha = rules[0]["expr"]
+    fleet = 'namespace="ml", serving_specfleet_dev_deployment="demo", serving_specfleet_dev_role!="canary"'
+    assert f"increase(vllm:spec_decode_num_accepted_tokens_total{{{fleet}}}[10m])" in alpha
+    assert f"increase(vllm:spec_decode_num_draft_tokens_total{{{fleet}}}[10m])) >= 50" in alpha
+    assert "spec_decode_acceptance_rate" not in alpha and rules[0]["labels"]["sdd_name"] == "demo"
+    from specfleet_operator.alerts import SLO_ALERTS
+    assert m.ALERT_VLLM_ALPHA in SLO_ALERTS  # the receiver turns it into the loop's fallback
+
+
 def test_the_schemas_of_every_version_are_there():
     for version in K8S_VERSIONS:  # a missing version would make the next test validate nothing
         kubernetes_validate.validate({"apiVersion": "v1", "kind": "Service", "metadata": {"name": "x"}, "spec": {}},
@@ -273,20 +385,34 @@ def vllm_body(name, **spec_over):
                              "speculation": {"kPolicy": "fixed", "kInitial": 4, "kMax": 4}, **spec_over})
 
 
-async def test_until_the_router_routes_to_pools_a_vllm_fleet_is_unsupported_and_gets_nothing(cluster, kube):
-    """engine vllm is reserved (vllm.SERVED_ENGINES): Ready False, Unsupported, saying why; no child."""
+async def test_a_vllm_fleet_is_ready_when_its_stable_pools_are_and_not_when_one_falls(cluster, kube):
+    """engine vllm is served: the operator creates the pools and a router that discovers them, and
+    the fleet's Ready (and status.replicas) read the pools' Deployments, not a worker Deployment."""
     op = OperatorThread(cluster.endpoint, "op-a", memo={"converge_interval": 3600.0}).start()
     try:
-        await kube.create(vllm_body("later", replicas=1))
+        await kube.create(vllm_body("served", replicas=1, engine={"name": "vllm", "vllm": {"pools": {
+            "none": {"replicas": 2}}}}))
 
-        def held():
-            sdd = cluster.live(API_VERSION, "specdecodedeployments", "default", "later") or {}
-            return next((c for c in (sdd.get("status") or {}).get("conditions", [])
-                         if c["type"] == "Ready" and c["reason"] == "Unsupported"), None)
-        cond = await wait_for(held, 20, "Ready False, Unsupported")
-        assert cond["status"] == "False" and "spec.engine.name: " + vllm.NOT_SERVED in cond["message"]
-        names = [d["metadata"]["name"] for d in cluster.all_live("apps/v1", "deployments")]
-        assert not [n for n in names if n.startswith("later")], names
+        def status():
+            return (cluster.live(API_VERSION, "specdecodedeployments", "default", "served") or {}).get("status") or {}
+
+        def ready_cond():
+            cond = condition(status(), "Ready")
+            return cond if cond and cond["status"] == "True" else None
+        cond = await wait_for(ready_cond, 20, "Ready True")
+        assert cond["reason"] == "WorkersReady" and cond["message"].startswith("3/3 stable vLLM servers ready")
+        assert status()["replicas"] == {"desired": 3, "ready": 3}
+        assert live(cluster, "Deployment", "served--stable") is None
+        router = container(live(cluster, "Deployment", "served--router"))
+        assert flag_values(router["args"], "--discover-vllm") == ["stable/ngram=served--vllm-stable-ngram",
+                                                                  "stable/none=served--vllm-stable-none"]
+
+        # the plain pool loses a server: the fleet is not Ready, and says how many are
+        await kube.patch("apps/v1", "Deployment", "default", "served--vllm-stable-none",
+                         {"status": {"readyReplicas": 1, "availableReplicas": 1}}, subresource="status")
+        fell = await wait_for(lambda: (c := condition(status(), "Ready")) and c["status"] == "False" and c, 20,
+                              "Ready False")
+        assert (fell["reason"], fell["message"]) == ("WorkersNotReady", "2/3 stable vLLM servers ready")
     finally:
         await op.stop_and_join()
 
