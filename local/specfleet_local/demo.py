@@ -4,7 +4,8 @@ Prompts are picked round-robin over Spec-Bench's categories, sent greedy by a fe
 clients (the official `openai` client, streaming, each prompt its own session so the split is
 the same on every run), with a progress bar. Then, per prompt type and arm: the method the router
 chose (its response headers), tokens/s and time to first token as the client saw them (the
-usage), and alpha, tau and the speed-up from the workers' windows.
+usage), and alpha, tau and the speed-up from the windows the workers publish (for vLLM servers, the
+router, from each answer's metrics).
 """
 
 from __future__ import annotations
@@ -123,6 +124,12 @@ def _f(x: float | None, unit: str = "") -> str:
     return "-" if x is None else f"{x:.2f}{unit}"
 
 
+def windows_of(fleet) -> str:
+    """Whose windows the table reads: the workers publish theirs; for vLLM servers the router
+    publishes what each answer's metrics say (specfleet_router.vllm_evidence)."""
+    return "the router's windows of the vLLM answers" if fleet.vllm else "the workers' windows"
+
+
 def run_demo(fleet, stop: threading.Event) -> int:
     """The demo against a ready `up` fleet; 0 when every request was answered."""
     from specfleet_bench.questions import pick_prompts
@@ -150,7 +157,7 @@ def run_demo(fleet, stop: threading.Event) -> int:
             f"they hold the {answered} requests and {seen - answered} copies of them that the router's canary "
             f"drift check mirrored")
     console.print("tok/s: completion tokens / request time as the client saw it (prefill and queueing included). "
-                  f"alpha, tau, speedup: the workers' windows for that arm and prompt type (the last "
+                  f"alpha, tau, speedup: {windows_of(fleet)} for that arm and prompt type (the last "
                   f"{fleet.window_s:g} s, spec.slo.window; {held}). Routes: the router's x-specfleet-* headers.")
     for r in results:
         if r.error:

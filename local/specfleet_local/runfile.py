@@ -10,9 +10,14 @@ beside it. The document (docs/local.md):
      "redis": {"url": "redis://127.0.0.1:40100/0", "pid": 4243},
      "router": {"url": "http://127.0.0.1:8000", "openai": "http://127.0.0.1:8000/v1",
                 "grpc": "127.0.0.1:50050", "pid": 4250, "log": ".../logs/router.log"},
+     "engine": "specfleet",
      "workers": [{"name": "local-stable-0", "arm": "stable", "pid": 4244, "grpc": "127.0.0.1:41234",
                   "metrics": "http://127.0.0.1:41235/metrics", "log": ".../logs/local-stable-0.log"}],
      "arms": {"stable": {"workers": 1}, "canary": {"workers": 1}}, "workdir": "..."}
+
+With engine "vllm" each of "workers" is a vLLM server: {"name": "vllm-local-stable-ngram-0", "arm":
+"stable", "method": "ngram", "pid": ..., "openai": "http://127.0.0.1:41300/v1", "metrics":
+"http://127.0.0.1:41300/metrics", "cpus": "0", "log": ...}, and "arms" counts the servers.
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ local stand-in for the operator's writer, `state.StateWriter`), the stable and c
 (`specfleet serve` from the engine.json the operator renders for each arm), the router (the
 OpenAI API). SIGINT or SIGTERM stops them in the order that drains requests in flight: the
 router first, then the workers, then Redis; `up` then exits 0.
+
+With `engine: {name: vllm}` the workers are vLLM servers (`pools.PoolServer`, one per replica of
+each pool in the plan), all started at once on the model's Hugging Face folder (`hf_model`), and
+the router is given each as `--vllm-backend ARM/METHOD=HOST:PORT`; the rest is the same code.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import os
 import secrets
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -27,18 +32,22 @@ from rich.progress import Progress, SpinnerColumn, TextColumn
 from rich.table import Table
 
 from specfleet_api import redis_auth
+from specfleet_api import vllm as vllm_api
 from specfleet_api.live_state import state_key
 
 from . import runfile
-from .plan import Plan, SpecError, load_resource, make_plan
-from .procs import Child
+from .plan import Plan, SpecError, VllmServerPlan, load_resource, make_plan
+from .pools import PoolServer
+from .procs import Child, spawn
 from .redis_server import RedisServer
 from specfleet_control.slo import SloPolicy
 from specfleet_worker.shutdown import on_signals
 
 from .state import ControlLoop, HoldSpec, StateWriter, gate_key, initial_state
+from .vllm import VllmError, vllm_python
 
 HOST = "127.0.0.1"  # everything `up` starts listens on loopback only
+EXPORT_TIMEOUT_S = 600.0  # exporting the model for vLLM: 15 s on a 2-core machine
 
 
 class UpError(RuntimeError):
@@ -57,11 +66,12 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default=None,
                    help="run this model instead of the file's spec.model: a bundled name (smollm2-135m), "
                         "tiny-random (the random test model), or a local .gguf file or checkpoint folder")
-    g.add_argument("--workers-per-arm", type=int, default=1, metavar="N",
+    g.add_argument("--workers-per-arm", type=int, default=None, metavar="N",
                    help="worker processes per arm, in place of spec.replicas / scaling / canary.replicas "
-                        "(default 1)")
+                        "(default 1; an engine vllm fleet runs the spec's pool sizes)")
     g.add_argument("--worker-threads", type=int, default=None, metavar="N",
-                   help="torch threads per worker (default: this machine's cores / workers, at least 1)")
+                   help="torch threads per worker (default: this machine's cores / workers, at least 1); with "
+                        "engine vllm, the cores each vLLM server binds (default: an equal share, at least 1)")
     g.add_argument("--worker-arg", action="append", default=[], metavar="ARG",
                    help="one more argument for every `specfleet serve` (e.g. --worker-arg=--max-batch-size=8); "
                         "repeatable")
@@ -71,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--grpc-port", type=int, default=50050, help="the router's gRPC front (default 50050)")
     g.add_argument("--redis-port", type=int, default=0, help="the local redis-server (default: a free port)")
     g.add_argument("--worker-ports", type=int, default=0, metavar="BASE",
-                   help="worker i listens on gRPC BASE+2i and HTTP (/metrics) BASE+2i+1 (default: free ports)")
+                   help="worker i listens on gRPC BASE+2i and HTTP (/metrics) BASE+2i+1; vLLM server i on "
+                        "BASE+i (default: free ports)")
     g = p.add_argument_group("the control loop (docs/control-loop.md)")
     g.add_argument("--no-loop", action="store_true",
                    help="hold the spec's live state: no SLO fallback (the loop runs by default, as the operator's)")
@@ -81,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--drain-seconds", type=float, default=30.0,
                    help="on Ctrl-C, how long the router, then each worker, gets for requests in flight (default 30)")
     g.add_argument("--ready-timeout", type=float, default=900.0, metavar="SECONDS",
-                   help="give up when the workers are not ready after this long (default 900)")
+                   help="give up when the workers (or vLLM servers) are not ready after this long (default 900)")
     g.add_argument("--run-file", default=None,
                    help=f"where `specfleet status` finds this fleet (default ${runfile.ENV}, else "
                         "$XDG_RUNTIME_DIR/specfleet/up.json, else ~/.cache/specfleet/up.json)")
@@ -119,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     try:
         plan = make_plan(load_resource(args.filename), args.filename, workers_per_arm=args.workers_per_arm,
-                         model=args.model, redis_url=f"a local redis-server on {HOST}")
+                         model=args.model, redis_url=f"a local redis-server on {HOST}", threads=args.worker_threads)
     except SpecError as e:
         err.print(f"specfleet up: {e.source} cannot run; nothing was started:")
         for problem in e.problems:
@@ -128,6 +139,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         err.print(f"specfleet up: error: {e}", markup=False)
         return 2
+    if plan.engine == vllm_api.VLLM:
+        if args.worker_arg:
+            err.print("specfleet up: error: --worker-arg is for specfleet's workers; a vLLM server's own flags go in "
+                      "spec.engine.vllm.args; nothing was started", markup=False)
+            return 2
+        try:
+            vllm_python()
+        except VllmError as e:
+            err.print(f"specfleet up: {args.filename} runs vLLM servers (spec.engine.name vllm): {e}; nothing was "
+                      "started", markup=False)
+            return 2
     run_file = Path(args.run_file) if args.run_file else runfile.default_path()
     other = runfile.running(run_file)
     if other is not None:
@@ -135,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{(other.get('router') or {}).get('openai')}); stop it with Ctrl-C there or `kill "
                   f"{other['pid']}`, or pass another --run-file and other ports", markup=False)
         return 1
-    busy = ports_in_use(args)
+    busy = ports_in_use(args, len(plan.servers))
     if busy:
         err.print("specfleet up: " + "; ".join(busy) + "; nothing was started", markup=False)
         return 1
@@ -161,12 +183,12 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def ports_in_use(args: argparse.Namespace) -> list[str]:
+def ports_in_use(args: argparse.Namespace, vllm_servers: int = 0) -> list[str]:
     """The ports asked for that something else holds, each with the flag that moves it."""
     wanted = [(args.http_port, "--http-port"), (args.grpc_port, "--grpc-port"), (args.redis_port, "--redis-port")]
     if args.worker_ports:
-        workers = args.workers_per_arm * 2
-        wanted += [(args.worker_ports + i, "--worker-ports") for i in range(2 * workers)]
+        ports = vllm_servers or 2 * 2 * (args.workers_per_arm or 1)  # a port a server; two a worker, two arms
+        wanted += [(args.worker_ports + i, "--worker-ports") for i in range(ports)]
     out = []
     for port, flag in wanted:
         if not port:
@@ -188,7 +210,7 @@ class Fleet:
         self.workdir = run_file.parent / f"up-{plan.namespace}-{plan.name}"
         self.redis: RedisServer | None = None
         self.writer: StateWriter | None = None
-        self.workers: list[Child] = []
+        self.workers: list[Child | PoolServer] = []  # the workers, or with engine vllm the vLLM servers
         self.router: Child | None = None
         self.demo: threading.Thread | None = None
         self.demo_code: int | None = None
@@ -215,9 +237,15 @@ class Fleet:
                                   period_s=self.args.loop_period)
         self.writer.write()
         self.writer.start()
-        self.workers = [self._worker(arm.name, i, n) for n, (arm, i) in
-                        enumerate((arm, i) for arm in self.plan.arms for i in range(arm.workers))]
-        for w in self.workers:
+        if self.vllm:
+            model = self._vllm_model_folder(stop)
+            if model is None:
+                return 0
+            self.workers = [self._vllm_server(s, n, model) for n, s in enumerate(self.plan.servers)]
+        else:
+            self.workers = [self._worker(arm.name, i, n) for n, (arm, i) in
+                            enumerate((arm, i) for arm in self.plan.arms for i in range(arm.workers))]
+        for w in self.workers:  # all at once: a vLLM server compiles for minutes, and the others beside it
             w.start()
         if not self._wait(lambda: all(w.listening.is_set() for w in self.workers), 120, stop, "the workers to listen"):
             return 0
@@ -235,6 +263,11 @@ class Fleet:
             self.demo = threading.Thread(target=self._run_demo, args=(stop,), name="demo", daemon=True)
             self.demo.start()
         return self._serve(stop)
+
+    @property
+    def vllm(self) -> bool:
+        """Whether the fleet's engine is vLLM: its servers stand where the workers stand."""
+        return self.plan.engine == vllm_api.VLLM
 
     @property
     def admin_password_file(self) -> Path:
@@ -268,8 +301,51 @@ class Fleet:
             c.print("Overridden for this machine (cluster-only fields):")
             for o in p.overrides:
                 c.print(f"  {o}", markup=False)
-        for text in p.not_run:
-            c.print(f"Not run locally yet (the control loop): {text}", markup=False)
+        if self.args.no_loop:
+            for text in p.not_run:
+                c.print(f"Held by --no-loop: {text}", markup=False)
+        if self.vllm:
+            pools = {}
+            for s in p.servers:
+                pools[f"{s.arm}/{s.method}"] = pools.get(f"{s.arm}/{s.method}", 0) + 1
+            c.print("vLLM servers (.venv-vllm), a pool per arm and draft method: " +
+                    ", ".join(f"{pool} ({n})" for pool, n in pools.items()), markup=False)
+
+    def _vllm_model_folder(self, stop: threading.Event) -> Path | None:
+        """The Hugging Face folder the vLLM servers load: the plan's, or the one `hf_model` exports
+        (torch: in a child process, so that `up` stays torch-free); None when stopped first."""
+        m = self.plan.vllm_model
+        if m.folder:
+            return Path(m.folder)
+        log = self.workdir / "logs" / "export-hf.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        with self.console.status(f"The model for vLLM: {m.export} as a Hugging Face folder (exported once into "
+                                 "specfleet's cache, about 15 s; then reused)"):
+            with open(log, "wb") as f:
+                proc = spawn([sys.executable, "-m", "specfleet_local.hf_model", m.export], stdin=subprocess.DEVNULL,
+                             stdout=subprocess.PIPE, stderr=f)
+            while proc.poll() is None:
+                if stop.wait(0.2) or time.monotonic() - start > EXPORT_TIMEOUT_S:
+                    proc.kill()
+                    proc.wait(10)
+                    if stop.is_set():
+                        return None
+                    raise UpError(f"exporting {m.export} took over {EXPORT_TIMEOUT_S:.0f} s; its log: {log}")
+        out = proc.stdout.read().decode().strip()
+        proc.stdout.close()
+        if proc.returncode != 0 or not out:
+            lines = "\n".join(f"  {line}" for line in log.read_text(errors="replace").splitlines()[-8:])
+            raise UpError(f"could not write {m.export} as a Hugging Face folder for vLLM (exit {proc.returncode}):\n"
+                          f"{lines}\n  (whole log: {log})")
+        folder = Path(out.splitlines()[-1])
+        self.console.print(f"The model for vLLM: {folder} ({time.monotonic() - start:.0f} s)", markup=False)
+        return folder
+
+    def _vllm_server(self, planned: VllmServerPlan, n: int, model: Path) -> PoolServer:
+        port = self.args.worker_ports + n if self.args.worker_ports else None
+        return PoolServer(planned, model, self.workdir / "logs" / f"{planned.name}.log", port=port,
+                          ready_timeout_s=self.args.ready_timeout + 60)  # `up`'s own --ready-timeout first
 
     def _worker(self, arm: str, index: int, n: int) -> Child:
         p, a = self.plan, self.args
@@ -315,7 +391,8 @@ class Fleet:
         if p.model_name != p.name:
             cmd += ["--model-alias", p.model_name]
         for w in self.workers:
-            cmd += ["--backend", f"{w.arm}={HOST}:{w.ports['grpc']}"]
+            cmd += (["--vllm-backend", f"{w.arm}/{w.method}={HOST}:{w.ports['http']}"] if self.vllm else
+                    ["--backend", f"{w.arm}={HOST}:{w.ports['grpc']}"])
         return Child("router", cmd, self.workdir / "logs" / "router.log",
                      {"POD_NAME": f"{p.name}-router", "SPECFLEET_FLEET_WINDOW_S": str(self.window_s),
                       **{k: v for k, v in self._redis_env().items() if k != redis_auth.URL_ENV}})
@@ -343,13 +420,24 @@ class Fleet:
         dead = [w for w in self.workers if w.proc is not None and not w.alive()]
         if dead and (starting or len(dead) == len(self.workers)):
             w = dead[0]
-            raise UpError(f"worker {w.name} exited (code {w.proc.returncode}); its last lines:\n{w.last_lines()}")
+            raise UpError(f"{self._kind} {w.name} exited (code {w.proc.returncode}); its last lines:\n"
+                          f"{w.last_lines()}")
+
+    @property
+    def _kind(self) -> str:
+        return "vLLM server" if self.vllm else "worker"
 
     def _wait_workers_ready(self, stop: threading.Event) -> bool:
         """Progress, one line a worker, until all are ready; False when stopped first."""
         end = time.monotonic() + self.args.ready_timeout
-        self.console.print(f"Loading {len(self.workers)} worker{'s' * (len(self.workers) > 1)} "
-                           "(model load, then step-cost calibration; about 30 s for SmolLM2 on a 2-core machine):")
+        n = len(self.workers)
+        if self.vllm:
+            self.console.print(f"Starting {n} vLLM server{'s' * (n > 1)} at once (each compiles the model at every "
+                               "start: about 100 s a server on a quiet 2-core machine, longer side by side; shown: "
+                               "CPU time used, last log line):")
+        else:
+            self.console.print(f"Loading {n} worker{'s' * (n > 1)} "
+                               "(model load, then step-cost calibration; about 30 s for SmolLM2 on a 2-core machine):")
         with Progress(SpinnerColumn(finished_text="[green]✓[/green]"), TextColumn("{task.description:<24}"),
                       TextColumn("{task.fields[phase]}"), console=self.console) as progress:
             tasks = {w.name: progress.add_task(w.name, total=None, phase=w.phase) for w in self.workers}
@@ -367,7 +455,8 @@ class Fleet:
                     return False
                 self._check_alive(starting=True)
                 if time.monotonic() > end:
-                    raise UpError(f"the workers were not ready within --ready-timeout {self.args.ready_timeout:.0f} s")
+                    raise UpError(f"the {self._kind}s were not ready within --ready-timeout "
+                                  f"{self.args.ready_timeout:.0f} s")
                 time.sleep(0.2)
         return True
 
@@ -391,12 +480,17 @@ class Fleet:
         grid = Table.grid(padding=(0, 2))
         grid.add_row("router", f"gRPC {HOST}:{self.router.ports['grpc']}, metrics {url}/metrics, log {self.router.log_path}")
         for w in self.workers:
-            grid.add_row(w.name, f"gRPC {HOST}:{w.ports['grpc']}, metrics http://{HOST}:{w.ports['http']}/metrics, "
-                                 f"threads {w.cmd[w.cmd.index('--threads') + 1]}")
+            if self.vllm:
+                grid.add_row(w.name, f"vLLM, {w.arm} arm's {w.method} pool: OpenAI {w.url}/v1, metrics "
+                                     f"{w.url}/metrics, cores {w.planned.cpus}, log {w.log_path}")
+            else:
+                grid.add_row(w.name, f"gRPC {HOST}:{w.ports['grpc']}, metrics http://{HOST}:{w.ports['http']}/metrics, "
+                                     f"threads {w.cmd[w.cmd.index('--threads') + 1]}")
         s = self.writer.state
         grid.add_row("redis", f"{self.redis.url}, live state at {state_key(p.namespace, p.name)} (version {s.version}: "
                               f"canary {s.canary_weight:g}%, default method {s.default_method})")
-        grid.add_row("files", f"{self.workdir} (engine.json per arm, logs/); run file {self.run_file}")
+        grid.add_row("files", f"{self.workdir} ({'' if self.vllm else 'engine.json per arm, '}logs/); run file "
+                              f"{self.run_file}")
         self.console.print(grid)
         self.console.print("`specfleet status` shows the fleet; Ctrl-C stops it all.")
 
@@ -409,9 +503,13 @@ class Fleet:
                       "passwordFile": str(self.admin_password_file)},
             "router": {"url": url, "openai": f"{url}/v1", "grpc": f"{HOST}:{self.router.ports['grpc']}",
                        "pid": self.router.pid, "log": str(self.router.log_path)},
-            "workers": [{"name": w.name, "arm": w.arm, "pid": w.pid,
-                         "grpc": f"{HOST}:{w.ports['grpc']}", "metrics": f"http://{HOST}:{w.ports['http']}/metrics",
-                         "log": str(w.log_path)} for w in self.workers],
+            "engine": p.engine,
+            "workers": [({"name": w.name, "arm": w.arm, "method": w.method, "pid": w.pid, "openai": f"{w.url}/v1",
+                          "metrics": f"{w.url}/metrics", "cpus": w.planned.cpus, "log": str(w.log_path)}
+                         if self.vllm else
+                         {"name": w.name, "arm": w.arm, "pid": w.pid, "grpc": f"{HOST}:{w.ports['grpc']}",
+                          "metrics": f"http://{HOST}:{w.ports['http']}/metrics", "log": str(w.log_path)})
+                        for w in self.workers],
             "arms": {a.name: {"workers": a.workers} for a in p.arms},
         })
 
@@ -433,7 +531,7 @@ class Fleet:
             for w in self.workers:
                 if not w.alive() and w.name not in reported:
                     reported.add(w.name)
-                    self.console.print(f"[yellow]worker {w.name} exited (code {w.proc.returncode}); the router "
+                    self.console.print(f"[yellow]{self._kind} {w.name} exited (code {w.proc.returncode}); the router "
                                        f"serves on the others. Its last lines:[/yellow]\n{w.last_lines()}")
             if self.demo is not None and not self.demo.is_alive() and self.args.exit_after_demo:
                 return self.demo_code or 0
@@ -451,7 +549,7 @@ class Fleet:
         if self.router is not None:
             if self.router.alive():
                 self.console.print(f"Stopping: the router first (requests in flight get up to "
-                                   f"{self.args.drain_seconds:g} s), then the workers, then Redis")
+                                   f"{self.args.drain_seconds:g} s), then the {self._kind}s, then Redis")
             self.router.signal(signal.SIGTERM)
             said.append(f"router (exit {self.router.wait(grace, force)})")
         for w in self.workers:

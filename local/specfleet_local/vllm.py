@@ -17,6 +17,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -181,7 +182,7 @@ class VllmServer:
             return f"  (no log at {self.log})"
         return "\n".join(f"  {line}" for line in lines[-n:]) + f"\n  (whole log: {self.log})"
 
-    def _phase(self) -> str:
+    def phase(self) -> str:
         """The server's last log line, shortened: what it is doing, for a person waiting."""
         try:
             with open(self.log, "rb") as f:
@@ -222,29 +223,34 @@ class VllmServer:
             if progress and now - said >= every_s:
                 said = now
                 progress(f"vLLM on port {self.port}: {now - self.started_at:.0f} s, {used:.0f} CPU s: "
-                         f"{self._phase()}")
+                         f"{self.phase()}")
             time.sleep(1.0)
 
-    def stop(self, timeout_s: float = 60.0) -> int | None:
-        """SIGTERM to the server's process group, SIGKILL to what is left after `timeout_s`; its exit code."""
+    def send_signal(self, sig: int = signal.SIGTERM) -> None:
+        """`sig` to the server's whole process group (the API server and the engine core it spawned);
+        nothing once the group is gone."""
         if self.proc is None:
-            return None
-        pgid = self.proc.pid  # spawn made it a session (and group) leader: its engine core is in its group
+            return
         try:
-            os.killpg(pgid, signal.SIGTERM)
+            os.killpg(self.proc.pid, sig)  # spawn made it a session (and group) leader
         except ProcessLookupError:
             pass
+
+    def stop(self, timeout_s: float = 60.0, force: threading.Event | None = None) -> int | None:
+        """SIGTERM to the server's process group, SIGKILL to what is left after `timeout_s` (or as
+        soon as `force` is set: a second Ctrl-C); its exit code."""
+        if self.proc is None:
+            return None
+        pgid = self.proc.pid
+        self.send_signal(signal.SIGTERM)
         end = time.monotonic() + timeout_s
-        while time.monotonic() < end:
+        while time.monotonic() < end and not (force is not None and force.is_set()):
             self.proc.poll()  # reaps it: a zombie still counts as the group's
             if not _group_alive(pgid):
                 break
             time.sleep(0.2)
         else:
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:  # gone since the last look
-                pass
+            self.send_signal(signal.SIGKILL)  # gone since the last look: nothing happens
         try:
             return self.proc.wait(10)
         except subprocess.TimeoutExpired:
