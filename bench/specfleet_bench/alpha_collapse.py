@@ -74,7 +74,21 @@ def ood_prompt(rng: random.Random) -> str:
 
 
 def spec(model: str, window_s: float, dwell_s: float, recover_s: float, probe_share: float,
-         quantization: str = "none") -> dict:
+         quantization: str = "none", engine: str = "specfleet") -> dict:
+    """The episode's fleet. With engine vllm: an n-gram pool (a fixed K 4, as vLLM drafts) and the
+    plain pool, one vLLM server each, on the bundled model (`specfleet up` exports it)."""
+    doc = _spec(model, window_s, dwell_s, recover_s, probe_share, quantization)
+    if engine == "vllm":
+        s = doc["spec"]
+        s["engine"] = {"name": "vllm"}
+        s["model"] = {"name": "smollm2-135m", "uri": "smollm2-135m-instruct", "source": {"pvc": {"claimName": "hf"}}}
+        s["speculation"] = {"kPolicy": "fixed", "kInitial": 4, "kMax": 4}
+        del s["quantization"]
+    return doc
+
+
+def _spec(model: str, window_s: float, dwell_s: float, recover_s: float, probe_share: float,
+          quantization: str = "none") -> dict:
     return {"apiVersion": "serving.specfleet.dev/v1alpha1", "kind": "SpecDecodeDeployment",
             "metadata": {"name": NAME, "namespace": NAMESPACE},
             "spec": {"model": {"name": "smollm2-135m", "uri": "gguf://SmolLM2-135M-Instruct.Q4_1.gguf"},
@@ -166,7 +180,7 @@ class Episode:
         self.prompts = {t: by_type.get(t, [])[:24] for t in self.kinds}
         assert all(len(p) >= 4 for p in self.prompts.values()), {t: len(p) for t, p in by_type.items()}
         self.policy = SloPolicy.from_spec(spec(args.model, args.window, args.dwell, args.recover_after,
-                                               args.probe_share, args.quantization)["spec"])
+                                               args.probe_share, args.quantization, args.engine)["spec"])
         self.loop_doc: dict = {}
         self.missing: str | None = None  # what the loop still lacked when a phase reached its limit
 
@@ -266,8 +280,9 @@ class Episode:
     def run(self) -> dict:
         a = self.args
         with tempfile.TemporaryDirectory(prefix="specfleet-collapse-") as tmp, local_fleet(
-                spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share, a.quantization), Path(tmp), loop_period=a.loop_period,
-                worker_threads=a.worker_threads, max_batch=a.max_batch, model=a.model, ready_timeout=a.ready_timeout,
+                spec(a.model, a.window, a.dwell, a.recover_after, a.probe_share, a.quantization, a.engine), Path(tmp),
+                loop_period=a.loop_period, worker_threads=a.worker_threads, max_batch=a.max_batch, model=a.model,
+                ready_timeout=a.ready_timeout, engine=a.engine,
                 name="collapse") as doc:
             self.t0 = time.monotonic()
             threads = [threading.Thread(target=self.sampler, args=(doc,), daemon=True)]
@@ -573,6 +588,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the workers' weights: none (fp32, the default) or int8. With the fused decoder step an "
                         "int8 step is cheap enough that n-gram drafts pay little at a few clients and the "
                         "policy drafts rarely, so a healthy type's evidence gathers slowly")
+    p.add_argument("--engine", choices=("specfleet", "vllm"), default="specfleet",
+                   help="the workers: specfleet's (default) or vLLM servers, an n-gram pool and the plain pool "
+                        "(vLLM's CPU build: ./dev setup --vllm)")
     p.add_argument("--type", default="translation", help="the prompt type that collapses (default translation)")
     p.add_argument("--other", default="math", help="the prompt type that stays healthy (default math)")
     p.add_argument("--temperature", type=float, default=1.5, help="the collapsed traffic's temperature (default 1.5)")

@@ -18,17 +18,20 @@ from specfleet_local import procs, runfile
 
 @contextlib.contextmanager
 def local_fleet(doc: dict, workdir: Path, *, loop_period: float = 1.0, worker_threads: int = 2, max_batch: int = 8,
-                model: str = "smollm2", ready_timeout: float = 300.0, name: str = "fleet") -> Iterator[dict]:
+                model: str = "smollm2", ready_timeout: float = 300.0, name: str = "fleet",
+                engine: str = "specfleet") -> Iterator[dict]:
     """Serves `doc` (a SpecDecodeDeployment) and yields `specfleet up`'s run file (its router's
     URLs, its Redis); the fleet's output goes to `<workdir>/<name>.out`. Tied to this process: a
-    harness killed mid-episode (a test's timeout) leaves no fleet behind."""
+    harness killed mid-episode (a test's timeout) leaves no fleet behind. With engine vllm the
+    pools are vLLM servers: `up` shares the cores out and sizes their batches itself."""
     spec_file, run_file, out = workdir / f"{name}.yaml", workdir / f"{name}-up.json", workdir / f"{name}.out"
     spec_file.write_text(yaml.safe_dump(doc))
     env = {k: v for k, v in os.environ.items() if k not in ("SPECFLEET_REDIS_URL", runfile.ENV)}
     cmd = [sys.executable, "-m", "specfleet_cli.main", "up", "-f", str(spec_file), "--http-port", "0",
-           "--grpc-port", "0", "--run-file", str(run_file), "--loop-period", str(loop_period),
-           "--drain-seconds", "5", "--worker-threads", str(worker_threads), f"--worker-arg=--max-batch-size={max_batch}"]
-    if model != "smollm2":
+           "--grpc-port", "0", "--run-file", str(run_file), "--loop-period", str(loop_period), "--drain-seconds", "5"]
+    if engine != "vllm":
+        cmd += ["--worker-threads", str(worker_threads), f"--worker-arg=--max-batch-size={max_batch}"]
+    if model != "smollm2" and engine != "vllm":
         cmd += ["--model", model]
     up = procs.spawn(cmd, stdout=open(out, "w"), stderr=subprocess.STDOUT, env=env)
     try:
