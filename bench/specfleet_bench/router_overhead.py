@@ -153,10 +153,10 @@ VLLM_MODEL = "smollm2-135m-instruct"  # the served model name, and the router's 
 def start_vllm(args, tmp: Path):
     """A vLLM server on the bundled model (exported to `tmp`), n-gram drafts at --k-max unless
     --method none; returns it once ready (its start-up printed as it goes)."""
-    from specfleet_engine.hf_export import export_hf
+    from specfleet_local.hf_model import cached_export
     from specfleet_local.vllm import VllmServer, ngram_config
 
-    folder = export_hf(args.model, tmp / VLLM_MODEL, progress=lambda _: None)
+    folder = cached_export(args.model, progress=lambda _: None)
     speculative = None if args.method == "none" else ngram_config(args.k_max)
     cpus = None if args.threads is None else ",".join(str(c) for c in range(args.threads))
     server = VllmServer(folder, speculative, served_model_name=VLLM_MODEL, cpus=cpus, log=tmp / "vllm.log").start()

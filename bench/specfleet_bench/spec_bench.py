@@ -6,6 +6,12 @@ the ratios compare runs made under the same machine load. Also measured in the s
 greedy agreement of each low-precision model with fp32 (teacher-forced on fp32's outputs),
 the weight bytes streamed per second against the machine's memory bandwidth, and whether each
 speculative output equals its plain twin token for token.
+
+vLLM's CPU build runs as vllm/none and vllm/ngram (spec_bench_vllm: same prompt ids, greedy, max
+tokens, threads and K): a server a configuration, started once (not timed) after our
+configurations have run every question, so its ratios compare runs made at another time of the
+run. Its greedy outputs are compared with fp32/none's token for token (equal, or where they first
+differ).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from specfleet_api.enums import (
 )
 
 from .questions import default_questions, load_questions
+from .spec_bench_vllm import VllmConfig, require_venv
 
 DEFAULT_CONFIGS = "fp32/none,fp32/ngram,bf16/none,bf16/ngram,int8/none,int8/ngram,hf/plain,hf/lookup"
 
@@ -37,7 +44,9 @@ def add_bench_args(p: argparse.ArgumentParser) -> None:
                         "none|ngram|eagle|medusa (+ -tree for trees; eagle and medusa + +ngram for the n-gram's "
                         "chains mixed in), kPolicy " + "|".join(SERVED_K_POLICIES) +
                         " (default: adaptive; fp32/eagle@confidence,fp32/eagle@entropy compare them in one run); "
-                        "hf/plain and hf/lookup run HF transformers' generate (default: %(default)s)")
+                        "hf/plain and hf/lookup run HF transformers' generate; vllm/none and vllm/ngram a vLLM "
+                        "server (`./dev setup --vllm`; n-gram at -k, else the engine's default K) "
+                        "(default: %(default)s)")
     p.add_argument("--per-category", type=int, default=0, help="questions per category (0: all)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("-k", type=int, default=None, help="fixed draft length (default: the engine's adaptive K)")
@@ -102,6 +111,9 @@ MIXED_HEADS = (Method.EAGLE.value, Method.MEDUSA.value)  # the METHODS that MIX 
 CORPUS_TOKENS = 16384  # --corpus-tokens' default (and step_breakdown's)
 RECYCLE_TOP = 4  # --recycle's default: the target's top next tokens kept after each token
 HF_METHODS = ("plain", "lookup")
+#: vLLM's CPU build (spec_bench_vllm): plain decoding, and n-gram drafting at our n-gram's K
+VLLM, VLLM_METHODS = "vllm", (Method.NONE.value, Method.NGRAM.value)
+EXTERNAL = ("hf", VLLM)  # the PRECISIONs of other engines: no model of ours behind them
 POLICY = "@"  # METHOD@KPOLICY: the configuration's K policy (speculation.kPolicy), else the engine's adaptive
 BASELINE = (PRECISIONS[0], Method.NONE.value)  # fp32 plain decoding: every ratio is taken against it
 
@@ -119,12 +131,14 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
 
     >>> parse_configs("fp32/eagle-tree+ngram,int8/ngram-corpus-tree")
     [('fp32', 'none'), ('fp32', 'eagle-tree+ngram'), ('int8', 'ngram-corpus-tree')]
+    >>> parse_configs("vllm/none,vllm/ngram")
+    [('fp32', 'none'), ('vllm', 'none'), ('vllm', 'ngram')]
     """
     out = []
     for item in spec.split(","):
         prec, _, named = item.strip().partition("/")
         method, at, policy = named.partition(POLICY)
-        if at and (policy not in SERVED_K_POLICIES or method == Method.NONE.value or prec == "hf"):
+        if at and (policy not in SERVED_K_POLICIES or method == Method.NONE.value or prec in EXTERNAL):
             raise ValueError(f"--configs: {item!r}: @KPOLICY must be one of {', '.join(SERVED_K_POLICIES)}, "
                              "after a speculative method of the engine")
         mixed = method.endswith(MIX)
@@ -132,11 +146,12 @@ def parse_configs(spec: str) -> list[tuple[str, str]]:
         base = chain.removesuffix(RECYCLE).removesuffix(CORPUS)
         ok = (prec in PRECISIONS and base in METHODS and (base != Method.NONE.value or base == method)
               and (chain == base or base == Method.NGRAM.value) and (not mixed or base in MIXED_HEADS)) or (
-            prec == "hf" and method in HF_METHODS)
+            prec == "hf" and method in HF_METHODS) or (prec == VLLM and method in VLLM_METHODS)
         if not ok:
             raise ValueError(f"--configs: {item!r} is not PRECISION/METHOD ({'|'.join(PRECISIONS)} / "
                              f"{'|'.join(METHODS)}[{CORPUS}][{RECYCLE}][{TREE}], {'|'.join(MIXED_HEADS)}[{TREE}]{MIX}, "
-                             f"each [{POLICY}KPOLICY], or hf/{'|hf/'.join(HF_METHODS)})")
+                             f"each [{POLICY}KPOLICY], hf/{'|hf/'.join(HF_METHODS)}, "
+                             f"or {VLLM}/{f'|{VLLM}/'.join(VLLM_METHODS)})")
         out.append((prec, named))
     if BASELINE not in out:
         out.insert(0, BASELINE)
@@ -175,6 +190,11 @@ class Runner:
             kw = dict(gguf_file=p.name) if p.suffix == ".gguf" else {}
             self.hf = AutoModelForCausalLM.from_pretrained(str(p.parent if p.suffix == ".gguf" else p),
                                                            dtype=torch.float32, local_files_only=True, **kw).eval()
+
+    def k_of(self, prec: str) -> int:
+        """The K a speculative configuration of `prec` drafts: -k, else the engine's default (the
+        bound its K policy moves K under); vllm/ngram drafts the fp32 engine's."""
+        return self.k if self.k is not None else self.engines[prec].default_k
 
     def run(self, prec: str, method: str, prompt: list[int],
             hf_lookup: int) -> tuple[list[int], float, int, int, int, int]:
@@ -224,7 +244,7 @@ class Runner:
             engine.proposers[method + MIX] = MixedProposer(self.proposers[prec, config], engine.proposers[method])
             method += MIX
         params = SamplingParams(max_tokens=self.max_tokens)
-        k = self.k if self.k is not None else engine.default_k
+        k = self.k_of(prec)
         # -k: that many drafts every step (the K policy may not move it); else the policy's K
         bounds = dict(k_min=k, k_max=k) if self.k is not None and method != "none" else {}
         engine.k_policy = self.policies[prec, policy] if policy else default_policy
@@ -251,6 +271,29 @@ def teacher_forced_agreement(engine_lp, prompt: list[int], output: list[int]) ->
     logits = engine_lp._forward([seq], [ctx], "all")[len(prompt) - 1:]  # row i predicts output[i]
     engine_lp.abort(seq)
     return int((logits.argmax(-1) == torch.tensor(output)).sum()), len(output)
+
+
+def agreement_with_baseline(runs: list[Run], name: str) -> dict:
+    """How `name`'s greedy outputs compare with fp32/none's on the questions both ran: how many
+    are equal token for token, and for each other question the first position where they differ
+    (a shorter output differs where it ends).
+
+    >>> runs = [Run(c, "qa", q, 3, 1.0, 3, 0, 0, out) for c, q, out in [("fp32/none", 1, [5, 6, 7]),
+    ...     ("vllm/none", 1, [5, 6, 7]), ("fp32/none", 2, [5, 6, 7]), ("vllm/none", 2, [5, 9, 7]),
+    ...     ("fp32/none", 3, [5, 6, 7]), ("vllm/none", 3, [5, 6])]]
+    >>> agreement_with_baseline(runs, "vllm/none")
+    {'equal': 1, 'questions': 3, 'first_difference': {2: 1, 3: 2}}
+    """
+    from specfleet_router.drift import first_difference
+
+    base = {r.question_id: r.output for r in runs if r.config == "/".join(BASELINE)}
+    differ = {}
+    theirs = [r for r in runs if r.config == name and r.question_id in base]
+    for r in theirs:
+        at = first_difference(base[r.question_id], r.output)
+        if at is not None:
+            differ[r.question_id] = at
+    return {"equal": len(theirs) - len(differ), "questions": len(theirs), "first_difference": differ}
 
 
 def summarize(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
@@ -280,6 +323,9 @@ def summarize(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
             if name.endswith(MIX):  # how much of what was accepted the n-gram's chains drafted
                 ngram = sum(r.ngram_accepted for r in rs)
                 rows[name]["ngram_share"] = round(ngram / accepted, 3) if accepted else None
+            if prec == VLLM:  # another engine: its greedy outputs against ours
+                agree = agreement_with_baseline(sel, name)
+                rows[name]["equal_to_fp32_plain"], rows[name]["questions"] = agree["equal"], agree["questions"]
         table[cat] = rows
     return table
 
@@ -314,7 +360,7 @@ def method_per_type(runs: list[Run], configs: list[tuple[str, str]]) -> dict:
     """
     out = {}
     cats = sorted({r.category for r in runs})
-    for prec in dict.fromkeys(p for p, _ in configs if p != "hf"):
+    for prec in dict.fromkeys(p for p, _ in configs if p not in EXTERNAL):
         names = [f"{p}/{m}" for p, m in configs if p == prec]
         if len(names) < 2:
             continue
@@ -338,7 +384,7 @@ def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
 
     names = [f"{p}/{m}" for p, m in configs]
     t = Table(title="Spec-Bench: tok/s (speedup over fp32 plain; tau; alpha; mixed: share of accepted tokens "
-                    "the n-gram drafted)")
+                    "the n-gram drafted; vLLM: questions whose output equals fp32 plain's)")
     t.add_column("category")
     for n in names:
         t.add_column(n, justify="right")
@@ -348,13 +394,15 @@ def print_table(table: dict, configs: list[tuple[str, str]], console) -> None:
             r = rows[n]
             extra = f" τ{r['tau']:.2f} α{r['alpha']:.2f}" if r["alpha"] is not None else ""
             extra += f" ng{r['ngram_share']:.0%}" if r.get("ngram_share") is not None else ""
+            extra += f" ={r['equal_to_fp32_plain']}/{r['questions']}" if "questions" in r else ""
             cells.append(f"{r['tok_s']:.1f} ({r['speedup_vs_fp32_plain']:.2f}x){extra}")
         t.add_row(cat, *cells, end_section=cat == list(table)[-2])
     console.print(t)
 
 
 def markdown_table(table: dict, configs: list[str]) -> str:
-    """The same table as Markdown: tok/s (speedup over fp32 plain; tau, alpha) per cell."""
+    """The same table as Markdown: tok/s (speedup over fp32 plain; tau, alpha; vLLM: =equal/questions)
+    per cell."""
     lines = ["| category | " + " | ".join(configs) + " |", "|---" * (len(configs) + 1) + "|"]
     for cat, rows in table.items():
         cells = []
@@ -365,6 +413,8 @@ def markdown_table(table: dict, configs: list[str]) -> str:
                 cell += f" τ{r['tau']:.2f} α{r['alpha']:.2f}"
             if r.get("ngram_share") is not None:
                 cell += f" ng{r['ngram_share']:.0%}"
+            if "questions" in r:
+                cell += f" ={r['equal_to_fp32_plain']}/{r['questions']}"
             cells.append(cell)
         name = f"**{cat}**" if cat == "overall" else cat
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
@@ -394,6 +444,45 @@ def plot(table: dict, configs: list[tuple[str, str]], path: Path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_vllm_configs(args, runner: Runner, configs: list[tuple[str, str]], questions: list[dict],
+                     prompts: list[list[int]], warm: list[int], console) -> tuple[list[Run], dict]:
+    """Each vllm/METHOD configuration on every question, after ours: its server started on the
+    model's export (the start not timed, its seconds printed), one warm-up request, the questions
+    one at a time on the prompt ids ours decoded, the server stopped. Its runs, and per
+    configuration what the results keep of its server and of the seconds the answers report."""
+    import torch
+
+    with console.status(f"{args.model} as a HF folder for vLLM"):
+        from specfleet_local.hf_model import cached_export
+
+        model_dir = cached_export(args.model, progress=console.print)
+    runs: list[Run] = []
+    info = {}
+    for prec, method in configs:
+        name = f"{prec}/{method}"
+        log = args.out.with_name(f"{args.out.stem}.{prec}-{method}.log")
+        vc = VllmConfig(model_dir, method, runner.k_of(BASELINE[0]), torch.get_num_threads(),
+                        runner.tokenizer.eos_token_ids, args.max_tokens, args.model, log)
+        console.print(f"{name}: starting vLLM on {model_dir}, cores {vc.cpus}"
+                      f"{f', n-gram K {vc.k}' if vc.speculating else ''}; log {log}")
+        ready = vc.start(progress=console.print)
+        try:
+            console.print(f"{name}: vLLM ready after {ready:.0f} s (not timed)")
+            vc.run(warm)  # the first request pays one-off costs
+            vc.server_seconds = 0.0
+            for q, prompt in zip(questions, prompts):
+                out, dt, steps, drafted, accepted, ngram = vc.run(prompt)
+                runs.append(Run(name, q["category"], q["question_id"], len(out), dt, steps, drafted, accepted, out,
+                                ngram))
+                console.print(f"{name} q{q['question_id']} {q['category']}: {len(out)} tokens in {dt:.2f} s "
+                              f"({len(out) / max(dt, 1e-9):.1f} tok/s)", soft_wrap=True)
+        finally:
+            vc.stop()
+        client_s = sum(r.seconds for r in runs if r.config == name)
+        info[name] = vc.summary() | {"client_seconds": round(client_s, 3), "server_seconds": round(vc.server_seconds, 3)}
+    return runs, info
+
+
 def run_bench(args) -> int:
     import torch
 
@@ -407,8 +496,12 @@ def run_bench(args) -> int:
     if any(m.removesuffix(MIX).removesuffix(TREE) == Method.MEDUSA for _, m in configs) and not getattr(args, "medusa_heads", None):
         raise ValueError("--configs: medusa configs need --medusa-heads FOLDER (`specfleet train-draft --method "
                          "medusa` makes one for --model)")
+    vllm_configs = [(p, m) for p, m in configs if p == VLLM]
+    ours = [(p, m) for p, m in configs if p != VLLM]
+    if vllm_configs:
+        require_venv()  # before any model loads: a missing venv names its set-up step
     questions = load_questions(args.questions or default_questions(), args.per_category)
-    precisions = {p for p, _ in configs if p != "hf"}
+    precisions = {p for p, _ in configs if p not in EXTERNAL}
     console.print(f"[bold]specfleet bench[/]: {len(questions)} questions, configs {', '.join(f'{p}/{m}' for p, m in configs)}, "
                   f"max {args.max_tokens} new tokens, greedy, {torch.get_num_threads()} threads")
     with console.status("loading models"):
@@ -423,8 +516,9 @@ def run_bench(args) -> int:
     console.print(f"cpu kernel: {cpu_kernel['path']} (this CPU runs: {', '.join(cpu_kernel['cpu_runs']) or 'none'})")
     # warm-up: first calls pay for allocation and kernel selection
     warm = runner.tokenizer.chat("Say hello.")
-    for prec, method in configs:
+    for prec, method in ours:
         runner.run(prec, method, warm, args.hf_lookup_tokens)
+    prompts = [runner.tokenizer.chat(q["turns"][0]) for q in questions]
 
     runs: list[Run] = []
     agreement = defaultdict(lambda: [0, 0])
@@ -432,16 +526,15 @@ def run_bench(args) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=console) as progress:
         task = progress.add_task("questions", total=len(questions))
-        for q in questions:
-            prompt = runner.tokenizer.chat(q["turns"][0])
+        for q, prompt in zip(questions, prompts):
             outputs = {}
-            for prec, method in configs:
+            for prec, method in ours:
                 progress.update(task, description=f"q{q['question_id']} {q['category']}: {prec}/{method}")
                 out, dt, steps, drafted, accepted, ngram = runner.run(prec, method, prompt, args.hf_lookup_tokens)
                 outputs[(prec, method)] = out
                 runs.append(Run(f"{prec}/{method}", q["category"], q["question_id"], len(out), dt, steps,
                                 drafted, accepted, out, ngram))
-            for prec, method in configs:
+            for prec, method in ours:
                 if method != "none" and (prec, "none") in outputs and outputs[(prec, method)] != outputs[(prec, "none")]:
                     mismatches[f"{prec}/{method}"] += 1
             for prec in precisions - {BASELINE[0]}:
@@ -451,9 +544,18 @@ def run_bench(args) -> int:
             progress.advance(task)
             if not console.is_terminal:  # a log file gets a line per question instead of a bar
                 done = {n: sum(r.tokens for r in runs if r.config == n) / max(sum(r.seconds for r in runs if r.config == n), 1e-9)
-                        for n in (f"{p}/{m}" for p, m in configs)}
+                        for n in (f"{p}/{m}" for p, m in ours)}
                 console.print(f"[{len({r.question_id for r in runs})}/{len(questions)}] q{q['question_id']} {q['category']}: "
                               + ", ".join(f"{n} {v:.1f} tok/s" for n, v in done.items()), soft_wrap=True)
+
+    vllm = {}
+    if vllm_configs:
+        vllm_runs, vllm = run_vllm_configs(args, runner, vllm_configs, questions, prompts, warm, console)
+        runs += vllm_runs
+        plain = {r.question_id: r.output for r in vllm_runs if r.config == f"{VLLM}/{Method.NONE.value}"}
+        for r in vllm_runs:
+            if r.question_id in plain and r.output != plain[r.question_id]:
+                mismatches[r.config] += 1
 
     table = summarize(runs, configs)
     print_table(table, configs, console)
@@ -476,6 +578,13 @@ def run_bench(args) -> int:
     for name in spec_configs:
         console.print(f"{name}: speculative output == plain output on "
                       f"{len(questions) - mismatches[name]}/{len(questions)} questions")
+    for name in vllm:
+        vllm[name]["agreement_with_fp32_plain"] = agree = agreement_with_baseline(runs, name)
+        differ = ", ".join(f"q{q} at token {i}" for q, i in agree["first_difference"].items())
+        console.print(f"{name}: output token ids == fp32/none's on {agree['equal']}/{agree['questions']} questions"
+                      f"{'; the others first differ: ' + differ if differ else ''}; vLLM ready after "
+                      f"{vllm[name]['ready_after_s']:.0f} s; its answers' own seconds {vllm[name]['server_seconds']:.2f} "
+                      f"of {vllm[name]['client_seconds']:.2f} s timed here", soft_wrap=True)
     trees = tree_vs_chain(table, configs)
     for prec, t in trees.items():
         console.print(f"{prec}: trees vs chains {t['speedup_tree_vs_chain']:.3f}x overall (tau {t['tau_chain']:.2f} -> "
@@ -491,7 +600,7 @@ def run_bench(args) -> int:
         "configs": [f"{p}/{m}" for p, m in configs], "table": table, "quality_agreement_vs_fp32": quality,
         "roofline": roofline, "memory_bandwidth_gb_s": round(bandwidth, 2),
         "spec_equals_plain": {n: len(questions) - mismatches[n] for n in spec_configs},
-        "trees_vs_chains": trees, "method_per_type": per_type,
+        "trees_vs_chains": trees, "method_per_type": per_type, "vllm": vllm,
         "runs": [r.__dict__ | {"output": None} for r in runs],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)

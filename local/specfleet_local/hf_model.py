@@ -16,6 +16,7 @@ leaves no entry to trust.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import re
 import sys
@@ -47,10 +48,13 @@ def cached_export(source: str, progress: Callable[[str], None] = print) -> Path:
     st = path.stat()
     code = hashlib.sha256(Path(hf_export.__file__).read_bytes()).hexdigest()
     folder = cache_root() / "hf" / entry_name(source, f"{path.resolve()}|{st.st_size}|{st.st_mtime_ns}|{code}")
-    if all((folder / f).is_file() for f in hf_export.FILES):
-        progress(f"{source}: the export in {folder}")
-        return folder
-    return hf_export.export_hf(source, folder, overwrite=True, progress=progress)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    with open(folder.parent / f"{folder.name}.lock", "w") as lock:  # two starts at once write it once
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if all((folder / f).is_file() for f in hf_export.FILES):
+            progress(f"{source}: the export in {folder}")
+            return folder
+        return hf_export.export_hf(source, folder, overwrite=True, progress=progress)
 
 
 def main(argv: list[str] | None = None) -> int:
