@@ -130,7 +130,9 @@ def test_dashboard_json_is_the_same_in_deploy_and_covers_the_panels():
     text = json.dumps(dash)
     for metric in ("spec_decode_acceptance_rate", "spec_decode_avg_accepted_tokens",
                    "spec_decode_draft_k_distribution_bucket", "spec_decode_tree_branch_factor",
-                   "spec_decode_total_speedup_ratio", "histogram_quantile", "specfleet_fallback_active"):
+                   "spec_decode_total_speedup_ratio", "histogram_quantile", "specfleet_fallback_active",
+                   # vLLM pools: their own counters, per pool and per draft position
+                   "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total"):
         assert metric in text
     assert "specfleet_fallback_active{sdd_namespace=" in text  # labels a scrape keeps (no namespace clash)
     docs, _ = render({"dashboard": {"enabled": True}})
