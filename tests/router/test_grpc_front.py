@@ -40,6 +40,7 @@ def test_chat_messages_are_classified_and_a_callers_own_type_and_method_are_kept
     resp, call = stub.Generate.with_call(pb.GenerateRequest(messages=msgs, max_tokens=3, prompt_type="rag",
                                                             speculation_method="none"), timeout=30)
     assert dict(call.initial_metadata())["x-specfleet-prompt-type"] == "rag"
+    assert dict(call.initial_metadata())["x-specfleet-method"] == "none"  # the route says it (a vLLM arm: its pool)
     assert resp.speculation.method == "none"
 
 

@@ -14,73 +14,22 @@ The real vLLM processes behind this router: tests/vllm."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import threading
 import time
 
 import openai
 import pytest
-from aiohttp import web
 
 from specfleet_local.state import ControlLoop, StateWriter, initial_state
 from specfleet_operator import spec as specs
 from specfleet_router.backends import parse_vllm_backends
-from specfleet_router.testing import running_router, serving_app
+from specfleet_router.testing import FakeVllm as Synth, running_router, serving_app
 
 pytestmark = pytest.mark.timeout(300)
 
 NAME, NS = "canary-vllm", "default"
-MODEL = "smollm2-135m"
-ITL_S = 0.004  # a plain decode step, as the servers' metrics report it
-
-
-class Synth:
-    """A vLLM OpenAI server's answers without a model: `k` draft tokens a verify step (None: the
-    plain pool), each accepted with probability `alpha` until the first rejection; `salt` changes
-    the tokens (a canary on other weights)."""
-
-    def __init__(self, k: int | None, alpha: float = 0.0, salt: str = ""):
-        self.k, self.alpha, self.salt = k, alpha, salt
-        self.requests = 0
-
-    def answer(self, prompt: str, n: int) -> dict:
-        seed = hashlib.sha256(f"{self.salt}|{prompt}".encode()).digest()
-        tokens = [int.from_bytes(seed[i % 30:i % 30 + 2], "big") + i for i in range(n)]
-        metrics = {"time_to_first_token_ms": 12.0, "generation_time_ms": 1000 * ITL_S * (n - 1),
-                   "speculative_decoding": None}
-        if self.k is not None:
-            rng = random.Random(hashlib.sha256(f"draws|{self.k}|{self.alpha}|{prompt}".encode()).digest())
-            hist, produced = [0] * (self.k + 1), 1
-            while produced < n:
-                j = 0
-                while j < self.k and rng.random() < self.alpha:
-                    j += 1
-                hist[j] += 1
-                produced += j + 1
-            steps = sum(hist)
-            accepted = sum(j * c for j, c in enumerate(hist))
-            metrics["generation_time_ms"] = 1000 * ITL_S * 1.15 * steps  # a verify step costs a little more
-            metrics["speculative_decoding"] = {"acceptance_histogram": hist, "num_spec_steps": steps,
-                                               "num_draft_tokens": steps * self.k, "num_spec_tokens": self.k,
-                                               "num_accepted_draft_tokens": accepted}
-        return {"object": "chat.completion", "model": MODEL,
-                "choices": [{"index": 0, "finish_reason": "length", "token_ids": tokens,
-                             "message": {"role": "assistant", "content": " ".join(map(str, tokens))}}],
-                "usage": {"prompt_tokens": 12, "completion_tokens": n, "total_tokens": 12 + n},
-                "metrics": metrics}
-
-    async def _chat(self, request: web.Request) -> web.Response:
-        body = await request.json()
-        self.requests += 1
-        return web.json_response(self.answer(body["messages"][-1]["content"], body["max_tokens"]))
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.router.add_post("/v1/chat/completions", self._chat)
-        app.router.add_get("/health", lambda r: web.Response(text=""))
-        app.router.add_get("/v1/models", lambda r: web.json_response({"data": [{"id": MODEL}]}))
-        return app
+MODEL = "smollm2-135m"  # what the FakeVllm servers serve
 
 
 def fleet_spec(canary_k: int) -> dict:
