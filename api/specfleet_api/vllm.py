@@ -36,7 +36,7 @@ SERVED_ENGINES = ENGINES
 #: (vllm-cpu) for the others. The operator's defaults (its --vllm-image and --vllm-cpu-image, the
 #: chart's vllm.image and vllm.cpuImage) replace them; a fleet's engine.vllm.image replaces those.
 GPU_IMAGE = "vllm/vllm-openai:v0.32.0"
-CPU_IMAGE = "vllm/vllm-openai-cpu:v0.32.0"
+CPU_IMAGE = "vllm/vllm-openai-cpu:v0.32.0-x86_64"
 #: The server as a module: the `vllm` console script fails under the vllm-cpu package.
 COMMAND = ("python3", "-m", "vllm.entrypoints.openai.api_server")
 PORT = 8000  # vLLM's default: the OpenAI API, /health and /metrics on one port

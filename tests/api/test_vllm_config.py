@@ -87,7 +87,7 @@ def test_the_target_folder_is_model_uris_path_a_relative_one_in_the_model_cache(
 
 def test_images_are_pinned_upstream_ones_by_gpu_unless_the_spec_names_one():
     assert vllm.image(spec(), gpus=True) == "vllm/vllm-openai:v0.32.0"
-    assert vllm.image(spec(), gpus=False) == "vllm/vllm-openai-cpu:v0.32.0"
+    assert vllm.image(spec(), gpus=False) == "vllm/vllm-openai-cpu:v0.32.0-x86_64"
     pinned = "registry.example/vllm@sha256:" + "a" * 64
     assert vllm.image(spec(engine={"name": "vllm", "vllm": {"image": pinned}}), gpus=False) == pinned
 

@@ -21,8 +21,9 @@ DOCKER = ROOT / "docker"
 IMAGES = yaml.safe_load((DOCKER / "images.yaml").read_text())
 DOCKERFILES = sorted(DOCKER.glob("*.Dockerfile"))
 BIN = pathlib.Path(sys.executable).parent
-# Images the chart runs as published, built by no Dockerfile here (the chart pins their tags).
-THIRD_PARTY = {"docker.io/library/redis"}
+# Images the chart runs as published, built by no Dockerfile here (the chart pins their tags): Redis,
+# and vLLM's own OpenAI servers for engine-vllm fleets (GPU and x86 CPU builds).
+THIRD_PARTY = {"docker.io/library/redis", "vllm/vllm-openai", "vllm/vllm-openai-cpu"}
 
 
 def repository(ref: str) -> str:
