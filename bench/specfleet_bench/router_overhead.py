@@ -61,14 +61,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="a check that it works: --limit 4 --max-tokens 16 --concurrency 1,4 (not a measurement)")
     p.add_argument("--out", type=Path, default=Path("results/router_overhead.json"))
     args = p.parse_args(argv)
+    # what serving.start_local_worker reads that this benchmark does not vary: the worker's defaults
+    args.max_slowdown = args.draft_uri = args.prefill_chunk = None
+    args.quantization = "none"
     if args.quick:
         args.limit, args.max_tokens, args.concurrency = 4, 16, "1,4"
     return args
 
 
-def run_streams(stub, prompts: list[dict], concurrency: int, max_tokens: int, method: str) -> dict:
-    """Every prompt as a GenerateStream from `concurrency` client threads: throughput and the time
-    to first token of each request."""
+def drive(prompts: list[dict], concurrency: int, one) -> dict:
+    """Every prompt through `one(q) -> (ttft_s | None, tokens)` from `concurrency` client threads
+    (an exception of `one` is the request's error): throughput and the time to first token."""
     work: queue.Queue = queue.Queue()
     for i, q in enumerate(prompts):
         work.put((i, q))
@@ -80,17 +83,10 @@ def run_streams(stub, prompts: list[dict], concurrency: int, max_tokens: int, me
                 i, q = work.get_nowait()
             except queue.Empty:
                 return
-            msg = pb.GenerateRequest(prompt=q["turns"][0], apply_chat_template=True, max_tokens=max_tokens,
-                                     prompt_type=PROMPT_TYPES.get(q["category"], "chat"), speculation_method=method,
-                                     request_id=f"overhead-{q.get('question_id', i)}")
-            t = time.perf_counter()
             try:
-                for m in stub.GenerateStream(msg, timeout=600):
-                    if m.token_ids and ttft[i] is None:
-                        ttft[i] = time.perf_counter() - t
-                    tokens[i] += len(m.token_ids)
-            except grpc.RpcError as e:
-                errors.append(f"{e.code().name}: {e.details()}")
+                ttft[i], tokens[i] = one(q)
+            except Exception as e:  # noqa: BLE001 - a failed request is counted, the run goes on
+                errors.append(f"{type(e).__name__}: {e}")
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(concurrency)]
@@ -104,6 +100,26 @@ def run_streams(stub, prompts: list[dict], concurrency: int, max_tokens: int, me
             "ttft_p50_s": percentile(firsts, 50), "ttft_p99_s": percentile(firsts, 99), "errors": errors}
 
 
+def run_streams(stub, prompts: list[dict], concurrency: int, max_tokens: int, method: str) -> dict:
+    """Every prompt as a GenerateStream from `concurrency` client threads: throughput and the time
+    to first token of each request."""
+    def one(q):
+        msg = pb.GenerateRequest(prompt=q["turns"][0], apply_chat_template=True, max_tokens=max_tokens,
+                                 prompt_type=PROMPT_TYPES.get(q["category"], "chat"), speculation_method=method,
+                                 request_id=f"overhead-{q.get('question_id', id(q))}")
+        t, first, n = time.perf_counter(), None, 0
+        try:
+            for m in stub.GenerateStream(msg, timeout=600):
+                if m.token_ids and first is None:
+                    first = time.perf_counter() - t
+                n += len(m.token_ids)
+        except grpc.RpcError as e:
+            raise RuntimeError(f"{e.code().name}: {e.details()}") from None
+        return first, n
+
+    return drive(prompts, concurrency, one)
+
+
 def run_http_streams(base_url: str, model: str, prompts: list[dict], concurrency: int, max_tokens: int) -> dict:
     """Every prompt as a streamed chat completion (greedy, ignore_eos, usage in the last chunk) from
     `concurrency` client threads of the official openai client: throughput (the usage's completion
@@ -111,40 +127,19 @@ def run_http_streams(base_url: str, model: str, prompts: list[dict], concurrency
     import openai
 
     client = openai.OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=600)
-    work: queue.Queue = queue.Queue()
-    for i, q in enumerate(prompts):
-        work.put((i, q))
-    ttft, tokens, errors = [None] * len(prompts), [0] * len(prompts), []
 
-    def one():
-        while True:
-            try:
-                i, q = work.get_nowait()
-            except queue.Empty:
-                return
-            t = time.perf_counter()
-            try:
-                for chunk in client.chat.completions.create(
-                        model=model, messages=[{"role": "user", "content": q["turns"][0]}], max_tokens=max_tokens,
-                        temperature=0, stream=True, stream_options={"include_usage": True},
-                        extra_body={"ignore_eos": True}):
-                    if chunk.choices and chunk.choices[0].delta.content and ttft[i] is None:
-                        ttft[i] = time.perf_counter() - t
-                    if chunk.usage is not None:
-                        tokens[i] = chunk.usage.completion_tokens
-            except openai.APIError as e:
-                errors.append(f"{type(e).__name__}: {e}")
+    def one(q):
+        t, first, n = time.perf_counter(), None, 0
+        for chunk in client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": q["turns"][0]}], max_tokens=max_tokens,
+                temperature=0, stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": True}):
+            if chunk.choices and chunk.choices[0].delta.content and first is None:
+                first = time.perf_counter() - t
+            if chunk.usage is not None:
+                n = chunk.usage.completion_tokens
+        return first, n
 
-    t0 = time.perf_counter()
-    threads = [threading.Thread(target=one) for _ in range(concurrency)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
-    firsts = sorted(x for x in ttft if x is not None)
-    return {"tokens": sum(tokens), "wall_s": wall, "tokens_per_s": sum(tokens) / wall if wall else 0.0,
-            "ttft_p50_s": percentile(firsts, 50), "ttft_p99_s": percentile(firsts, 99), "errors": errors}
+    return drive(prompts, concurrency, one)
 
 
 VLLM_MODEL = "smollm2-135m-instruct"  # the served model name, and the router's deployment name

@@ -162,6 +162,11 @@ def _choice_text(choice: dict) -> str:
     return choice.get("text") or ""
 
 
+def _usage(usage: dict) -> pb.Usage:
+    return pb.Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                    completion_tokens=int(usage.get("completion_tokens") or 0))
+
+
 def speculation_stats(method: str, answer: vllm_evidence.Answer, counts: TypeCounts) -> pb.SpeculationStats:
     """An answer's speculation as a worker reports it (the fronts' headers, the cluster windows).
 
@@ -315,8 +320,7 @@ class VllmConnection:
         resp = pb.GenerateResponse(
             request_id=req.request_id, text=_choice_text(choice), token_ids=choice.get("token_ids") or [],
             logprobs=_choice_logprobs(choice), finish_reason=_FINISH.get(choice.get("finish_reason"), "stop"),
-            usage=pb.Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                           completion_tokens=int(usage.get("completion_tokens") or 0)),
+            usage=_usage(usage),
             speculation=speculation_stats(self.method, answer, counts),
             latency_s=time.monotonic() - arrival)
         if answer.ttft_s is not None:
@@ -367,8 +371,7 @@ class VllmConnection:
                             usage = chunk["usage"]
                             answer, counts = self._counted(req, chunk)
                             last = held or pb.GenerateStreamResponse(request_id=req.request_id, finish_reason="stop")
-                            last.usage.CopyFrom(pb.Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                                                         completion_tokens=int(usage.get("completion_tokens") or 0)))
+                            last.usage.CopyFrom(_usage(usage))
                             last.speculation.CopyFrom(speculation_stats(self.method, answer, counts))
                             held = None
                             yield last
