@@ -8,7 +8,8 @@ until a verdict (healthy or missed) starts the evidence afresh (a healthy speedu
 alpha is not yet clear of its line, or too thin for a baseline the key lacks). Half way between
 two judgements, a speculating key whose current window alone misses the SLO falls back then (a
 miss needs no more evidence than its own window, and the collapse is caught within two windows of
-its start).
+its start); at a judgement, too, a window that misses on its own is a miss when the kept evidence
+it adds to leaves the verdict open.
 An alert is judged at once.
 
 Keys: `type:<prompt type>` where the router routes per type (the deployment has a router), a
@@ -150,10 +151,36 @@ def cluster_evidence(cw: ClusterWindow) -> Evidence:
 
 
 def alpha_bounds(e: Evidence) -> tuple[float, float] | None:
-    """Alpha's 95% interval over the evidence (drafted tokens counted as half as many trials)."""
+    """Alpha's 95% interval over the evidence: its drafted tokens counted as half as many trials,
+    and, where the evidence holds the requests' own acceptance rates, at least as wide as their
+    spread says (Student's t over the requests). A request's drafts all come from one prompt:
+    prompts of one type accept from 0.01 to 0.6 of their drafts, so the tokens of one or two
+    requests say little of the type. A single request's own rate gives no spread at all: the
+    interval is then everything, and the evidence waits for a second request.
+
+    >>> def r(b): return [round(x, 3) for x in b]
+    >>> r(alpha_bounds(Evidence(draft_tokens=92, accepted_tokens=1, requests=1, windows=1)))  # tokens alone
+    [0.001, 0.096]
+    >>> alpha_bounds(Evidence(draft_tokens=92, accepted_tokens=1, requests=1, windows=1, alphas=1, alpha_sum=0.011,
+    ...                       alpha_sq=0.0001))       # one odd prompt of a healthy type: no verdict
+    (0.0, 1.0)
+    >>> r(alpha_bounds(Evidence(draft_tokens=300, accepted_tokens=9, windows=1,      # three requests alike
+    ...                         alphas=3, alpha_sum=0.09, alpha_sq=3 * 0.0009 + 2 * 0.0001)))
+    [0.005, 0.071]
+    >>> r(alpha_bounds(Evidence(draft_tokens=300, accepted_tokens=90, windows=1,     # three far apart
+    ...                         alphas=3, alpha_sum=0.9, alpha_sq=0.01 ** 2 + 0.29 ** 2 + 0.6 ** 2)))
+    [0.0, 1.0]
+    """
     if not e.draft_tokens:
         return None
-    return wilson(e.accepted_tokens / DRAFT_CORRELATION, e.draft_tokens / DRAFT_CORRELATION, CLUSTER_Z)
+    lo, hi = wilson(e.accepted_tokens / DRAFT_CORRELATION, e.draft_tokens / DRAFT_CORRELATION, CLUSTER_Z)
+    if e.alphas == 1:
+        return 0.0, 1.0
+    if e.alphas >= 2:
+        half = t95(int(e.alphas) - 1) * (mean_var(e.alphas, e.alpha_sum, e.alpha_sq)[1] / e.alphas) ** 0.5
+        alpha = e.accepted_tokens / e.draft_tokens
+        lo, hi = max(0.0, min(lo, alpha - half)), min(1.0, max(hi, alpha + half))
+    return lo, hi
 
 
 def sample_of(e: Evidence | None, alert: str | None = None) -> Sample | None:
@@ -244,6 +271,13 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         combined = pending.plus(window) if window is not None and not only_alert else pending
         judged = sample(combined, alert) if not only_alert else Sample(alert=alert)
         before = keys.get(key, KeyState())
+        if (before.mode == SPECULATIVE and pending.windows and window is not None and not only_alert
+                and judge(judged, before, policy)[0] == UNKNOWN):
+            # kept evidence from before a collapse blurs it (healthy requests beside collapsed ones
+            # spread the requests' acceptance wide): a window that misses on its own is a miss
+            current = sample(window, alert)
+            if judge(current, before, policy)[0] == MISSED:
+                judged = current
         state, event = step(judged, before, policy, now)
         keys[key] = state
         # a speculating key judged healthy on its speedup alone keeps its evidence while its alpha

@@ -347,3 +347,31 @@ def test_a_cluster_whose_requests_draft_little_adds_up_its_drafted_tokens_past_t
     assert ticks[-1].memory.fallback_clusters() == ("r/0",), ticks[-1].memory.keys[cluster_key("r/0")]
     first = next(i for i, t in enumerate(ticks) if t.memory.fallback_clusters())
     assert first > 12  # after more windows than an indecisive verdict is held: thin evidence kept
+
+
+def per_request_window(alphas: list[float], drafted_each: int = 92) -> Window:
+    """A window of requests that each drafted `drafted_each` tokens and accepted their own share
+    (what a vLLM pool's window holds: K drafted at every step, one rate per request)."""
+    accepted = [round(a * drafted_each) for a in alphas]
+    return Window(TypeCounts(requests=len(alphas), draft_tokens=drafted_each * len(alphas),
+                             accepted_tokens=sum(accepted), spec_requests=len(alphas),
+                             spec_alphas=len(alphas), spec_alpha_sum=sum(a / drafted_each for a in accepted),
+                             spec_alpha_sq=sum((a / drafted_each) ** 2 for a in accepted)), 1, 10.0)
+
+
+def test_one_odd_prompt_of_a_healthy_type_is_no_collapse_a_type_whose_requests_all_collapse_is():
+    """Prompts of one type accept from 0.01 to 0.6 of their drafts (vLLM's n-gram drafts on
+    Spec-Bench math: 1 of 92 on one question, 46 of 72 on another). A window that holds one such
+    odd request, 92 drafted tokens, would be a miss by its tokens alone (under half the baseline
+    0.36 with 99% confidence); it is not one until a second request says how far the type's
+    requests spread, and then they spread too far to call it (the next two, at 0.11 and 0.13,
+    would make it one by the tokens of the three). Requests that all accept little fall back within
+    two windows."""
+    healthy = [0.34, 0.64, 0.13, 0.25, 0.46, 0.36]
+    warm = [obs(math=per_request_window(healthy[i:i + 3])) for i in (0, 3, 0)]
+    odd = [obs(math=per_request_window([0.011])), obs(math=per_request_window([0.11, 0.13]))]
+    ticks = run(warm + odd + warm)
+    assert modes(ticks, type_key("math")) == [SPECULATIVE] * len(ticks), [t.events for t in ticks]
+    collapsed = [obs(math=per_request_window([0.02, 0.05, 0.03]))] * 2
+    ticks = run(warm + collapsed)
+    assert FALLBACK in modes(ticks, type_key("math"))[len(warm):len(warm) + 2], [t.events for t in ticks]

