@@ -152,34 +152,35 @@ def cluster_evidence(cw: ClusterWindow) -> Evidence:
 
 def alpha_bounds(e: Evidence) -> tuple[float, float] | None:
     """Alpha's 95% interval over the evidence: its drafted tokens counted as half as many trials,
-    and, where the evidence holds the requests' own acceptance rates, at least as wide as their
-    spread says (Student's t over the requests). A request's drafts all come from one prompt:
-    prompts of one type accept from 0.01 to 0.6 of their drafts, so the tokens of one or two
-    requests say little of the type. A single request's own rate gives no spread at all: the
-    interval is then everything, and the evidence waits for a second request.
+    and, where the evidence holds the requests' own acceptance rates, an upper end at least as high
+    as their spread says (Student's t over the requests). A request's drafts all come from one
+    prompt: prompts of one type accept from 0.01 to 0.6 of their drafts, so the tokens of one or
+    two requests say little of the type, and a miss (the upper end under the line) must hold
+    across requests; a single request's own rate gives no spread at all, and no miss until a second
+    one. The lower end stays the tokens': health is held for `recoverAfter` before a key leaves
+    fallback, and a baseline moves by one window's weight, so neither needs the same guard.
 
     >>> def r(b): return [round(x, 3) for x in b]
     >>> r(alpha_bounds(Evidence(draft_tokens=92, accepted_tokens=1, requests=1, windows=1)))  # tokens alone
     [0.001, 0.096]
-    >>> alpha_bounds(Evidence(draft_tokens=92, accepted_tokens=1, requests=1, windows=1, alphas=1, alpha_sum=0.011,
-    ...                       alpha_sq=0.0001))       # one odd prompt of a healthy type: no verdict
-    (0.0, 1.0)
+    >>> r(alpha_bounds(Evidence(draft_tokens=92, accepted_tokens=1, requests=1, windows=1, alphas=1,
+    ...                         alpha_sum=0.011, alpha_sq=0.0001)))  # one odd prompt of a healthy type
+    [0.001, 1.0]
     >>> r(alpha_bounds(Evidence(draft_tokens=300, accepted_tokens=9, windows=1,      # three requests alike
     ...                         alphas=3, alpha_sum=0.09, alpha_sq=3 * 0.0009 + 2 * 0.0001)))
-    [0.005, 0.071]
+    [0.012, 0.071]
     >>> r(alpha_bounds(Evidence(draft_tokens=300, accepted_tokens=90, windows=1,     # three far apart
     ...                         alphas=3, alpha_sum=0.9, alpha_sq=0.01 ** 2 + 0.29 ** 2 + 0.6 ** 2)))
-    [0.0, 1.0]
+    [0.232, 1.0]
     """
     if not e.draft_tokens:
         return None
     lo, hi = wilson(e.accepted_tokens / DRAFT_CORRELATION, e.draft_tokens / DRAFT_CORRELATION, CLUSTER_Z)
     if e.alphas == 1:
-        return 0.0, 1.0
+        return lo, 1.0
     if e.alphas >= 2:
         half = t95(int(e.alphas) - 1) * (mean_var(e.alphas, e.alpha_sum, e.alpha_sq)[1] / e.alphas) ** 0.5
-        alpha = e.accepted_tokens / e.draft_tokens
-        lo, hi = max(0.0, min(lo, alpha - half)), min(1.0, max(hi, alpha + half))
+        hi = min(1.0, max(hi, e.accepted_tokens / e.draft_tokens + half))
     return lo, hi
 
 

@@ -366,7 +366,7 @@ def test_one_odd_prompt_of_a_healthy_type_is_no_collapse_a_type_whose_requests_a
     0.36 with 99% confidence); it is not one until a second request says how far the type's
     requests spread, and then they spread too far to call it (the next two, at 0.11 and 0.13,
     would make it one by the tokens of the three). Requests that all accept little fall back within
-    two windows."""
+    two windows, and at once where an undecided window before them leaves the sum open."""
     healthy = [0.34, 0.64, 0.13, 0.25, 0.46, 0.36]
     warm = [obs(math=per_request_window(healthy[i:i + 3])) for i in (0, 3, 0)]
     odd = [obs(math=per_request_window([0.011])), obs(math=per_request_window([0.11, 0.13]))]
@@ -375,3 +375,8 @@ def test_one_odd_prompt_of_a_healthy_type_is_no_collapse_a_type_whose_requests_a
     collapsed = [obs(math=per_request_window([0.02, 0.05, 0.03]))] * 2
     ticks = run(warm + collapsed)
     assert FALLBACK in modes(ticks, type_key("math"))[len(warm):len(warm) + 2], [t.events for t in ticks]
+    # a window near the line is kept undecided; the collapse after it spreads the sum's requests
+    # wide, but misses on its own window: it falls back at once
+    near = [obs(math=per_request_window([0.15, 0.2, 0.25]))]
+    ticks = run(warm + near + collapsed[:1])
+    assert modes(ticks, type_key("math"))[-2:] == [SPECULATIVE, FALLBACK], [t.events for t in ticks]
