@@ -6,8 +6,8 @@
 What computes y[M, N] = x[M, K] @ W[N, K]^T for fp32 activations:
   fp32 weights  mkl    torch.mm(x, W^T), the weight pre-transposed (TransposedLinear: the fp32
                        model's path without our kernel)
-                <isa>  our kernel's linear_f32 through each path this CPU runs (avx512vnni,
-                       avx512, avxvnni, avx2, portable; `linear_f32_isa`)
+                <isa>  our kernel's linear_f32 through each path this CPU runs (avx512, avx2,
+                       portable; `linear_f32_isa`)
   int8 weights  torch  _weight_int8pack_mm(x.bf16, Wq, scales.bf16) (the int8 layer's fallback)
                 <isa>  our kernel's linear through each path (`linear_isa`)
 

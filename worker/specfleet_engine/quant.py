@@ -1,18 +1,19 @@
 """Weight-only int8 quantization with per-output-channel scales (gpt-fast's int8 scheme).
 
-Weights are quantized once, per output channel; activations stay in the model's dtype between
-layers and meet the int8 weights inside one fused matmul that reads int8 and never materialises a
-dequantized copy.
+Only weights are quantized; activations stay in the model's dtype and meet the int8 weights
+inside one fused matmul that reads int8 and never materialises a dequantized copy. Unlike
+torch's dynamic quantization, activations are not rounded to int8, which is what keeps greedy
+outputs close to fp32.
 
 On the CPU the matmul is our own kernel (kernels/cpu_gemm.py): every weight byte read once for
-all the rows of a step, through the best path the CPU runs (AVX-512 VNNI, AVX-512, AVX-VNNI,
-AVX2, or portable C++; SPECFLEET_CPU_ISA caps it). Inside it each row of activations is rounded to
-8 bits per block of 32 features (llama.cpp's Q8_0: a scale per block) and multiplied in integer
-dot products, exact in int32; every path gives the same bits, whatever rows share the call
-(int8_linear.cpp says how). Where it cannot be built (no compiler, or SPECFLEET_INT8_KERNEL=torch)
-the layer falls back, with one warning, to `torch._weight_int8pack_mm` on bf16 activations. On
-CUDA (a layer quantized there) the weight is dequantized to the activations' dtype for each
-F.linear: simple and correct, not fast.
+all the rows of a step, through the best path the CPU runs (AVX-512, AVX2 + FMA, or portable C++;
+SPECFLEET_CPU_ISA caps it). AVX-512 and portable multiply fp32 activations in fp32; AVX2 rounds
+them to int16 per block of 64 features and sums integer products exactly (int8_linear.cpp: the
+int8 -> fp32 conversions cost more than the weights' streaming on CPUs that split 256-bit
+operations). Where it cannot be built
+(no compiler, or SPECFLEET_INT8_KERNEL=torch) the layer falls back, with one warning, to
+`torch._weight_int8pack_mm` on bf16 activations. On CUDA (a layer quantized there) the weight is
+dequantized to the activations' dtype for each F.linear: simple and correct, not fast.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ class Int8WeightOnlyLinear(nn.Module):
         """The int8 weight as [N, K] (a copy when it is kept packed)."""
         if self.weight is not None:
             return self.weight
-        return unpack_int8_weight(self.weight_packed, self.out_features, self.in_features)
+        return unpack_int8_weight(self.weight_packed, self.out_features)
 
     def bf16_scales(self) -> Tensor:
         """The scales in bf16 for `_weight_int8pack_mm`, converted once (again only if they change)."""

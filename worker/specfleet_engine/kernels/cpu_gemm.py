@@ -1,25 +1,21 @@
 """Our CPU kernel library (csrc/): how it is built, cached and loaded, which of its paths runs,
-and the weight layouts it reads.
+and the weight layout it reads.
 
 It holds the few-row GEMM (csrc/int8_linear.cpp) as two ops, `linear` (int8 weights, per-channel
 scales) and `linear_f32` (fp32 weights), and `decoder_step` (csrc/decoder_step.cpp), a few-row
 step's whole stack of decoder layers in one call over that GEMM (model.py's `FusedStack`).
-The GEMM reads every weight byte once for all the rows of a decoding or verification step
-(M = 1..K+1), so verifying a draft costs about what decoding one token does. int8 weights meet
-activations quantized per row and block of 32 features (Q8_0's scheme) in integer dot products
-(vpdpbusd, vpmaddwd), exact in int32; fp32 weights take fp32 FMAs. It is compiled on first use
-with -O3 -march=native into a per-CPU cache; where that cannot be done (no compiler, or
-SPECFLEET_INT8_KERNEL=torch) `int8_kernel()` returns None, warns once, and the layers in quant.py
-fall back to torch's ops (their reference path, same signature).
+The GEMM: fp32 accumulation, every weight byte read once for all the rows of a decoding or
+verification step (M = 1..K+1), so verifying a draft costs about what decoding one token does.
+It is compiled on first use with -O3 -march=native into a per-CPU cache; where that cannot be
+done (no compiler, or SPECFLEET_INT8_KERNEL=torch) `int8_kernel()` returns None, warns once, and
+the layers in quant.py fall back to torch's ops (their reference path, same signature).
 
-The library holds five paths ("ISAs"), each compiled for its instruction set whatever -march
-says, in a line from the best: "avx512vnni" (AVX-512 VNNI), "avx512" (AVX-512F + BW), "avxvnni"
-(AVX-VNNI on ymm), "avx2" (AVX2 + FMA) and "portable" (plain C++ the compiler vectorizes). Every
-path gives int8 weights the same bits. When it loads, the ops run the best path the CPU has
-(`available_isas()`, best first); SPECFLEET_CPU_ISA=<path> caps it: the best path the CPU runs at
-or below the cap in that line (an unknown value is an error, raised by `int8_kernel()`); a CPU
-may lack a path between two it runs (Zen 4: avx512vnni, not avxvnni). `active_isa()` names the
-path in force. `linear_isa` / `linear_f32_isa` run a named path, for tests and benchmarks.
+The library holds three paths ("ISAs"), each compiled for its instruction set whatever -march
+says: "avx512" (AVX-512F), "avx2" (AVX2 + FMA) and "portable" (plain C++ the compiler
+vectorizes). When it loads, the ops run the best one the CPU has (`available_isas()`, best
+first), at most SPECFLEET_CPU_ISA=avx512|avx2|portable where that is set (a cap: an unknown value
+is an error, raised by `int8_kernel()`); `active_isa()` names it. `linear_isa` / `linear_f32_isa`
+run a named path, for tests and benchmarks.
 """
 
 from __future__ import annotations
@@ -42,43 +38,26 @@ from torch import Tensor
 BLOCK = 32  # output channels per packed block; must match NB in csrc/int8_linear.cpp
 KERNEL_ENV = "SPECFLEET_INT8_KERNEL"  # "torch": never build or use the kernel
 ISA_ENV = "SPECFLEET_CPU_ISA"  # the best path the ops may run: a cap on what the CPU has
-ISAS = ("avx512vnni", "avx512", "avxvnni", "avx2", "portable")  # the kernel's paths, best first (kIsaNames in the C++)
-GROUP = 4  # int8 weights: k-steps packed side by side for one channel (KG in csrc/int8_linear.cpp)
+ISAS = ("avx512", "avx2", "portable")  # the kernel's paths, best first (kIsaNames in the C++)
 _CSRC = Path(__file__).with_name("csrc")
 _SOURCES = (_CSRC / "int8_linear.cpp", _CSRC / "decoder_step.cpp")  # one library
 _HEADERS = (_CSRC / "cpu_gemm.h",)
 
 
-def pack_int8_weight(w: Tensor) -> Tensor:
-    """A weight [N, K] -> the kernel's layout (zeros past N and K):
-
-    int8  [ceil(N / 32), ceil(K / 4), 32, 4]: block b holds output channels 32b..32b+31; for each
-          group of 4 k-steps, a channel's 4 weights side by side (one 32-bit lane of vpdpbusd)
-    fp32  [ceil(N / 32), K, 32]: a k-step's 32 weights side by side
-
-    >>> pack_int8_weight(torch.arange(6, dtype=torch.int8).reshape(1, 6))[0, :, 0].tolist()
-    [[0, 1, 2, 3], [4, 5, 0, 0]]
-    """
-    n, k = w.shape
+def pack_int8_weight(q: Tensor) -> Tensor:
+    """int8 [N, K] -> the kernel's layout, int8 [ceil(N / 32), K, 32]: block b holds output
+    channels 32b..32b+31, their 32 weights for one k side by side (zeros past N)."""
+    n, k = q.shape
     n_pad = -(-n // BLOCK) * BLOCK
     if n_pad != n:
-        w = torch.cat([w, w.new_zeros(n_pad - n, k)])
-    if w.dtype != torch.int8:
-        return w.reshape(n_pad // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
-    k_pad = -(-k // GROUP) * GROUP
-    if k_pad != k:
-        w = torch.cat([w, w.new_zeros(n_pad, k_pad - k)], dim=1)
-    return w.reshape(n_pad // BLOCK, BLOCK, k_pad // GROUP, GROUP).transpose(1, 2).contiguous()
+        q = torch.cat([q, q.new_zeros(n_pad - n, k)])
+    return q.reshape(n_pad // BLOCK, BLOCK, k).transpose(1, 2).contiguous()
 
 
-def unpack_int8_weight(packed: Tensor, n: int, k: int | None = None) -> Tensor:
-    """The inverse of `pack_int8_weight`: [N, K]. The int8 layout pads K to a multiple of 4: `k`
-    (the layer's in_features) cuts the pad off (None keeps it)."""
-    if packed.dim() == 3:
-        blocks, k_all, _ = packed.shape
-        return packed.transpose(1, 2).reshape(blocks * BLOCK, k_all)[:n, :k]
-    blocks, groups, _, _ = packed.shape
-    return packed.transpose(1, 2).reshape(blocks * BLOCK, groups * GROUP)[:n, :k].contiguous()
+def unpack_int8_weight(packed: Tensor, n: int) -> Tensor:
+    """The inverse of `pack_int8_weight`: int8 [N, K]."""
+    blocks, k, _ = packed.shape
+    return packed.transpose(1, 2).reshape(blocks * BLOCK, k)[:n]
 
 
 # ------------------------------------------------------------------------------------------
@@ -217,14 +196,13 @@ def kernel_disabled() -> bool:
 
 
 def isa_cap() -> str:
-    """The best path SPECFLEET_CPU_ISA allows (the best of all, i.e. no cap, where it is unset)."""
+    """The best path SPECFLEET_CPU_ISA allows ("avx512", i.e. no cap, where it is unset)."""
     value = os.environ.get(ISA_ENV, "").strip().lower()
     if not value:
         return ISAS[0]
     if value not in ISAS:
         raise ValueError(f"{ISA_ENV}={os.environ[ISA_ENV]!r} is not a CPU kernel path: expected one of "
-                         f"{', '.join(ISAS)} (the best path to run, at most, in that order), or unset for the "
-                         "best the CPU has")
+                         f"{', '.join(ISAS)} (the best path to run, at most), or unset for the best the CPU has")
     return value
 
 

@@ -6,14 +6,11 @@
 
 namespace specfleet {
 
-// The paths in a line, worst to best; kIsaNames[isa] is what the ops and SPECFLEET_CPU_ISA call
-// them. A CPU need not run every path below its best (Zen 4 runs avx512vnni, not avxvnni): a cap
-// picks the best path at or below it that the CPU runs.
-enum Isa : int { kPortable = 0, kAvx2 = 1, kAvxVnni = 2, kAvx512 = 3, kAvx512Vnni = 4, kNumIsas = 5 };
-constexpr const char* kIsaNames[kNumIsas] = {"portable", "avx2", "avxvnni", "avx512", "avx512vnni"};
+// The paths, worst to best; kIsaNames[isa] is what the ops and SPECFLEET_CPU_ISA call them.
+enum Isa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kNumIsas = 3 };
+constexpr const char* kIsaNames[kNumIsas] = {"portable", "avx2", "avx512"};
 
-// y[M, N] = x[M, K] @ W^T * scale + bias. W packed: int8 [ceil(N / 32), ceil(K / 4), 32, 4],
-// fp32 [ceil(N / 32), K, 32] (int8_linear.cpp's header says why).
+// y[M, N] = x[M, K] @ W^T * scale + bias, W packed [ceil(N / 32), K, 32] (int8 or fp32).
 struct Args {
   const float* x;      // [M, K], row stride ldx
   int64_t ldx;

@@ -50,8 +50,8 @@ constexpr int64_t kPerLayer = 11;  // tensors per layer in `weights`
 constexpr int64_t kSeqCols = 6;    // columns of `seqs`
 constexpr int kLanes = 16;         // independent partial sums: the compiler vectorizes them
 
-// A layer's weights: norms [D]; GEMM weights packed int8 [ceil(N/32), ceil(K/4), 32, 4] (with
-// scales [N]) or fp32 [ceil(N/32), K, 32] (scales empty); the QKV bias [N] or empty.
+// A layer's weights: norms [D]; GEMM weights packed [ceil(N/32), K, 32] int8 (with scales [N]) or
+// fp32 (scales empty); the QKV bias [N] or empty.
 struct LayerW {
   const float* attn_norm;
   const void* wqkv;
@@ -300,13 +300,11 @@ const float* floats_or_null(const at::Tensor& t, int64_t n, const char* what, in
   return t.data_ptr<float>();
 }
 
-// int8 [ceil(n/32), ceil(k/4), 32, 4] or fp32 [ceil(n/32), k, 32] (int8_linear.cpp's layouts)
 const void* packed(const at::Tensor& w, int64_t n, int64_t k, bool int8, const char* what, int64_t layer) {
-  const bool ok = int8 ? w.dim() == 4 && w.size(1) == (k + 3) / 4 && w.size(3) == 4 && w.scalar_type() == at::kChar
-                       : w.dim() == 3 && w.size(1) == k && w.scalar_type() == at::kFloat;
-  TORCH_CHECK(ok && w.size(0) == (n + 31) / 32 && w.size(2) == 32 && w.is_contiguous(), "decoder_step: layer ", layer,
-              "'s ", what, " must be packed as ", int8 ? "int8" : "fp32", " [", (n + 31) / 32, ", ",
-              int8 ? (k + 3) / 4 : k, int8 ? ", 32, 4], got " : ", 32], got ", w.sizes());
+  TORCH_CHECK(w.dim() == 3 && w.size(0) == (n + 31) / 32 && w.size(1) == k && w.size(2) == 32 && w.is_contiguous() &&
+                  w.scalar_type() == (int8 ? at::kChar : at::kFloat),
+              "decoder_step: layer ", layer, "'s ", what, " must be packed as ", int8 ? "int8" : "fp32", " [",
+              (n + 31) / 32, ", ", k, ", 32], got ", w.sizes());
   return w.data_ptr();
 }
 

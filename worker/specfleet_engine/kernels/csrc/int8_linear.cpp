@@ -1,54 +1,28 @@
 // y[M, N] = (x[M, K] @ Wq[N, K]^T) * scale[N] (+ bias[N]) for float activations and int8 weights,
 // tuned for decoding and draft verification (M = 1..16 rows): each weight byte is read once for
-// all the rows, and multiplied in registers by integer dot-product instructions.
+// all the rows, and multiplied in registers (as fp32; on the AVX2 path as int16, see below).
 //
-// int8 weights ("packed"): [N_pad / 32, K4, 32, 4], K4 = ceil(K / 4). Block b holds output
-// channels 32b..32b+31; for each group of 4 k-steps, channel c's 4 weights are 4 adjacent bytes,
-// one 32-bit lane of a vector (what vpdpbusd and vpmaddwd sum), and the group's 32 channels are
-// 128 contiguous bytes (two cache lines: channels 0-15, 16-31), so a thread's share of the weight
-// (whole blocks, split by at::parallel_for) is one sequential stream. Channels past N and k-steps
-// past K are zero.
+// Weight layout ("packed"): int8 [N_pad / 32, K, 32]. Block b holds output channels 32b..32b+31;
+// for each k its 32 weights are contiguous, so one 64-byte cache line feeds 2 k-steps of 32 lanes
+// and a thread's share of the weight (whole blocks, split by at::parallel_for) is one sequential
+// stream. Channels past N are zero. Larger M (prefill) is cut into register tiles of a few rows
+// that re-read a block from L1/L2, which keeps it about as fast as MKL's fp32 GEMM.
 //
-// Activations are quantized per row like llama.cpp's Q8_0 (`quantize_rows`): per block of 32
-// k-steps, d = max |x| / 127, q = round-to-nearest-even(x * (1 / d)) in [-127, 127]. A tile sums
-// q[m, k] * w[k, n] over a block exactly in int32, converts that sum to fp32 once and adds it
-// times d (y_acc = fma(sum, d, y_acc), blocks in order); y = fma(y_acc, scale[n], bias[n]) at the
-// end. Integer sums are exact in any order, and every float step is the same for a row whatever
-// else is in the call, so every path gives the same bits, and a row's result never depends on
-// which rows share its call (greedy speculative decoding stays token-identical to plain). The
-// rounding (at most 1/254 of a block's max |x| a value) is what this costs: SmolLM2-135M's int8
-// greedy agreement with fp32, teacher-forced on 26 Spec-Bench answers, went from 0.982 (fp32
-// activations) to 0.976.
+// The same loops serve fp32 weights (packed alike, no scales): MKL's fp32 GEMM costs about 1.5x
+// more at 5 rows than at 1, this about 1.1x, which is what makes verifying a draft cheap.
 //
-// The same loops serve fp32 weights, packed [N_pad / 32, K, 32] (a k-step's 32 weights side by
-// side, no scales) and multiplied in fp32 with FMAs: MKL's fp32 GEMM costs about 1.5x more at 5
-// rows than at 1, this about 1.1x, which is what makes verifying a draft cheap.
-//
-// Five paths ("ISAs"), best first; the library holds every one its compiler can emit, whatever
-// -march says, because each tile carries its own target attribute:
-//   avx512vnni  AVX-512 VNNI: vpdpbusd on zmm, 16 channels x 4 k-steps an instruction. vpdpbusd
-//               multiplies unsigned by signed bytes, so the weights go in as u8 = w + 128 (one
-//               XOR for all the rows) and each block's sum starts at -128 * sum(q) (a scalar a row
-//               and block, from `quantize_rows`) instead of 0. fp32 weights: the avx512 tiles.
-//   avx512      AVX-512F + BW: vpmaddwd on zmm (see avx2); fp32 weights: FMA tiles of up to 12
-//               rows (a block's 32 channels as two __m512).
-//   avxvnni     AVX-VNNI (Alder Lake, Sapphire Rapids, Zen 5): vpdpbusd on ymm (VEX), as
-//               avx512vnni; fp32 weights: the avx2 tiles.
-//   avx2        AVX2 + FMA: vpmaddubsw saturates at int16, so these tiles multiply int16 instead:
-//               a group's 4 bytes a lane split into (w0, w2) and (w1, w3) int16 pairs by two
-//               shifts (for all the rows), and two vpmaddwd a row against (q0, q2) and (q1, q3):
-//               exact, and one multiply uop per 16 products, fewer than the sign trick's
-//               vpsignb + vpmaddubsw + vpmaddwd. fp32 weights: FMA tiles of 1-2 rows x 32
-//               channels or 3-6 rows x 16. Where -march allows AVX-512 too, the compiler may
-//               encode these as EVEX: the same operations.
-//   portable    plain loops the compiler vectorizes for -march=native (any CPU, any architecture)
-// An int8 tile holds MT rows x NV vectors of channels, its int32 and fp32 sums in registers, and
-// takes the block's 32 channels in 32 / (NV x lanes) passes over the whole K (the first streams
-// the block's weights, a later one finds its lines in L1 or L2): up to 12 rows on zmm, 6 on ymm.
-// `linear` / `linear_f32` run the active path: at load, the best the CPU runs
-// (__builtin_cpu_supports); set_isa(cap) makes it the best the CPU runs at or below cap
-// (cpu_gemm.py does, from SPECFLEET_CPU_ISA). The *_isa ops run a named path, for tests and
-// benchmarks.
+// Three paths ("ISAs") compute the same thing; the library holds every one its compiler can emit,
+// whatever -march says, because each path's tiles carry their own target attribute:
+//   avx512    AVX-512F: a block's 32 channels are two __m512, tiles of up to 12 rows
+//   avx2      AVX2 + FMA: four __m256; tiles of 1-2 rows x 32 channels, or of 3-6 rows x 16
+//             channels (two passes over a block), fitting the 16 ymm registers. fp32 weights:
+//             FMAs; int8 weights: integer dot products on x rounded to int16 (tile_avx2_int).
+//             Where -march allows AVX-512 too, the compiler may encode these as EVEX: the same
+//             operations.
+//   portable  plain loops the compiler vectorizes for -march=native (any CPU, any architecture)
+// `linear` / `linear_f32` run the active path: at load, the best the CPU has
+// (__builtin_cpu_supports: avx512 > avx2 > portable); set_isa caps it (cpu_gemm.py does, from
+// SPECFLEET_CPU_ISA). The *_isa ops run a named path, for tests and benchmarks.
 //
 // Built by worker/specfleet_engine/kernels/cpu_gemm.py (-O3 -march=native -fopenmp) and
 // registered as ops:
@@ -57,7 +31,7 @@
 //   specfleet_int8::linear_isa(x, w, scales, bias?, isa), linear_f32_isa(x, w, n, bias?, isa)
 //   specfleet_int8::cpu_isas() -> str[]     the paths this CPU can run, best first
 //   specfleet_int8::active_isa() -> str     the path linear and linear_f32 run
-//   specfleet_int8::set_isa(cap) -> str     make it the best the CPU runs, at most cap
+//   specfleet_int8::set_isa(cap) -> str     make it the best the CPU has, at most cap
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -68,7 +42,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -91,26 +64,26 @@
 #endif
 
 // Tuning knobs (-D to override when experimenting); AVX-512's measured on an Ice Lake Xeon,
-// AVX2's on an AMD EPYC (Zen 3), the int8 tiles' on a Sapphire Rapids Xeon:
+// AVX2's on an AMD EPYC (Zen 3):
 //   SF_PF            prefetch distance in k-steps of 32 int8 weights (128: 4 KiB ahead; fp32
-//                    and the int8 layout's groups the same distance in bytes; 0: none)
-//   SF_A2_PF         AVX2, fp32 tiles of whole blocks: 0, the hardware prefetcher alone streamed
-//                    ~10% faster
-//   SF_A2_PF_HALF    AVX2, fp32 half-block tiles (3-6 rows): 64, 10-25% faster than none (their
+//                    weights the same distance in bytes; 0: none)
+//   SF_A2_PF         AVX2, tiles of whole blocks: 0, the hardware prefetcher alone streamed fp32
+//                    ~10% faster (int8 alike either way)
+//   SF_A2_PF_HALF    AVX2, half-block tiles (3-6 rows): 64, 10-25% faster than none (their
 //                    passes go back and forth a chunk)
 //   SF_PF_AMD_F32    AVX-512 on an AMD CPU, fp32 weights: 0, the hardware prefetcher alone
-//                    streamed them 8-13% faster (1 and 5 rows, an EPYC with AVX-512, one thread)
-//   SF_AMD_AVX2_ROWS AVX-512 on an AMD CPU, fp32 weights: tiles of at most this many rows run the
-//                    AVX2 code (Zen 4 splits each 512-bit op in two): 1, 5% faster for one row;
-//                    from 3 rows AVX-512's larger tiles win (1.5-2x at 5-8). int8 tiles keep
-//                    their path: one zmm vpdpbusd does what takes AVX2 four ops
+//                    streamed them 8-13% faster (1 and 5 rows, an EPYC with AVX-512, one thread;
+//                    int8 alike either way)
+//   SF_AMD_AVX2_ROWS AVX-512 on an AMD CPU: tiles of at most this many rows run the AVX2 code
+//                    (Zen 4 splits each 512-bit op in two): 1, 5% faster for one row, fp32 and
+//                    int8 alike; from 3 rows AVX-512's larger tiles win (1.5-2x fp32 at 5-8)
 //   SF_HINT          prefetch hint
-//   SF_KU1/SF_KU2    AVX-512 fp32: independent accumulator sets for 1- and 2-row tiles (FMA latency)
-//   SF_A2_KU1        AVX2 fp32: the same for 1-row tiles (2 sets of 4 accumulators = 8 FMA chains)
-//   SF_A2_CHUNK      AVX2 fp32: bytes of a block's weights that half-block tiles take at a time
-//                    (both halves of it, the second from L1)
-//   SF_A2_FULL3      AVX2 fp32: 3 rows in one whole-block tile (one accumulator spills, but the
-//                    weights stream once: ~10% faster than halves)
+//   SF_KU1/SF_KU2    AVX-512: independent accumulator sets for 1- and 2-row tiles (FMA latency)
+//   SF_A2_KU1        AVX2: the same for 1-row tiles (2 sets of 4 accumulators = 8 FMA chains)
+//   SF_A2_CHUNK      AVX2: bytes of a block's fp32 weights that half-block tiles take at a time
+//                    (both halves of it, the second from L1); int8 blocks go whole
+//   SF_A2_FULL3      AVX2: 3 rows of fp32 weights in one whole-block tile (one accumulator
+//                    spills, but the weights stream once: ~10% faster than halves)
 //   SF_X86           0: build the portable path alone, as a non-x86 CPU gets it
 //   SF_NS            the torch.ops namespace
 #ifndef SF_PF
@@ -152,167 +125,96 @@
 
 #if SF_X86
 #define SF_TARGET_AVX512 __attribute__((target("avx512f,avx2,fma")))
-#define SF_TARGET_AVX512BW __attribute__((target("avx512f,avx512bw,avx2,fma")))
-#define SF_TARGET_AVX512VNNI __attribute__((target("avx512f,avx512bw,avx512vnni,avx2,fma")))
 #define SF_TARGET_AVX2 __attribute__((target("avx2,fma")))
-#define SF_TARGET_AVXVNNI __attribute__((target("avxvnni,avx2,fma")))
 #endif
 
 namespace specfleet {
 namespace {
 
-constexpr int64_t NB = 32;       // output channels per block
-constexpr int64_t KG = 4;        // int8 weights: k-steps a group (the bytes of a 32-bit lane)
-constexpr int64_t GBYTES = NB * KG;  // bytes of a block's group
-constexpr int64_t QK = 32;       // k-steps of an activation block (one scale)
-constexpr int64_t QG = QK / KG;  // groups of an activation block
+constexpr int64_t NB = 32;  // output channels per block
 
-// Rows per register tile, at most, fp32 and int8 alike. fp32: AVX-512 2 * MT accumulators + 2
-// weight vectors of 32 registers; AVX2 2 * MT (half blocks) of 16. int8: see each tile; the
-// portable loops keep theirs in L1.
-constexpr int max_tile_rows(Isa isa) { return isa == kAvx2 || isa == kAvxVnni ? 6 : 12; }
+// Rows per register tile, at most: AVX-512 2 * MT accumulators + 2 weight vectors of 32
+// registers; AVX2 2 * MT (half blocks) of 16; the portable loops keep their tile in L1.
+constexpr int max_tile_rows(Isa isa) { return isa == kAvx2 ? 6 : 12; }
 
-// The int8 tiles' activations: x quantized per row and block of QK k-steps (`quantize_rows`).
+// The AVX2 int8 tiles' activations (tile_avx2_int): x quantized to int16, one scale per row and
+// block of KQ k-steps.
+constexpr int64_t KQ = 64;
+
 struct QuantX {
-  const int8_t* q;     // [M, ldq], ldq = 4 * K4: the pad zero
-  const int16_t* q16;  // [M, ldq]: q as int16, each group's 4 reordered (q0, q2, q1, q3) for vpmaddwd
+  const int16_t* q;  // [M, K2]: K2 = K rounded up to even, the pad zero
   int64_t ldq;
-  const float* d;      // [M, nqb]: each block's scale
-  const int32_t* c;    // [M, nqb]: -128 * the sum of the block's q (vpdpbusd's u8 offset)
-  int64_t nqb;         // ceil(K / QK)
+  const float* s;    // [M, ceil(K / KQ)]
+  int64_t lds;
 };
 
 struct QArgs : Args {
   QuantX xq;
 };
 
-// max |x[i]| over n <= QK values, in 16 lanes (a serial max is a chain of n dependent ops, and
-// was half of the quantization's time). The order does not matter: max is exact. A NaN wins, so
-// that the block's scale is NaN and so is every output of the row, as in fp32.
-inline float abs_max(const float* x, int64_t n) {
-  typedef float v16f __attribute__((vector_size(64)));
-  v16f acc = {};
-  for (int64_t i = 0; i + 16 <= n; i += 16) {
-    v16f v;
-    std::memcpy(&v, x + i, sizeof v);
-    v = v < 0 ? -v : v;
-    acc = (acc < v) | (v != v) ? v : acc;
-  }
-  float r = 0.f;
-  for (int j = 0; j < 16; ++j) r = r < acc[j] || acc[j] != acc[j] ? acc[j] : r;
-  for (int64_t i = n / 16 * 16; i < n; ++i) r = r < std::fabs(x[i]) || x[i] != x[i] ? std::fabs(x[i]) : r;
-  return r;
-}
-
-// x [M, K] (row stride ldx) -> QuantX's arrays: the same for a row whatever M is.
-void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int8_t* q, int16_t* q16, int64_t ldq,
-                   float* d, int32_t* c, int64_t nqb) {
+// x [M, K] (row stride ldx) -> q [M, K2], s [M, ceil(K / KQ)]: the same for a row whatever M is.
+void quantize_rows(const float* x, int64_t ldx, int64_t M, int64_t K, int16_t* q, int64_t ldq, float* s,
+                   int64_t lds) {
   for (int64_t m = 0; m < M; ++m) {
     const float* xr = x + m * ldx;
-    int8_t* qr = q + m * ldq;
-    for (int64_t k0 = 0, b = 0; k0 < K; k0 += QK, ++b) {
-      const int64_t k1 = std::min(K, k0 + QK);
-      const float amax = abs_max(xr + k0, k1 - k0);
-      const float db = amax / 127.f;
-      const float inv = db > 0.f && db <= FLT_MAX ? 1.f / db : 0.f;  // q = 0 where d is 0, inf or NaN
-      int32_t sum = 0;
-      for (int64_t k = k0; k < k1; ++k) {
-        const float t = xr[k] * inv;  // NaN only where x is not finite
-        const int v = t == t ? static_cast<int>(std::nearbyint(t)) : 0;
-        qr[k] = static_cast<int8_t>(v);
-        sum += v;
-      }
-      d[m * nqb + b] = db;
-      c[m * nqb + b] = -128 * sum;
+    int16_t* qr = q + m * ldq;
+    for (int64_t k0 = 0, b = 0; k0 < K; k0 += KQ, ++b) {
+      const int64_t k1 = std::min(K, k0 + KQ);
+      float amax = 0.f;
+      for (int64_t k = k0; k < k1; ++k) amax = std::max(amax, std::fabs(xr[k]));
+      const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+      s[m * lds + b] = amax / 32767.f;
+      for (int64_t k = k0; k < k1; ++k) qr[k] = static_cast<int16_t>(std::nearbyint(xr[k] * inv));
     }
     for (int64_t k = K; k < ldq; ++k) qr[k] = 0;
-    int16_t* q16r = q16 + m * ldq;
-    for (int64_t k = 0; k < ldq; k += KG) {
-      q16r[k] = qr[k];
-      q16r[k + 1] = qr[k + 2];
-      q16r[k + 2] = qr[k + 1];
-      q16r[k + 3] = qr[k + 3];
-    }
-  }
-}
-
-// y[m0 + m, n0 + j] = fma(f[m][j], scale, bias) for the block's nc channels: the int8 tiles' last
-// step, the same plain code for every path.
-template <int MT>
-inline void store_int8_rows(const Args& a, int64_t m0, int64_t blk, const float (&f)[MT][NB]) {
-  const int64_t n0 = blk * NB, nc = std::min<int64_t>(NB, a.N - n0);
-  const float* s = a.scale + n0;
-  for (int m = 0; m < MT; ++m) {
-    float* y = a.y + (m0 + m) * a.ldy + n0;
-    if (a.bias)
-      for (int64_t j = 0; j < nc; ++j) y[j] = std::fma(f[m][j], s[j], a.bias[n0 + j]);
-    else
-      for (int64_t j = 0; j < nc; ++j) y[j] = std::fma(f[m][j], s[j], 0.f);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
 // Portable path: plain loops the compiler vectorizes (-O3 -march=native).
-template <int MT>
+template <int MT, typename W>
 void tile_portable(const Args& a, int64_t m0, int64_t blk) {
   float acc[MT][NB];
   for (int m = 0; m < MT; ++m)
     for (int j = 0; j < NB; ++j) acc[m][j] = 0.f;
-  const float* w = static_cast<const float*>(a.w) + blk * a.K * NB;
+  const W* w = static_cast<const W*>(a.w) + blk * a.K * NB;
   const float* x = a.x + m0 * a.ldx;
   for (int64_t k = 0; k < a.K; ++k) {
+    float wf[NB];
+    for (int j = 0; j < NB; ++j) wf[j] = static_cast<float>(w[k * NB + j]);
     for (int m = 0; m < MT; ++m) {
       const float xv = x[m * a.ldx + k];
-      for (int j = 0; j < NB; ++j) acc[m][j] += xv * w[k * NB + j];
+      for (int j = 0; j < NB; ++j) acc[m][j] += xv * wf[j];
     }
   }
   const int64_t n0 = blk * NB, nc = std::min<int64_t>(NB, a.N - n0);
   for (int m = 0; m < MT; ++m) {
     float* y = a.y + (m0 + m) * a.ldy + n0;
-    for (int64_t j = 0; j < nc; ++j) y[j] = acc[m][j] + (a.bias ? a.bias[n0 + j] : 0.f);
+    for (int64_t j = 0; j < nc; ++j)
+      y[j] = acc[m][j] * (a.scale ? a.scale[n0 + j] : 1.f) + (a.bias ? a.bias[n0 + j] : 0.f);
   }
-}
-
-// The int8 layout in plain loops: each block's int32 sums, then the same float steps as the SIMD
-// tiles (std::fma: one rounding, as their FMAs).
-template <int MT>
-void tile_portable_int8(const Args& a_, int64_t m0, int64_t blk) {
-  const QArgs& a = static_cast<const QArgs&>(a_);
-  const int64_t K4 = (a.K + KG - 1) / KG;
-  const int8_t* w = static_cast<const int8_t*>(a.w) + blk * K4 * GBYTES;
-  const int8_t* xq = a.xq.q + m0 * a.xq.ldq;
-  float f[MT][NB] = {};
-  for (int64_t b = 0; b < a.xq.nqb; ++b) {
-    int32_t acc[MT][NB] = {};
-    for (int64_t g = b * QG; g < std::min(K4, (b + 1) * QG); ++g) {
-      const int8_t* wg = w + g * GBYTES;
-      for (int m = 0; m < MT; ++m) {
-        const int8_t* xg = xq + m * a.xq.ldq + g * KG;
-        for (int j = 0; j < NB; ++j)
-          for (int i = 0; i < KG; ++i) acc[m][j] += static_cast<int32_t>(wg[j * KG + i]) * xg[i];
-      }
-    }
-    for (int m = 0; m < MT; ++m) {
-      const float db = a.xq.d[(m0 + m) * a.xq.nqb + b];
-      for (int j = 0; j < NB; ++j) f[m][j] = std::fma(static_cast<float>(acc[m][j]), db, f[m][j]);
-    }
-  }
-  store_int8_rows<MT>(a, m0, blk, f);
 }
 
 #if SF_X86
-// Prefetch PF k-steps of int8 weights (PF * 32 bytes) ahead of k-step `k`, one call per k-step;
-// fp32 weights the same distance in bytes (a k-step spans NB * 4 / 64 lines); PF = 0: none.
+// Prefetch PF k-steps of int8 weights (PF * 32 bytes) ahead of k-step `k`, one call per k-step
+// (int8 k-steps share 64-byte lines two by two, so odd ones skip); PF = 0: none.
 template <int PF, typename W>
 static inline void prefetch_ahead(const W* w, int64_t k) {
   if constexpr (PF > 0) {
-    const char* p = reinterpret_cast<const char*>(w + k * NB) + PF * NB;
-    for (int l = 0; l < static_cast<int>(NB * sizeof(W) / 64); ++l) _mm_prefetch(p + 64 * l, SF_HINT);
+    if constexpr (sizeof(W) == 1) {
+      if (k % 2 == 0) _mm_prefetch(reinterpret_cast<const char*>(w + (k + PF) * NB), SF_HINT);
+    } else {  // the same distance in bytes; a k-step spans NB * sizeof(W) / 64 lines
+      const char* p = reinterpret_cast<const char*>(w + k * NB) + PF * NB;
+      for (int l = 0; l < static_cast<int>(NB * sizeof(W) / 64); ++l) _mm_prefetch(p + 64 * l, SF_HINT);
+    }
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX-512 fp32 tiles (the avx512 and avx512vnni paths' fp32 weights).
+// AVX-512 path.
+SF_TARGET_AVX512 static inline __m512 load_w16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 SF_TARGET_AVX512 static inline __m512 load_w16(const float* p) { return _mm512_loadu_ps(p); }
 
 // One register tile: MT rows x 32 channels over the whole K. With few rows the FMA chains are too
@@ -371,12 +273,15 @@ SF_TARGET_AVX512 void tile_avx512(const Args& a, int64_t m0, int64_t blk) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// AVX2 + FMA fp32 tiles (the avx2 and avxvnni paths' fp32 weights): a block's 32 channels are four
-// 8-lane vectors, and the 16 ymm registers hold KU * MT * NV accumulators, the NV weight vectors
-// of a k-step and a broadcast x. One or two rows take all four vectors at once (one row: KU = 2
-// k-steps in flight, 8 FMA chains, what 2 FMA pipes x 4 cycles of latency need). Three to six
-// rows take the block in two halves of 16 channels, one pass each, a 4 KiB chunk of the block at
-// a time, so that the second half reads it from L1.
+// AVX2 + FMA path: a block's 32 channels are four 8-lane vectors, and the 16 ymm registers hold
+// KU * MT * NV accumulators, the NV weight vectors of a k-step and a broadcast x. One or two rows
+// take all four vectors at once (one row: KU = 2 k-steps in flight, 8 FMA chains, what 2 FMA
+// pipes x 4 cycles of latency need). Three to six rows take the block in two halves of 16
+// channels, one pass each (fp32: a 4 KiB chunk of the block at a time, so that the second half
+// reads it from L1), so that one int8 -> fp32 conversion serves up to 6 rows.
+SF_TARGET_AVX2 static inline __m256 load_w8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 SF_TARGET_AVX2 static inline __m256 load_w8(const float* p) { return _mm256_loadu_ps(p); }
 
 // acc[m][j] += x[m, k] * w[k, 8j..8j+7] for k in 0..kn-1: w points at the first k-step's first
@@ -490,7 +395,9 @@ SF_TARGET_AVX2 void tile_avx2_halves(const Args& a, int64_t m0, int64_t blk) {
     for (int m = 0; m < MT; ++m) acc[h][m][0] = acc[h][m][1] = _mm256_setzero_ps();
   const W* w = static_cast<const W*>(a.w) + blk * a.K * NB;
   const float* x = a.x + m0 * a.ldx;
-  const int64_t chunk = SF_A2_CHUNK / static_cast<int64_t>(NB * sizeof(W));  // k-steps a pass covers
+  // k-steps a pass covers: int8 blocks (18-48 KiB for SmolLM2) go whole, a pass a half, which
+  // the hardware prefetcher streams best; the second half finds them in L1 or L2
+  const int64_t chunk = sizeof(W) == 1 ? a.K : SF_A2_CHUNK / static_cast<int64_t>(NB * sizeof(W));
   for (int64_t k0 = 0; k0 < a.K; k0 += chunk) {
     const int64_t kn = std::min<int64_t>(chunk, a.K - k0);
     for (int h = 0; h < halves; ++h)
@@ -500,322 +407,124 @@ SF_TARGET_AVX2 void tile_avx2_halves(const Args& a, int64_t m0, int64_t blk) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// int8 tiles: MT rows x NV vectors of channels, in NB / (NV * lanes) passes over the whole K (the
-// first pass streams the block's weights, later ones find them in L1 or L2). For each block of QK
-// k-steps a row's int32 sums start at its offset (VNNI) or at zero and take the block's groups;
-// then f = fma(float(sum), d, f). Accumulators and f stay in registers (2 * MT * NV of them; a
-// store per block would cost as much as the block's dot products), which bounds MT * NV; every
-// loop over m and v is unrolled for it.
-
-constexpr int64_t kPfGroups = SF_PF * 32 / GBYTES;  // SF_PF's distance, in groups
-
-static inline int32_t load32(const void* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// A group's two cache lines, kPfGroups ahead.
-static inline void prefetch_group(const int8_t* w, int64_t g) {
-  if constexpr (kPfGroups > 0) {
-    const char* p = reinterpret_cast<const char*>(w + (g + kPfGroups) * GBYTES);
-    _mm_prefetch(p, SF_HINT);
-    _mm_prefetch(p + 64, SF_HINT);
-  }
-}
-
-// acc += vpdpbusd(w as u8, x as s8): in asm, because GCC 12 copies the accumulator of each
-// intrinsic call twice a step (register moves and spills: the 8-row tile ran at a third of its
-// rate). x[0..3] comes as a broadcast memory operand on zmm, in a register on ymm (VEX has none).
-SF_TARGET_AVX512VNNI static inline __m512i dpbusd(__m512i acc, __m512i w, const int8_t* x) {
-  asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(w), "m"(*reinterpret_cast<const int32_t*>(x)));
-  return acc;
-}
-SF_TARGET_AVXVNNI static inline __m256i dpbusd(__m256i acc, __m256i w, __m256i x) {
-  asm("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(w), "x"(x));
-  return acc;
-}
-
-// acc += t, in place (asm for the reason dpbusd's is: GCC adds into a new register, then copies it
-// back, one move an accumulator a step).
-SF_TARGET_AVX512BW static inline __m512i add_into(__m512i acc, __m512i t) {
-  asm("vpaddd %1, %0, %0" : "+v"(acc) : "v"(t));
-  return acc;
-}
-SF_TARGET_AVX2 static inline __m256i add_into(__m256i acc, __m256i t) {
-  asm("vpaddd %1, %0, %0" : "+v"(acc) : "v"(t));
-  return acc;
-}
-
-// vpmaddwd on a group's 4 bytes a lane: (w0, w2) and (w1, w3) as int16 pairs, by shifts (once for
-// all the rows), against x's (q0, q2) and (q1, q3) pairs from q16.
-SF_TARGET_AVX512BW static inline void split_pairs(__m512i raw, __m512i& even, __m512i& odd) {
-  even = _mm512_srai_epi16(_mm512_slli_epi16(raw, 8), 8);
-  odd = _mm512_srai_epi16(raw, 8);
-}
-SF_TARGET_AVX2 static inline void split_pairs(__m256i raw, __m256i& even, __m256i& odd) {
-  even = _mm256_srai_epi16(_mm256_slli_epi16(raw, 8), 8);
-  odd = _mm256_srai_epi16(raw, 8);
-}
-
-// The pointers and sizes every int8 tile starts from.
-struct Int8Tile {
-  int64_t K4, ldq, nqb;
-  const int8_t* w;    // the block's first group
-  const int8_t* xq;   // row m0's q
-  const int16_t* xw;  // row m0's q16
-  const float* d;     // row m0's block scales
-  const int32_t* c;   // row m0's block offsets
-  Int8Tile(const QArgs& a, int64_t m0, int64_t blk)
-      : K4((a.K + KG - 1) / KG), ldq(a.xq.ldq), nqb(a.xq.nqb),
-        w(static_cast<const int8_t*>(a.w) + blk * K4 * GBYTES), xq(a.xq.q + m0 * ldq),
-        xw(a.xq.q16 + m0 * ldq), d(a.xq.d + m0 * nqb), c(a.xq.c + m0 * nqb) {}
-  int64_t group_end(int64_t b) const { return std::min(K4, (b + 1) * QG); }
-};
-
-// AVX-512 VNNI: 1-6 rows x 32 channels (one pass), 7-12 rows x 16 (two): 4 * MT * NV <= 24
-// registers of 32, the weight vectors and the XOR mask besides.
-template <int MT, int NV>
-SF_TARGET_AVX512VNNI void tile_vnni512(const Args& a_, int64_t m0, int64_t blk) {
-  const QArgs& a = static_cast<const QArgs&>(a_);
-  const Int8Tile t(a, m0, blk);
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80));  // s8 -> u8 + 128
-  alignas(64) float out[MT][NB];
-  for (int p = 0; p < 2 / NV; ++p) {
-    __m512 f[MT][NV];
-#pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) f[m][v] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < t.nqb; ++b) {
-      __m512i acc[MT][NV];
-#pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_set1_epi32(t.c[m * t.nqb + b]);
-      for (int64_t g = b * QG, g1 = t.group_end(b); g < g1; ++g) {
-        if (p == 0) prefetch_group(t.w, g);
-        __m512i wv[NV];
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v)
-          wv[v] = _mm512_xor_si512(_mm512_loadu_si512(t.w + g * GBYTES + 64 * (p * NV + v)), flip);
-#pragma GCC unroll 16
-        for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-          for (int v = 0; v < NV; ++v) acc[m][v] = dpbusd(acc[m][v], wv[v], t.xq + m * t.ldq + g * KG);
-      }
-#pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m) {
-        const __m512 dv = _mm512_set1_ps(t.d[m * t.nqb + b]);
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) f[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][v]), dv, f[m][v]);
-      }
-    }
-#pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) _mm512_store_ps(out[m] + 16 * (p * NV + v), f[m][v]);
-  }
-  store_int8_rows<MT>(a, m0, blk, out);
-}
-
-// AVX-VNNI: the same on ymm, where VEX vpdpbusd reaches ymm0-15 only: 1 row x 32 channels (one
-// pass), 2-3 rows x 16 (two), 4-6 rows x 8 (four).
-template <int MT, int NV>
-SF_TARGET_AVXVNNI void tile_vnni256(const Args& a_, int64_t m0, int64_t blk) {
-  const QArgs& a = static_cast<const QArgs&>(a_);
-  const Int8Tile t(a, m0, blk);
-  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
-  alignas(64) float out[MT][NB];
-  for (int p = 0; p < 4 / NV; ++p) {
-    __m256 f[MT][NV];
+// AVX2 int8 tiles: integer dot products. Converting each int8 weight to fp32 (vpmovsxbd +
+// vcvtdq2ps) before its FMA costs more than the weights take to stream where a 256-bit op is two
+// 128-bit halves (Zen 1: int8 decoding ran at 0.80x llama.cpp's Q8_0). These tiles multiply the
+// weights as int16 instead: each row of x is quantized to int16 per block of KQ k-steps (scale =
+// the block's max |x| / 32767, round to nearest even; `quantize_rows`), two k-steps' weights are
+// interleaved in registers (punpck{l,h}bw of two 16-channel rows, no other layout) and widened
+// to int16, and vpmaddwd sums x[k] w[k] + x[k+1] w[k+1] per channel into int32, exactly; each
+// block's sums go to fp32 once, times its scale. A block of 64 k-steps stays far from int32's
+// range (64 x 32767 x 127 < 2^28). The error this adds, about 1e-5 of a block's largest |x|, is far
+// below the int8 weights' own; the integer sums make a row's result independent of how many rows
+// its tile holds.
+// f[m][g] += (sum over the block's k of x[m, k] w[k, 16 * H + 8 * g' + i]) * scale, for the
+// NH 16-channel halves from H (g = 2 * (h - H) + {0, 1}), over every block of K.
+template <int MT, int NH>
+SF_TARGET_AVX2 __attribute__((always_inline)) static inline void madd_avx2(const QArgs& a, int64_t m0, const int8_t* w,
+                                                                           int H, __m256 (&f)[MT][2 * NH]) {
+  const int64_t K = a.K;
+  const __m128i zero = _mm_setzero_si128();
+  for (int64_t k0 = 0, b = 0; k0 < K; k0 += KQ, ++b) {
+    const int64_t k1 = std::min(K, k0 + KQ);
+    __m256i acc[MT][2 * NH];
 #pragma GCC unroll 8
     for (int m = 0; m < MT; ++m)
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) f[m][v] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < t.nqb; ++b) {
-      __m256i acc[MT][NV];
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_set1_epi32(t.c[m * t.nqb + b]);
-      for (int64_t g = b * QG, g1 = t.group_end(b); g < g1; ++g) {
-        if (p == 0) prefetch_group(t.w, g);
-        __m256i wv[NV];
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v)
-          wv[v] = _mm256_xor_si256(
-              _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t.w + g * GBYTES + 32 * (p * NV + v))), flip);
-#pragma GCC unroll 8
-        for (int m = 0; m < MT; ++m) {
-          const __m256i xv = _mm256_set1_epi32(load32(t.xq + m * t.ldq + g * KG));
-#pragma GCC unroll 4
-          for (int v = 0; v < NV; ++v) acc[m][v] = dpbusd(acc[m][v], wv[v], xv);
+      for (int j = 0; j < 2 * NH; ++j) acc[m][j] = _mm256_setzero_si256();
+    // two k-steps at a time; an odd K's last k-step pairs with zeros (x's pad is zero too)
+    for (int64_t k = k0; k < k1; k += 2) {
+      const int8_t* wk = w + k * NB + 16 * H;
+      __m256i wv[2 * NH];
+      if (k + 1 < k1) [[likely]] {
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; ++h) {
+          const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * h));
+          const __m128i w1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + NB + 16 * h));
+          wv[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(w0, w1));
+          wv[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(w0, w1));
+        }
+      } else {
+#pragma GCC unroll 2
+        for (int h = 0; h < NH; ++h) {
+          const __m128i w0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * h));
+          wv[2 * h] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(w0, zero));
+          wv[2 * h + 1] = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(w0, zero));
         }
       }
+      const int16_t* xk = a.xq.q + m0 * a.xq.ldq + k;
 #pragma GCC unroll 8
       for (int m = 0; m < MT; ++m) {
-        const __m256 dv = _mm256_set1_ps(t.d[m * t.nqb + b]);
+        int32_t xx;  // x[m, k] and x[m, k + 1], broadcast as a pair
+        std::memcpy(&xx, xk + m * a.xq.ldq, sizeof(xx));
+        const __m256i xv = _mm256_set1_epi32(xx);
 #pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) f[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][v]), dv, f[m][v]);
+        for (int j = 0; j < 2 * NH; ++j) acc[m][j] = _mm256_add_epi32(acc[m][j], _mm256_madd_epi16(wv[j], xv));
       }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m)
+    for (int m = 0; m < MT; ++m) {
+      const __m256 sv = _mm256_set1_ps(a.xq.s[(m0 + m) * a.xq.lds + b]);
 #pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) _mm256_store_ps(out[m] + 8 * (p * NV + v), f[m][v]);
+      for (int j = 0; j < 2 * NH; ++j) f[m][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][j]), sv, f[m][j]);
+    }
   }
-  store_int8_rows<MT>(a, m0, blk, out);
 }
 
-// AVX-512BW: vpmaddwd, shaped as tile_vnni512 (the split pairs take 2 * NV registers more).
-template <int MT, int NV>
-SF_TARGET_AVX512BW void tile_madd512(const Args& a_, int64_t m0, int64_t blk) {
+// One tile: rows m0..m0+MT-1 x block blk's 32 channels, both halves in one pass (1-2 rows: 4
+// int32 accumulators a row) or one half a pass (3-6 rows: 2 a row, so they stay in registers).
+template <int MT>
+SF_TARGET_AVX2 void tile_avx2_int(const Args& a_, int64_t m0, int64_t blk) {
   const QArgs& a = static_cast<const QArgs&>(a_);
-  const Int8Tile t(a, m0, blk);
-  alignas(64) float out[MT][NB];
-  for (int p = 0; p < 2 / NV; ++p) {
-    __m512 f[MT][NV];
-#pragma GCC unroll 16
+  const int8_t* w = static_cast<const int8_t*>(a.w) + blk * a.K * NB;
+  const int64_t n0 = blk * NB, nc = std::min<int64_t>(NB, a.N - n0);
+  if constexpr (MT <= 2) {
+    __m256 f[MT][4];
     for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) f[m][v] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < t.nqb; ++b) {
-      __m512i acc[MT][NV];
-#pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) acc[m][v] = _mm512_setzero_si512();
-      for (int64_t g = b * QG, g1 = t.group_end(b); g < g1; ++g) {
-        if (p == 0) prefetch_group(t.w, g);
-        __m512i ev[NV], od[NV];
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v)
-          split_pairs(_mm512_loadu_si512(t.w + g * GBYTES + 64 * (p * NV + v)), ev[v], od[v]);
-#pragma GCC unroll 16
-        for (int m = 0; m < MT; ++m) {
-          const __m512i xe = _mm512_set1_epi32(load32(t.xw + m * t.ldq + g * KG));
-          const __m512i xo = _mm512_set1_epi32(load32(t.xw + m * t.ldq + g * KG + 2));
-#pragma GCC unroll 2
-          for (int v = 0; v < NV; ++v)
-            acc[m][v] =
-                add_into(acc[m][v], _mm512_add_epi32(_mm512_madd_epi16(ev[v], xe), _mm512_madd_epi16(od[v], xo)));
-        }
-      }
-#pragma GCC unroll 16
-      for (int m = 0; m < MT; ++m) {
-        const __m512 dv = _mm512_set1_ps(t.d[m * t.nqb + b]);
-#pragma GCC unroll 2
-        for (int v = 0; v < NV; ++v) f[m][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[m][v]), dv, f[m][v]);
-      }
+      for (int j = 0; j < 4; ++j) f[m][j] = _mm256_setzero_ps();
+    madd_avx2<MT, 2>(a, m0, w, 0, f);
+    store_avx2<MT, 4>(a, m0, n0, nc, f);
+  } else {
+    const int halves = nc > 16 ? 2 : 1;
+    for (int h = 0; h < halves; ++h) {
+      __m256 f[MT][2];
+      for (int m = 0; m < MT; ++m) f[m][0] = f[m][1] = _mm256_setzero_ps();
+      madd_avx2<MT, 1>(a, m0, w, h, f);
+      store_avx2<MT, 2>(a, m0, n0 + 16 * h, std::min<int64_t>(16, nc - 16 * h), f);
     }
-#pragma GCC unroll 16
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 2
-      for (int v = 0; v < NV; ++v) _mm512_store_ps(out[m] + 16 * (p * NV + v), f[m][v]);
   }
-  store_int8_rows<MT>(a, m0, blk, out);
-}
-
-// AVX2: vpmaddwd on ymm, 16 registers: 1 row x 32 channels (one pass), 2 rows x 16 (two), 3-6
-// rows x 8 (four).
-template <int MT, int NV>
-SF_TARGET_AVX2 void tile_madd256(const Args& a_, int64_t m0, int64_t blk) {
-  const QArgs& a = static_cast<const QArgs&>(a_);
-  const Int8Tile t(a, m0, blk);
-  alignas(64) float out[MT][NB];
-  for (int p = 0; p < 4 / NV; ++p) {
-    __m256 f[MT][NV];
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) f[m][v] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < t.nqb; ++b) {
-      __m256i acc[MT][NV];
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) acc[m][v] = _mm256_setzero_si256();
-      for (int64_t g = b * QG, g1 = t.group_end(b); g < g1; ++g) {
-        if (p == 0) prefetch_group(t.w, g);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) {
-          __m256i ev, od;
-          const int8_t* wp = t.w + g * GBYTES + 32 * (p * NV + v);
-          split_pairs(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wp)), ev, od);
-#pragma GCC unroll 8
-          for (int m = 0; m < MT; ++m) {
-            const __m256i xe = _mm256_set1_epi32(load32(t.xw + m * t.ldq + g * KG));
-            const __m256i xo = _mm256_set1_epi32(load32(t.xw + m * t.ldq + g * KG + 2));
-            acc[m][v] = add_into(acc[m][v], _mm256_add_epi32(_mm256_madd_epi16(ev, xe), _mm256_madd_epi16(od, xo)));
-          }
-        }
-      }
-#pragma GCC unroll 8
-      for (int m = 0; m < MT; ++m) {
-        const __m256 dv = _mm256_set1_ps(t.d[m * t.nqb + b]);
-#pragma GCC unroll 4
-        for (int v = 0; v < NV; ++v) f[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][v]), dv, f[m][v]);
-      }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < MT; ++m)
-#pragma GCC unroll 4
-      for (int v = 0; v < NV; ++v) _mm256_store_ps(out[m] + 8 * (p * NV + v), f[m][v]);
-  }
-  store_int8_rows<MT>(a, m0, blk, out);
 }
 #endif  // SF_X86
 
 // ---------------------------------------------------------------------------------------------
 // Which paths this CPU runs, and which one `linear` takes.
 
-// Whether this CPU (and its OS: __builtin_cpu_supports checks XGETBV) runs `isa`'s code.
-bool detect_runs(Isa isa) {
+// The best path compiled in that this CPU (and its OS: __builtin_cpu_supports checks XGETBV) runs;
+// every path below it runs too (AVX-512F CPUs have AVX2 and FMA).
+Isa detect_best_isa() {
 #if SF_X86
   __builtin_cpu_init();
-  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
-  switch (isa) {
-    case kPortable: return true;
-    case kAvx2: return avx2;
-    case kAvxVnni: return avx2 && __builtin_cpu_supports("avxvnni");
-    case kAvx512: return avx512;
-    case kAvx512Vnni: return avx512 && __builtin_cpu_supports("avx512vnni");
-    default: return false;
-  }
-#else
-  return isa == kPortable;
+  if (__builtin_cpu_supports("avx512f")) return kAvx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return kAvx2;
 #endif
+  return kPortable;
 }
 
-bool cpu_runs(Isa isa) {
-  static const auto runs = [] {
-    std::vector<bool> r(kNumIsas);
-    for (int i = 0; i < kNumIsas; ++i) r[i] = detect_runs(static_cast<Isa>(i));
-    return r;
-  }();
-  return runs[isa];
-}
-
-// The best path this CPU runs at or below `cap` (portable runs everywhere).
-Isa best_at_most(Isa cap) {
-  int i = cap;
-  while (i > kPortable && !cpu_runs(static_cast<Isa>(i))) --i;
-  return static_cast<Isa>(i);
+Isa cpu_best_isa() {
+  static const Isa best = detect_best_isa();
+  return best;
 }
 
 // The path `linear` and `linear_f32` take: the best until set_isa caps it.
 std::atomic<int>& active() {
-  static std::atomic<int> isa{best_at_most(static_cast<Isa>(kNumIsas - 1))};
+  static std::atomic<int> isa{cpu_best_isa()};
   return isa;
 }
 
 Isa parse_isa(const std::string& name) {
   int i = 0;
   while (i < kNumIsas && name != kIsaNames[i]) ++i;
-  TORCH_CHECK(i < kNumIsas, "unknown CPU kernel path '", name,
-              "': expected avx512vnni, avx512, avxvnni, avx2 or portable");
+  TORCH_CHECK(i < kNumIsas, "unknown CPU kernel path '", name, "': expected avx512, avx2 or portable");
   return static_cast<Isa>(i);
 }
 
@@ -834,70 +543,47 @@ bool cpu_is_amd() {
 
 using TileFn = void (*)(const Args&, int64_t, int64_t);
 
-template <int MT>
-TileFn pick_f32_tile(Isa isa) {
+template <int MT, typename W>
+TileFn pick_tile(Isa isa) {
 #if SF_X86
-  isa = isa == kAvx512Vnni ? kAvx512 : isa == kAvxVnni ? kAvx2 : isa;  // VNNI adds nothing to fp32
+  bool from_avx512 = false;  // AVX-512's own fp32-arithmetic tile, in AVX2 code (see SF_AMD_AVX2_ROWS)
   if constexpr (MT <= SF_AMD_AVX2_ROWS) {
-    if (isa == kAvx512 && cpu_is_amd()) isa = kAvx2;  // see SF_AMD_AVX2_ROWS
+    if (isa == kAvx512 && cpu_is_amd()) isa = kAvx2, from_avx512 = true;
   }
   if (isa == kAvx512) {
     constexpr int KU = MT == 1 ? SF_KU1 : MT == 2 ? SF_KU2 : 1;
-    if (cpu_is_amd()) return &tile_avx512<MT, KU, float, SF_PF_AMD_F32>;
-    return &tile_avx512<MT, KU, float>;
+    if (sizeof(W) == 4 && cpu_is_amd()) return &tile_avx512<MT, KU, W, SF_PF_AMD_F32>;
+    return &tile_avx512<MT, KU, W>;
   }
   if constexpr (MT <= 6) {  // see max_tile_rows
+    if (isa == kAvx2 && sizeof(W) == 1 && !from_avx512) return &tile_avx2_int<MT>;  // int8: integer dots
     if (isa == kAvx2) {
-      if constexpr (MT == 1) return &tile_avx2<1, SF_A2_KU1, float>;
-      else if constexpr (MT == 2 || (MT == 3 && SF_A2_FULL3)) return &tile_avx2<MT, 1, float>;
-      else if constexpr (MT == 3) return &tile_avx2_halves<3, 2, float>;  // 2 k-steps: 12 FMA chains, not 6
-      else return &tile_avx2_halves<MT, 1, float>;
+      if constexpr (MT == 1) return &tile_avx2<1, SF_A2_KU1, W>;
+      else if constexpr (MT == 2 || (MT == 3 && SF_A2_FULL3 && sizeof(W) == 4)) return &tile_avx2<MT, 1, W>;
+      else if constexpr (MT == 3) return &tile_avx2_halves<3, 2, W>;  // 2 k-steps: 12 FMA chains, not 6
+      else return &tile_avx2_halves<MT, 1, W>;
     }
   }
 #endif
   (void)isa;
-  return &tile_portable<MT>;
+  return &tile_portable<MT, W>;
 }
 
-template <int MT>
-TileFn pick_int8_tile(Isa isa) {
-#if SF_X86
-  constexpr int nv512 = MT <= 6 ? 2 : 1, nv256 = MT == 1 ? 4 : MT <= 3 ? 2 : 1;
-  switch (isa) {  // the shapes each tile's comment gives, within max_tile_rows
-    case kAvx512Vnni: return &tile_vnni512<MT, nv512>;
-    case kAvx512: return &tile_madd512<MT, nv512>;
-    case kAvxVnni:
-      if constexpr (MT <= 6) return &tile_vnni256<MT, nv256>;
-      break;
-    case kAvx2:
-      if constexpr (MT <= 6) return &tile_madd256<MT, (MT == 1 ? 4 : MT == 2 ? 2 : 1)>;
-      break;
-    default: break;
-  }
-#endif
-  (void)isa;
-  return &tile_portable_int8<MT>;
-}
-
-template <int MT>
-TileFn pick_tile(Isa isa, bool int8) {
-  return int8 ? pick_int8_tile<MT>(isa) : pick_f32_tile<MT>(isa);
-}
-
-TileFn tile_for(int mt, Isa isa, bool int8) {
+template <typename W>
+TileFn tile_for(int mt, Isa isa) {
   switch (mt) {
-    case 1: return pick_tile<1>(isa, int8);
-    case 2: return pick_tile<2>(isa, int8);
-    case 3: return pick_tile<3>(isa, int8);
-    case 4: return pick_tile<4>(isa, int8);
-    case 5: return pick_tile<5>(isa, int8);
-    case 6: return pick_tile<6>(isa, int8);
-    case 7: return pick_tile<7>(isa, int8);
-    case 8: return pick_tile<8>(isa, int8);
-    case 9: return pick_tile<9>(isa, int8);
-    case 10: return pick_tile<10>(isa, int8);
-    case 11: return pick_tile<11>(isa, int8);
-    default: return pick_tile<12>(isa, int8);
+    case 1: return pick_tile<1, W>(isa);
+    case 2: return pick_tile<2, W>(isa);
+    case 3: return pick_tile<3, W>(isa);
+    case 4: return pick_tile<4, W>(isa);
+    case 5: return pick_tile<5, W>(isa);
+    case 6: return pick_tile<6, W>(isa);
+    case 7: return pick_tile<7, W>(isa);
+    case 8: return pick_tile<8, W>(isa);
+    case 9: return pick_tile<9, W>(isa);
+    case 10: return pick_tile<10, W>(isa);
+    case 11: return pick_tile<11, W>(isa);
+    default: return pick_tile<12, W>(isa);
   }
 }
 
@@ -905,31 +591,31 @@ TileFn tile_for(int mt, Isa isa, bool int8) {
 
 void gemm(const Args& a, bool int8, Isa isa) {
   if (a.M == 0 || a.N == 0 || a.K == 0) return;  // callers handle empty shapes
-  // Row tiles of near-equal size, at most max_tile_rows each (12: 16 -> 8 + 8, 13 -> 7 + 6).
+  // Row tiles of near-equal size, at most max_tile_rows each (AVX-512: 16 -> 8 + 8, 13 -> 7 + 6).
   const int64_t M = a.M, K = a.K;
   const int64_t max_mt = max_tile_rows(isa);
   const int64_t n_mtiles = (M + max_mt - 1) / max_mt;
   const int64_t mt_small = M / n_mtiles, n_big = M % n_mtiles;  // n_big tiles get one more row
   const int64_t nblk = (a.N + NB - 1) / NB;
   // Enough work per task to be worth a thread: ~32 KiB of weights at one row.
-  const int64_t bytes_per_blk = int8 ? (K + KG - 1) / KG * GBYTES : K * NB * 4;
+  const int64_t bytes_per_blk = K * NB * (int8 ? 1 : 4);
   const int64_t grain = std::max<int64_t>(1, (32 * 1024) / std::max<int64_t>(1, bytes_per_blk) / std::max<int64_t>(1, M / 4 + 1));
-  const TileFn f_big = tile_for(static_cast<int>(mt_small + 1), isa, int8);
-  const TileFn f_small = tile_for(static_cast<int>(mt_small), isa, int8);
+  const TileFn f_big = int8 ? tile_for<int8_t>(static_cast<int>(mt_small + 1), isa)
+                            : tile_for<float>(static_cast<int>(mt_small + 1), isa);
+  const TileFn f_small = int8 ? tile_for<int8_t>(static_cast<int>(mt_small), isa)
+                              : tile_for<float>(static_cast<int>(mt_small), isa);
   QArgs qa{a, QuantX{}};
-  if (int8) {  // every int8 tile reads x quantized, the same way on every path
-    thread_local std::vector<int8_t> q;
-    thread_local std::vector<int16_t> q16;
-    thread_local std::vector<float> d;
-    thread_local std::vector<int32_t> c;
-    const int64_t ldq = (K + KG - 1) / KG * KG, nqb = (K + QK - 1) / QK;
+#if SF_X86
+  if (int8 && isa == kAvx2) {  // the integer tiles read x quantized (tile_avx2_int)
+    thread_local std::vector<int16_t> q;
+    thread_local std::vector<float> s;
+    const int64_t ldq = (K + 1) / 2 * 2, lds = (K + KQ - 1) / KQ;
     q.resize(static_cast<size_t>(M * ldq));
-    q16.resize(static_cast<size_t>(M * ldq));
-    d.resize(static_cast<size_t>(M * nqb));
-    c.resize(static_cast<size_t>(M * nqb));
-    quantize_rows(a.x, a.ldx, M, K, q.data(), q16.data(), ldq, d.data(), c.data(), nqb);
-    qa.xq = QuantX{q.data(), q16.data(), ldq, d.data(), c.data(), nqb};
+    s.resize(static_cast<size_t>(M * lds));
+    quantize_rows(a.x, a.ldx, M, K, q.data(), ldq, s.data(), lds);
+    qa.xq = QuantX{q.data(), ldq, s.data(), lds};
   }
+#endif
   at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       int64_t m0 = 0;
@@ -945,16 +631,14 @@ void gemm(const Args& a, bool int8, Isa isa) {
 namespace {
 
 // x: [..., K] of any floating dtype (computed in fp32; y comes back in x's dtype). Packed weight
-// int8 [N_pad/32, ceil(K/4), 32, 4] (then scales [N], any floating dtype) or fp32
-// [N_pad/32, K, 32] (then no scales, N given).
+// [N_pad/32, K, 32] int8 (then scales [N], any floating dtype) or fp32 (then no scales, N given).
 at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w_, const at::Tensor* scales_, int64_t N,
                        const std::optional<at::Tensor>& bias_, Isa isa) {
   const bool int8 = w_.scalar_type() == at::kChar;
   TORCH_CHECK(x_in.device().is_cpu() && w_.device().is_cpu(), "specfleet_int8::linear: CPU tensors only");
   TORCH_CHECK(x_in.dim() >= 1 && at::isFloatingType(x_in.scalar_type()), "x must be a floating tensor [..., K]");
-  TORCH_CHECK(int8 ? w_.dim() == 4 && w_.size(2) == NB && w_.size(3) == KG
-                   : w_.dim() == 3 && w_.size(2) == NB && w_.scalar_type() == at::kFloat,
-              "w must be int8 packed as [N_pad/32, ceil(K/4), 32, 4] or fp32 packed as [N_pad/32, K, 32]");
+  TORCH_CHECK(w_.dim() == 3 && w_.size(2) == NB && (int8 || w_.scalar_type() == at::kFloat),
+              "w must be int8 or fp32 packed as [N_pad/32, K, 32]");
   at::Tensor scales;
   if (int8) {
     TORCH_CHECK(scales_ && scales_->dim() == 1 && at::isFloatingType(scales_->scalar_type()),
@@ -963,10 +647,7 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w_, const at::T
     scales = scales_->to(at::kFloat).contiguous();
   }
   const int64_t K = x_in.size(-1);
-  // int8: the layout pads K to a multiple of 4, so an x 1-3 features short of the weight's K
-  // passes this check (the layers check their in_features)
-  TORCH_CHECK(w_.size(1) == (int8 ? (K + KG - 1) / KG : K), "x has ", K, " features, the weight ",
-              int8 ? "packs " : "", int8 ? w_.size(1) * KG : w_.size(1), int8 ? " (rounded up to 4)" : "");
+  TORCH_CHECK(w_.size(1) == K, "x has ", K, " features, the weight ", w_.size(1));
   TORCH_CHECK(N >= 0 && (N + NB - 1) / NB == w_.size(0), "weight blocks (", w_.size(0), ") do not match N=", N);
   const at::ScalarType out_dtype = x_in.scalar_type();
   at::Tensor x = x_in.dim() == 2 ? x_in : x_in.reshape({-1, K});
@@ -998,16 +679,10 @@ at::Tensor linear_impl(const at::Tensor& x_in, const at::Tensor& w_, const at::T
   return finish(y);
 }
 
-std::string runnable_list() {
-  std::string s;
-  for (int i = kNumIsas - 1; i >= 0; --i)
-    if (cpu_runs(static_cast<Isa>(i))) s += (s.empty() ? "" : ", ") + std::string(kIsaNames[i]);
-  return s;
-}
-
 Isa runnable(const std::string& name) {
   const Isa isa = parse_isa(name);
-  TORCH_CHECK(cpu_runs(isa), "this CPU cannot run the ", name, " kernel path (it runs ", runnable_list(), ")");
+  TORCH_CHECK(isa <= cpu_best_isa(), "this CPU cannot run the ", name, " kernel path (it runs ",
+              kIsaNames[cpu_best_isa()], " at best)");
   return isa;
 }
 
@@ -1016,6 +691,7 @@ Isa runnable(const std::string& name) {
 Isa active_path() { return static_cast<Isa>(active().load(std::memory_order_relaxed)); }
 
 namespace {
+
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales,
                   const std::optional<at::Tensor>& bias) {
@@ -1029,7 +705,7 @@ at::Tensor linear_isa(const at::Tensor& x, const at::Tensor& w, const at::Tensor
   return linear_impl(x, w, &scales, 0, bias, runnable(isa));
 }
 
-// y = x @ W^T (+ bias) with W fp32, packed [N_pad/32, K, 32]: the same few-row streaming for
+// y = x @ W^T (+ bias) with W fp32, packed like the int8 weights: the same few-row streaming for
 // full-precision models, where MKL's GEMM costs 1.5x more at 5 rows than at one.
 at::Tensor linear_f32(const at::Tensor& x, const at::Tensor& w, int64_t n, const std::optional<at::Tensor>& bias) {
   TORCH_CHECK(w.scalar_type() == at::kFloat, "linear_f32: w must be fp32");
@@ -1044,15 +720,14 @@ at::Tensor linear_f32_isa(const at::Tensor& x, const at::Tensor& w, int64_t n, c
 
 std::vector<std::string> cpu_isas() {
   std::vector<std::string> out;
-  for (int i = kNumIsas - 1; i >= 0; --i)
-    if (cpu_runs(static_cast<Isa>(i))) out.emplace_back(kIsaNames[i]);
+  for (int i = cpu_best_isa(); i >= 0; --i) out.emplace_back(kIsaNames[i]);
   return out;
 }
 
 std::string active_isa() { return kIsaNames[active_path()]; }
 
 std::string set_isa(std::string cap) {
-  active().store(best_at_most(parse_isa(cap)));
+  active().store(std::min(parse_isa(cap), cpu_best_isa()));
   return active_isa();
 }
 
