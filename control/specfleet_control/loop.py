@@ -255,11 +255,18 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
     evidence: dict[str, Evidence] = dict(memory.evidence)
     events: list[tuple[str, str]] = []
 
+    def missed_alone(window: Evidence | None, before: KeyState, sample) -> Sample | None:
+        """The current window alone, not added to the evidence, where a speculating key misses on it."""
+        if window is None or before.mode != SPECULATIVE:
+            return None
+        current = sample(window, None)
+        return current if judge(current, before, policy)[0] == MISSED else None
+
     def move(key: str, what: str, window: Evidence | None, alert: str | None = None,
              sample=sample_of, only_alert: bool = False) -> None:
         if early and not alert and window is not None and keys.get(key, KeyState()).mode == SPECULATIVE:
-            current = sample(window, None)  # the current window alone, not added to the evidence
-            if judge(current, keys.get(key, KeyState()), policy)[0] == MISSED:
+            current = missed_alone(window, keys.get(key, KeyState()), sample)
+            if current is not None:
                 state, event = step(current, keys.get(key, KeyState()), policy, now)
                 keys[key] = state
                 evidence.pop(key, None)
@@ -272,13 +279,10 @@ def tick(obs: Observation, memory: Memory, policy: SloPolicy, now: float, per_ty
         combined = pending.plus(window) if window is not None and not only_alert else pending
         judged = sample(combined, alert) if not only_alert else Sample(alert=alert)
         before = keys.get(key, KeyState())
-        if (before.mode == SPECULATIVE and pending.windows and window is not None and not only_alert
-                and judge(judged, before, policy)[0] == UNKNOWN):
+        if pending.windows and not only_alert and judge(judged, before, policy)[0] == UNKNOWN:
             # kept evidence from before a collapse blurs it (healthy requests beside collapsed ones
             # spread the requests' acceptance wide): a window that misses on its own is a miss
-            current = sample(window, alert)
-            if judge(current, before, policy)[0] == MISSED:
-                judged = current
+            judged = missed_alone(window, before, sample) or judged
         state, event = step(judged, before, policy, now)
         keys[key] = state
         # a speculating key judged healthy on its speedup alone keeps its evidence while its alpha

@@ -113,7 +113,8 @@ def test_sampled_requests_leave_greedy_ones_greedy_and_accept_their_drafts(clien
         for i, t in enumerate(texts):
             hot = [pool.submit(one, texts[(i + j) % len(texts)], 1.5, 100 + j) for j in range(1, 4)]
             beside = pool.submit(one, t, 0).result()
-            [h.result() for h in hot]
+            for h in hot:
+                h.result()
             assert beside.choices[0].token_ids == alone[i].choices[0].token_ids, (
                 f"prompt {i}: a greedy answer changed beside sampled requests")
     cold = [one(t, 0.01, 7) for t in texts]
